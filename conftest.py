@@ -1,0 +1,9 @@
+"""Doctests and tests see 8 simulated CPU devices (set before JAX starts)."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import lockstep as ls  # noqa: E402
+
+ls.simulate_cpu_devices(8)

@@ -1,0 +1,44 @@
+"""lockstep: synchronous data-parallel training on JAX with the `tf.distribute` API.
+
+Every number lockstep reports is the number a single device would report on the whole data.
+"""
+
+from . import data as data
+from . import losses as losses
+from ._devices import simulate_cpu_devices as simulate_cpu_devices
+from ._errors import UsageError as UsageError
+from ._reduce import ReduceOp as ReduceOp
+from ._strategy import DistributedDataset as DistributedDataset
+from ._strategy import InputContext as InputContext
+from ._strategy import MirroredStrategy as MirroredStrategy
+from ._strategy import OneDeviceStrategy as OneDeviceStrategy
+from ._strategy import Strategy as Strategy
+from ._strategy import get_strategy as get_strategy
+from ._values import DistributedBatch as DistributedBatch
+from ._values import Mirrored as Mirrored
+from ._values import PerReplica as PerReplica
+from ._values import ReplicaContext as ReplicaContext
+from ._values import get_replica_context as get_replica_context
+from .losses import compute_average_loss as compute_average_loss
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "DistributedBatch",
+    "DistributedDataset",
+    "InputContext",
+    "Mirrored",
+    "MirroredStrategy",
+    "OneDeviceStrategy",
+    "PerReplica",
+    "ReduceOp",
+    "ReplicaContext",
+    "Strategy",
+    "UsageError",
+    "compute_average_loss",
+    "data",
+    "get_replica_context",
+    "get_strategy",
+    "losses",
+    "simulate_cpu_devices",
+]

@@ -1,0 +1,9 @@
+"""Exceptions raised by lockstep."""
+
+
+class UsageError(RuntimeError):
+    """A lockstep call made in the wrong order or the wrong place.
+
+    For example: `simulate_cpu_devices` after JAX has started, or the eager
+    metric face (`update_state`) inside `strategy.run`.
+    """

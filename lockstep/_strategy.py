@@ -1,0 +1,614 @@
+"""Strategies: `OneDeviceStrategy`, `MirroredStrategy`, and the scope machinery."""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import functools
+import math
+import os
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._reduce import ReduceOp
+from ._values import (
+    AXIS,
+    DistributedBatch,
+    Mirrored,
+    PerReplica,
+    ReplicaContext,
+    StepInfo,
+    _highest,
+    _lowest,
+    _varies,
+    is_distributed,
+    replica_context,
+)
+
+#: Most compiled steps lockstep lets run ahead of the host before it waits on the oldest
+#: (DESIGN.md: more than ~32 collective steps in flight wedge XLA on a multi-device CPU).
+MAX_STEPS_IN_FLIGHT = int(os.environ.get("LOCKSTEP_MAX_STEPS_IN_FLIGHT", "8"))
+
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, bool, complex)
+
+
+class InputContext:
+    """What a per-worker input function needs to know, as in `tf.distribute.InputContext`.
+
+    >>> import lockstep as ls
+    >>> ctx = ls.InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=8)
+    >>> ctx.get_per_replica_batch_size(64)
+    8
+    """
+
+    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
+                 num_replicas_in_sync: int = 1):
+        self.num_input_pipelines = num_input_pipelines
+        self.input_pipeline_id = input_pipeline_id
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
+        """`global_batch_size // num_replicas_in_sync`.
+
+        Raises:
+          ValueError: `global_batch_size` does not divide by the number of replicas.
+        """
+        if global_batch_size % self.num_replicas_in_sync:
+            raise ValueError(
+                f"`global_batch_size` must be a multiple of num_replicas_in_sync="
+                f"{self.num_replicas_in_sync}, got global_batch_size={global_batch_size}."
+            )
+        return global_batch_size // self.num_replicas_in_sync
+
+    def __repr__(self) -> str:
+        return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
+                f"input_pipeline_id={self.input_pipeline_id}, "
+                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+
+
+class _RunEntry:
+    """A compiled `run` for one function, argument structure and argument shapes."""
+
+    __slots__ = ("call", "flags", "out_tree")
+
+    def __init__(self) -> None:
+        self.call: Callable[..., Any] | None = None
+        self.flags: tuple[bool, ...] | None = None
+        self.out_tree: Any = None
+
+
+class Strategy:
+    """Synchronous data parallelism over a 1-D mesh of devices (axis name ``"replica"``).
+
+    Use a subclass: `OneDeviceStrategy`, `MirroredStrategy` or `MultiWorkerMirroredStrategy`.
+    """
+
+    def __init__(self, devices: Sequence[jax.Device]):
+        self._devices = tuple(devices)
+        self._mesh = Mesh(np.asarray(self._devices, dtype=object), (AXIS,), axis_types=(AxisType.Auto,))
+        self._replicated = NamedSharding(self._mesh, P())
+        self._split = NamedSharding(self._mesh, P(AXIS))
+        self._runs: dict[Any, _RunEntry] = {}
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
+        self._lock = threading.Lock()
+
+    # --- facts -------------------------------------------------------------------------
+    @property
+    def num_replicas_in_sync(self) -> int:
+        """Number of replicas taking part in each step, over all workers."""
+        return len(self._devices)
+
+    @property
+    def devices(self) -> tuple[jax.Device, ...]:
+        return self._devices
+
+    @property
+    def mesh(self) -> Mesh:
+        """The 1-D `jax.sharding.Mesh` (axis ``"replica"``) that steps run on."""
+        return self._mesh
+
+    @property
+    def _local_devices(self) -> tuple[jax.Device, ...]:
+        return tuple(d for d in self._devices if d.process_index == jax.process_index())
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(num_replicas_in_sync={self.num_replicas_in_sync})"
+
+    # --- scope -------------------------------------------------------------------------
+    @contextlib.contextmanager
+    def scope(self) -> Iterator["Strategy"]:
+        """Makes this strategy the one `get_strategy()` returns inside the block.
+
+        >>> import lockstep as ls
+        >>> s = ls.MirroredStrategy(2)
+        >>> with s.scope():
+        ...     ls.get_strategy() is s
+        True
+        """
+        _SCOPES.stack.append(self)
+        try:
+            yield self
+        finally:
+            _SCOPES.stack.pop()
+
+    # --- checks ------------------------------------------------------------------------
+    def _check_owner(self, value: Any, arg: str) -> None:
+        if value._strategy is not self:
+            raise ValueError(
+                f"`{arg}` holds a {type(value).__name__} value made by {value._strategy!r}, "
+                f"but this call is on another strategy, {self!r}. Distributed values are bound "
+                "to the strategy whose `run` or dataset made them."
+            )
+
+    # --- placement ---------------------------------------------------------------------
+    def _put_replicated(self, x: Any) -> jax.Array:
+        return jax.device_put(x, self._replicated)
+
+    def _distribute_batch(self, batch: Any, padded_size: int | None = None) -> DistributedBatch:
+        """Splits one global batch (a pytree of arrays) across replicas, padded, with a mask."""
+        leaves, treedef = jax.tree.flatten(batch)
+        if not leaves:
+            raise ValueError(f"`batch` must hold at least one array, got {batch!r}.")
+        leaves = [_to_numpy(x) for x in leaves]
+        lengths = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
+        if len(lengths) != 1 or -1 in lengths:
+            shapes = [np.shape(x) for x in leaves]
+            raise ValueError(
+                f"every array of a batch must have the same leading (batch) dimension, got shapes {shapes}."
+            )
+        n = lengths.pop()
+        if n < 1:
+            raise ValueError("a batch must hold at least one sample, got an empty batch.")
+        r = self.num_replicas_in_sync
+        size = max(padded_size or 0, math.ceil(n / r) * r)
+        size = math.ceil(size / r) * r
+        if size > n:  # pad by repeating the first row: padding stays valid input (labels in range, no log(0))
+            idx = np.concatenate([np.arange(n), np.zeros(size - n, dtype=np.int64)])
+            leaves = [np.take(x, idx, axis=0) for x in leaves]
+        mask = (np.arange(size) < n).astype(np.float32)
+        placed = jax.device_put([*leaves, mask], self._split)
+        step = StepInfo(r, size // r, n)
+        return DistributedBatch(placed[:-1], treedef, placed[-1], step, self)
+
+    # --- datasets ----------------------------------------------------------------------
+    def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> "DistributedDataset":
+        """Wraps an iterable of *global* batches so each batch is split across replicas.
+
+        Any iterable of pytrees of arrays works: `lockstep.data.batches`, a generator, a
+        `tf.data.Dataset`, a PyTorch `DataLoader`. A short last batch is padded to the shape
+        of the first batch and carries a mask, so one compiled step serves every batch.
+
+        >>> import lockstep as ls, numpy as np
+        >>> s = ls.MirroredStrategy(4)
+        >>> ds = s.experimental_distribute_dataset(ls.data.batches(np.arange(10.0), batch_size=4))
+        >>> [b.num_real for b in ds]
+        [4, 4, 2]
+        """
+        if not isinstance(dataset, Iterable):
+            raise TypeError(f"`dataset` must be an iterable of batches, got {type(dataset).__name__}.")
+        return DistributedDataset(self, dataset)
+
+    def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]
+                                          ) -> "DistributedDataset":
+        """Calls `dataset_fn(InputContext)` on each worker; it returns that worker's batches.
+
+        >>> import lockstep as ls, numpy as np
+        >>> s = ls.MirroredStrategy(2)
+        >>> ds = s.distribute_datasets_from_function(
+        ...     lambda ctx: ls.data.batches(np.arange(5.0), batch_size=2))
+        >>> [b.num_real for b in ds]
+        [2, 2, 1]
+        """
+        if not callable(dataset_fn):
+            raise TypeError(f"`dataset_fn` must be callable, got {type(dataset_fn).__name__}.")
+        ctx = InputContext(jax.process_count(), jax.process_index(), self.num_replicas_in_sync)
+        return self.experimental_distribute_dataset(dataset_fn(ctx))
+
+    # --- run ---------------------------------------------------------------------------
+    def run(self, fn: Callable[..., Any], args: Any = (), kwargs: dict[str, Any] | None = None) -> Any:
+        """Runs `fn` once per replica, compiled, and returns its outputs as distributed values.
+
+        Arguments may hold: a `DistributedBatch` (each replica gets its rows; the mask is on
+        `get_replica_context().mask`), `PerReplica` values (each replica gets its own), and
+        anything else array-like, which every replica gets whole. Other leaves are static.
+        Outputs come back in `fn`'s structure: `Mirrored` leaves where the value is the same on
+        every replica by construction, `PerReplica` leaves otherwise.
+
+        >>> import lockstep as ls, numpy as np
+        >>> s = ls.MirroredStrategy(2)
+        >>> batch = next(iter(s.experimental_distribute_dataset([np.arange(4.0)])))
+        >>> out = s.run(lambda b: b * 2, args=(batch,))
+        >>> s.experimental_local_results(out)
+        (Array([0., 2.], dtype=float32), Array([4., 6.], dtype=float32))
+        """
+        if not callable(fn):
+            raise TypeError(f"`fn` must be callable, got {type(fn).__name__}.")
+        if not isinstance(args, (tuple, list)):
+            args = (args,)
+        kwargs = {} if kwargs is None else kwargs
+        if not isinstance(kwargs, dict):
+            raise TypeError(f"`kwargs` must be a dict or None, got {type(kwargs).__name__}.")
+        leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_distributed)
+        kinds: list[str] = []
+        dyn: list[Any] = []
+        statics: list[Any] = []
+        batch: DistributedBatch | None = None
+        for leaf in leaves:
+            if isinstance(leaf, DistributedBatch):
+                self._check_owner(leaf, "args")
+                if batch is not None and leaf is not batch:
+                    raise ValueError("`args` may hold one distributed batch per `run`, got two.")
+                batch = leaf
+                kinds.append("batch")
+            elif isinstance(leaf, PerReplica):
+                self._check_owner(leaf, "args")
+                kinds.append("per_replica")
+                dyn.append(leaf._array)
+            elif isinstance(leaf, Mirrored):
+                self._check_owner(leaf, "args")
+                kinds.append("replicated")
+                dyn.append(leaf._array)
+            elif isinstance(leaf, _ARRAY_TYPES):
+                kinds.append("replicated")
+                dyn.append(leaf)
+            else:
+                kinds.append("static")
+                statics.append(leaf)
+        batch_leaves = [] if batch is None else list(batch._leaves)
+        mask = [] if batch is None else [batch._mask]
+        try:
+            static_key = tuple(statics)
+            hash(static_key)
+        except TypeError:
+            raise TypeError(
+                f"`args` leaves that are not arrays must be hashable (they are compiled in), "
+                f"got {[type(s).__name__ for s in statics]}."
+            ) from None
+        sig = tuple(_signature(x) for x in (*batch_leaves, *dyn))
+        key = (fn, treedef, tuple(kinds), None if batch is None else batch._treedef, static_key, sig)
+        with self._lock:
+            entry = self._runs.get(key)
+            if entry is None:
+                if len(self._runs) > 256:
+                    self._runs.clear()
+                entry = self._runs[key] = self._compile_run(
+                    fn, treedef, kinds, statics, None if batch is None else batch._treedef,
+                    batch_leaves, mask, dyn)
+        assert entry.call is not None and entry.flags is not None
+        outs = entry.call(batch_leaves, mask, dyn)
+        step = None if batch is None else batch._step
+        wrapped = [Mirrored(o, self) if m else PerReplica(o, self, step) for o, m in zip(outs, entry.flags)]
+        if outs:
+            self._track(outs[0])
+        return jax.tree.unflatten(entry.out_tree, wrapped)
+
+    def _track(self, token: jax.Array) -> None:
+        """Bounds the compiled steps in flight (DESIGN.md's CPU deadlock)."""
+        self._in_flight.append(token)
+        while len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
+            self._in_flight.popleft().block_until_ready()
+
+    def _compile_run(self, fn: Callable[..., Any], treedef: Any, kinds: list[str], statics: list[Any],
+                     batch_treedef: Any, batch_leaves: list[Any], mask: list[Any], dyn: list[Any]) -> _RunEntry:
+        entry = _RunEntry()
+        has_batch = batch_treedef is not None
+
+        def body(flags: tuple[bool, ...] | None, b_leaves: list[jax.Array], m: list[jax.Array],
+                 d: list[jax.Array]) -> tuple[jax.Array, ...]:
+            d_it, s_it = iter(d), iter(statics)
+            rebuilt = []
+            for kind in kinds:
+                if kind == "batch":
+                    rebuilt.append(jax.tree.unflatten(batch_treedef, b_leaves))
+                elif kind == "per_replica":
+                    rebuilt.append(next(d_it)[0])
+                elif kind == "replicated":
+                    rebuilt.append(next(d_it))
+                else:
+                    rebuilt.append(next(s_it))
+            args, kwargs = jax.tree.unflatten(treedef, rebuilt)
+            ctx = ReplicaContext(self, m[0] if has_batch else None)
+            with replica_context(ctx):
+                out = fn(*args, **kwargs)
+            out_leaves, entry.out_tree = jax.tree.flatten(out)
+            try:
+                out_leaves = [jnp.asarray(o) for o in out_leaves]
+            except TypeError as e:
+                raise TypeError(f"`fn` must return a pytree of arrays; {e}") from None
+            if flags is None:
+                entry.flags = tuple(not _varies(o) for o in out_leaves)
+                return tuple(o[None] for o in out_leaves)
+            return tuple(o if mirrored else o[None] for o, mirrored in zip(out_leaves, flags))
+
+        in_specs = ([P(AXIS)] * len(batch_leaves), [P(AXIS)] * len(mask),
+                    [P(AXIS) if k == "per_replica" else P() for k in kinds if k in ("per_replica", "replicated")])
+        probe = jax.shard_map(functools.partial(body, None), mesh=self._mesh, in_specs=in_specs,
+                              out_specs=P(AXIS))
+        jax.eval_shape(probe, batch_leaves, mask, dyn)
+        flags = entry.flags
+        assert flags is not None
+        out_specs = tuple(P() if m else P(AXIS) for m in flags)
+        entry.call = jax.jit(jax.shard_map(functools.partial(body, flags), mesh=self._mesh,
+                                           in_specs=in_specs, out_specs=out_specs))
+        return entry
+
+    # --- reading distributed values ----------------------------------------------------
+    def _as_leaves(self, value: Any, arg: str) -> Any:
+        """Turns distributed batches into per-replica leaves of shape (R, b, ...)."""
+        def expand(v: Any) -> Any:
+            if isinstance(v, DistributedBatch):
+                self._check_owner(v, arg)
+                r = self.num_replicas_in_sync
+                return jax.tree.map(lambda a: PerReplica(_split_rows(a, r), self, v._step), v.data)
+            if isinstance(v, (PerReplica, Mirrored)):
+                self._check_owner(v, arg)
+            return v
+        return jax.tree.map(expand, value, is_leaf=is_distributed)
+
+    def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
+        """Combines a distributed value across replicas (and, with `axis=0`, across its batch axis).
+
+        `MEAN` is weighted by real sample counts: replicas and rows that hold only padding
+        contribute nothing. With `axis=0`, rows of a per-replica value whose leading dimension
+        is the step's per-replica batch size are masked row by row.
+
+        Args:
+          op: a `ReduceOp` (or its name).
+          value: a pytree of `PerReplica` / `Mirrored` values (plain arrays count as mirrored).
+          axis: `None` to combine across replicas only; `0` to reduce the batch axis too.
+
+        Returns:
+          A pytree of arrays, the same on every worker.
+
+        >>> import lockstep as ls, numpy as np
+        >>> s = ls.MirroredStrategy(4)
+        >>> batch = next(iter(s.experimental_distribute_dataset([np.arange(5.0)])))
+        >>> float(s.reduce("MEAN", s.run(lambda b: b, args=(batch,)), axis=0))   # padding ignored
+        2.0
+        """
+        op = ReduceOp.from_value(op)
+        if axis not in (None, 0):
+            raise ValueError(f"`axis` must be None or 0, got axis={axis!r}.")
+        value = self._as_leaves(value, "value")
+        return jax.tree.map(lambda v: self._reduce_leaf(op, v, axis), value, is_leaf=is_distributed)
+
+    def _reduce_leaf(self, op: ReduceOp, v: Any, axis: int | None) -> jax.Array:
+        r = self.num_replicas_in_sync
+        if isinstance(v, PerReplica):
+            stacked, step = v._array, v._step
+        else:
+            arr = v._array if isinstance(v, Mirrored) else jnp.asarray(v)
+            if axis == 0 and arr.ndim == 0:
+                raise ValueError("`axis=0` needs values with a batch axis, got a scalar.")
+            if op is ReduceOp.SUM:
+                return arr.sum(0) * r if axis == 0 else arr * r
+            if op is ReduceOp.MEAN:
+                return arr.mean(0) if axis == 0 else arr
+            return (arr.max(0) if op is ReduceOp.MAX else arr.min(0)) if axis == 0 else arr
+        if axis == 0 and stacked.ndim < 2:
+            raise ValueError("`axis=0` needs per-replica values with a batch axis, got scalars per replica.")
+        weights = np.ones(r, np.float32) if step is None else step.counts.astype(np.float32)
+        if axis is None:
+            return _reduce_replicas(stacked, weights, op=op)
+        rows = stacked.shape[1]
+        if step is not None and rows == step.per_replica:
+            row_mask = step.row_mask
+        else:
+            row_mask = np.repeat((weights > 0)[:, None], rows, axis=1)
+        return _reduce_rows(stacked, row_mask, op=op)
+
+    def gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenates per-replica values along `axis`; padding rows of batch-aligned values are dropped.
+
+        >>> import lockstep as ls, numpy as np
+        >>> s = ls.MirroredStrategy(4)
+        >>> batch = next(iter(s.experimental_distribute_dataset([np.arange(5.0)])))
+        >>> s.gather(s.run(lambda b: b + 1, args=(batch,)))
+        Array([1., 2., 3., 4., 5.], dtype=float32)
+        """
+        if not isinstance(axis, int) or isinstance(axis, bool):
+            raise TypeError(f"`axis` must be an int, got axis={axis!r}.")
+        value = self._as_leaves(value, "value")
+        return jax.tree.map(lambda v: self._gather_leaf(v, axis), value, is_leaf=is_distributed)
+
+    def _gather_leaf(self, v: Any, axis: int) -> jax.Array:
+        r = self.num_replicas_in_sync
+        if not isinstance(v, PerReplica):
+            arr = v._array if isinstance(v, Mirrored) else jnp.asarray(v)
+            return jnp.concatenate([arr] * r, axis=axis)
+        stacked, step = v._array, v._step
+        if stacked.ndim < 2:
+            raise ValueError("`gather` needs per-replica values with at least one axis, got scalars per replica.")
+        if axis == 0 and step is not None and stacked.shape[1] == step.per_replica:
+            return _take_rows(stacked, np.flatnonzero(step.row_mask.reshape(-1)))
+        return _concat_replicas(stacked, axis=axis)
+
+    def experimental_local_results(self, value: Any) -> Any:
+        """Each leaf as a tuple with one entry per local replica, in replica order.
+
+        A mirrored leaf gives its value once per local replica, as in `tf.distribute`.
+        """
+        value = self._as_leaves(value, "value")
+
+        def local(v: Any) -> Any:
+            n_local = len(self._local_devices)
+            if isinstance(v, PerReplica):
+                shards = sorted(v._array.addressable_shards, key=lambda s: s.index[0].start or 0)
+                return tuple(s.data[0] for s in shards)
+            if isinstance(v, Mirrored):
+                return (v._array,) * n_local
+            return (v,) * n_local
+        return jax.tree.map(local, value, is_leaf=is_distributed)
+
+
+def _signature(x: Any) -> Any:
+    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
+        return (x.shape, str(x.dtype))
+    return (type(x),)
+
+
+def _to_numpy(x: Any) -> np.ndarray:
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
+        x = x.detach().cpu()
+    return np.asarray(x)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split_rows(a: jax.Array, r: int) -> jax.Array:
+    return a.reshape(r, a.shape[0] // r, *a.shape[1:])
+
+
+@functools.partial(jax.jit, static_argnames=("op",))
+def _reduce_replicas(stacked: jax.Array, weights: jax.Array, *, op: ReduceOp) -> jax.Array:
+    w = weights.reshape((-1,) + (1,) * (stacked.ndim - 1))
+    has = w > 0
+    if op is ReduceOp.SUM:
+        return jnp.sum(jnp.where(has, stacked, 0), axis=0)
+    if op is ReduceOp.MEAN:
+        num = jnp.sum(jnp.where(has, stacked * w.astype(jnp.result_type(stacked, jnp.float32)), 0), axis=0)
+        return num / jnp.sum(weights)
+    if op is ReduceOp.MAX:
+        return jnp.max(jnp.where(has, stacked, _lowest(stacked.dtype)), axis=0)
+    return jnp.min(jnp.where(has, stacked, _highest(stacked.dtype)), axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("op",))
+def _reduce_rows(stacked: jax.Array, row_mask: jax.Array, *, op: ReduceOp) -> jax.Array:
+    m = row_mask.reshape(row_mask.shape + (1,) * (stacked.ndim - 2))
+    if op is ReduceOp.SUM:
+        return jnp.sum(jnp.where(m, stacked, 0), axis=(0, 1))
+    if op is ReduceOp.MEAN:
+        total = jnp.sum(jnp.where(m, stacked, 0).astype(jnp.result_type(stacked, jnp.float32)), axis=(0, 1))
+        return total / jnp.sum(row_mask)
+    if op is ReduceOp.MAX:
+        return jnp.max(jnp.where(m, stacked, _lowest(stacked.dtype)), axis=(0, 1))
+    return jnp.min(jnp.where(m, stacked, _highest(stacked.dtype)), axis=(0, 1))
+
+
+@jax.jit
+def _take_rows(stacked: jax.Array, idx: jax.Array) -> jax.Array:
+    flat = stacked.reshape(-1, *stacked.shape[2:])
+    return jnp.take(flat, idx, axis=0)
+
+
+@functools.partial(jax.jit, static_argnames=("axis",))
+def _concat_replicas(stacked: jax.Array, *, axis: int) -> jax.Array:
+    return jnp.concatenate(list(stacked), axis=axis)
+
+
+class DistributedDataset:
+    """An iterable of `DistributedBatch`es made from an iterable of global batches."""
+
+    def __init__(self, strategy: Strategy, dataset: Iterable[Any]):
+        self._strategy = strategy
+        self._dataset = dataset
+
+    def __iter__(self) -> Iterator[DistributedBatch]:
+        padded: int | None = None
+        for batch in self._dataset:
+            dist = self._strategy._distribute_batch(batch, padded)
+            if padded is None:
+                padded = dist._step.per_replica * dist._step.num_replicas
+            yield dist
+
+    def __len__(self) -> int:
+        return len(self._dataset)  # type: ignore[arg-type]
+
+
+# --- concrete strategies ---------------------------------------------------------------
+def _resolve_device(d: Any, arg: str) -> jax.Device:
+    if isinstance(d, jax.Device):
+        return d
+    if isinstance(d, int) and not isinstance(d, bool):
+        devs = jax.local_devices()
+        if not 0 <= d < len(devs):
+            raise ValueError(f"`{arg}` names device index {d}, but there are {len(devs)} local devices.")
+        return devs[d]
+    if isinstance(d, str):
+        text = d.strip().lstrip("/").lower().replace("device:", "")
+        kind, _, idx = text.partition(":")
+        kind = {"gpu": "gpu", "cuda": "gpu", "cpu": "cpu", "tpu": "tpu"}.get(kind, kind)
+        try:
+            devs = jax.local_devices(backend=kind)
+            return devs[int(idx or 0)]
+        except (RuntimeError, ValueError, IndexError):
+            raise ValueError(f"`{arg}` names no local device: got {d!r}.") from None
+    raise TypeError(f"`{arg}` must be a jax.Device, an int index or a string like 'cpu:0', got {d!r}.")
+
+
+class OneDeviceStrategy(Strategy):
+    """Runs every step on one device; the same API as the multi-replica strategies.
+
+    >>> import lockstep as ls
+    >>> ls.OneDeviceStrategy().num_replicas_in_sync
+    1
+    """
+
+    def __init__(self, device: Any = None):
+        super().__init__([jax.local_devices()[0] if device is None else _resolve_device(device, "device")])
+
+
+class MirroredStrategy(Strategy):
+    """Synchronous data parallelism over the local devices of this process.
+
+    Args:
+      devices: `None` for all local devices, an int `n` for the first `n`, or a list of
+        devices (`jax.Device`, index, or names like ``"cpu:0"``).
+
+    >>> import lockstep as ls
+    >>> ls.MirroredStrategy(3).num_replicas_in_sync
+    3
+    """
+
+    def __init__(self, devices: int | Sequence[Any] | None = None):
+        local = jax.local_devices()
+        if devices is None:
+            chosen = list(local)
+        elif isinstance(devices, int) and not isinstance(devices, bool):
+            if not 1 <= devices <= len(local):
+                raise ValueError(
+                    f"`devices` must be between 1 and the {len(local)} local devices, got devices={devices}. "
+                    "On a CPU, `lockstep.simulate_cpu_devices(n)` before JAX starts gives n devices."
+                )
+            chosen = list(local[:devices])
+        elif isinstance(devices, (list, tuple)):
+            if not devices:
+                raise ValueError("`devices` must name at least one device, got an empty list.")
+            chosen = [_resolve_device(d, "devices") for d in devices]
+            if len(set(chosen)) != len(chosen):
+                raise ValueError(f"`devices` names a device twice: got {devices!r}.")
+        else:
+            raise TypeError(f"`devices` must be None, an int or a list of devices, got {devices!r}.")
+        super().__init__(chosen)
+
+
+class _Scopes(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Strategy] = []
+
+
+_SCOPES = _Scopes()
+_DEFAULT: list[Strategy] = []
+
+
+def get_strategy() -> Strategy:
+    """The strategy of the innermost active `scope()`, else a default `OneDeviceStrategy`.
+
+    >>> import lockstep as ls
+    >>> ls.get_strategy().num_replicas_in_sync
+    1
+    """
+    if _SCOPES.stack:
+        return _SCOPES.stack[-1]
+    if not _DEFAULT:
+        _DEFAULT.append(OneDeviceStrategy())
+    return _DEFAULT[0]

@@ -1,0 +1,246 @@
+"""Distributed values (`PerReplica`, `Mirrored`, `DistributedBatch`) and the replica context."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ._reduce import ReduceOp
+
+if TYPE_CHECKING:
+    from ._strategy import Strategy
+
+AXIS = "replica"
+
+
+class StepInfo:
+    """Host-side facts of one distributed batch: which rows of each replica are real.
+
+    Known on the host when the batch is built, so trimming padding never waits on a device.
+    """
+
+    __slots__ = ("num_replicas", "per_replica", "num_real", "counts", "row_mask")
+
+    def __init__(self, num_replicas: int, per_replica: int, num_real: int):
+        self.num_replicas = num_replicas
+        self.per_replica = per_replica
+        self.num_real = num_real
+        starts = np.arange(num_replicas) * per_replica
+        self.counts = np.clip(num_real - starts, 0, per_replica).astype(np.int64)  # (R,)
+        self.row_mask = (np.arange(num_replicas * per_replica) < num_real).reshape(
+            num_replicas, per_replica
+        )  # (R, b) bool
+
+
+class PerReplica:
+    """One value per replica, held as a global array whose leading axis is the replica.
+
+    Returned by `strategy.run` for outputs that differ between replicas. Pass it back into
+    `run` (each replica gets its own entry), or read it with `strategy.reduce`,
+    `strategy.gather` or `strategy.experimental_local_results`.
+    """
+
+    __slots__ = ("_array", "_strategy", "_step")
+
+    def __init__(self, array: jax.Array, strategy: "Strategy", step: StepInfo | None = None):
+        self._array = array
+        self._strategy = strategy
+        self._step = step
+
+    @property
+    def values(self) -> tuple[jax.Array, ...]:
+        """This process's replicas' values, in replica order."""
+        return self._strategy.experimental_local_results(self)
+
+    def __repr__(self) -> str:
+        per = tuple(self._array.shape[1:])
+        return f"PerReplica(num_replicas={self._array.shape[0]}, shape={per}, dtype={self._array.dtype})"
+
+
+class Mirrored:
+    """A value identical on every replica by construction (say, the result of an all-reduce)."""
+
+    __slots__ = ("_array", "_strategy")
+
+    def __init__(self, array: jax.Array, strategy: "Strategy"):
+        self._array = array
+        self._strategy = strategy
+
+    @property
+    def values(self) -> tuple[jax.Array, ...]:
+        """The value once per local replica, as in `tf.distribute`."""
+        return self._strategy.experimental_local_results(self)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.asarray(self._array)
+        return out.astype(dtype) if dtype is not None else out
+
+    def __repr__(self) -> str:
+        return f"Mirrored({self._array!r})"
+
+
+class DistributedBatch:
+    """One global batch split across replicas, padded to equal shapes, with a per-sample mask.
+
+    Inside `strategy.run` the function receives `data`'s structure with each replica's rows
+    (padding included); the mask is on `get_replica_context().mask`.
+    """
+
+    __slots__ = ("_leaves", "_treedef", "_mask", "_step", "_strategy")
+
+    def __init__(self, leaves: list[jax.Array], treedef: Any, mask: jax.Array, step: StepInfo,
+                 strategy: "Strategy"):
+        self._leaves = leaves
+        self._treedef = treedef
+        self._mask = mask
+        self._step = step
+        self._strategy = strategy
+
+    @property
+    def data(self) -> Any:
+        """The padded global batch, in the structure the dataset yielded."""
+        return jax.tree.unflatten(self._treedef, self._leaves)
+
+    @property
+    def mask(self) -> jax.Array:
+        """Per-sample mask of the padded global batch: 1.0 for real rows, 0.0 for padding."""
+        return self._mask
+
+    @property
+    def num_real(self) -> int:
+        """Number of real (not padding) samples in this global batch."""
+        return self._step.num_real
+
+    def __repr__(self) -> str:
+        return (f"DistributedBatch(num_real={self.num_real}, padded={self._step.per_replica * self._step.num_replicas}, "
+                f"replicas={self._step.num_replicas})")
+
+
+def is_distributed(x: Any) -> bool:
+    return isinstance(x, (PerReplica, Mirrored, DistributedBatch))
+
+
+def _varies(x: Any) -> bool:
+    """Whether a traced value inside `shard_map` may differ between replicas."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return AXIS in mat.varying
+    vma = getattr(aval, "vma", None)  # older JAX spelling
+    return True if vma is None else AXIS in vma
+
+
+def _to_varying(x: jax.Array) -> jax.Array:
+    return jax.lax.pcast(x, AXIS, to="varying") if not _varies(x) else x
+
+
+def _lowest(dtype: Any) -> Any:
+    dtype = jnp.dtype(dtype)
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def _highest(dtype: Any) -> Any:
+    dtype = jnp.dtype(dtype)
+    return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
+
+
+class ReplicaContext:
+    """What a function running inside `strategy.run` knows about its replica.
+
+    Read it with `lockstep.get_replica_context()`; outside `run` that returns `None`.
+    Replicas that hold only padding in a step contribute nothing to `all_reduce`.
+    """
+
+    def __init__(self, strategy: "Strategy", mask: jax.Array | None):
+        self._strategy = strategy
+        self._mask = mask
+
+    @property
+    def strategy(self) -> "Strategy":
+        return self._strategy
+
+    @property
+    def num_replicas_in_sync(self) -> int:
+        return self._strategy.num_replicas_in_sync
+
+    @property
+    def replica_id_in_sync_group(self) -> jax.Array:
+        """This replica's index, 0 .. num_replicas_in_sync - 1 (a traced integer)."""
+        return jax.lax.axis_index(AXIS)
+
+    @property
+    def mask(self) -> jax.Array | None:
+        """This replica's per-sample mask (1.0 real, 0.0 padding) of the distributed batch in
+        `run`'s arguments; `None` when `run` got no distributed batch."""
+        return self._mask
+
+    def _local_count(self) -> jax.Array | None:
+        return None if self._mask is None else jnp.sum(self._mask)
+
+    def all_reduce(self, op: ReduceOp | str, value: Any) -> Any:
+        """Combines `value` (a pytree) across replicas; every replica gets the result.
+
+        `MEAN` weighs each replica by its number of real samples in the step.
+        Note: gradients taken with respect to values that are the same on every replica
+        (model parameters passed to `run`) already come back summed over replicas.
+        """
+        op = ReduceOp.from_value(op)
+        count = self._local_count()
+        return jax.tree.map(lambda v: _all_reduce_leaf(op, jnp.asarray(v), count), value)
+
+    def all_gather(self, value: Any, axis: int = 0) -> Any:
+        """Concatenates every replica's `value` along `axis` (padding rows included, shapes being static)."""
+        return jax.tree.map(
+            lambda v: jax.lax.all_gather(_to_varying(jnp.asarray(v)), AXIS, axis=axis, tiled=True), value
+        )
+
+
+def _all_reduce_leaf(op: ReduceOp, v: jax.Array, count: jax.Array | None) -> jax.Array:
+    if count is None:
+        if op is ReduceOp.SUM:
+            return jax.lax.psum(v, AXIS)
+        if op is ReduceOp.MEAN:
+            return jax.lax.pmean(v, AXIS)
+        return (jax.lax.pmax if op is ReduceOp.MAX else jax.lax.pmin)(v, AXIS)
+    has = count > 0
+    if op is ReduceOp.SUM:
+        return jax.lax.psum(jnp.where(has, v, jnp.zeros_like(v)), AXIS)
+    if op is ReduceOp.MEAN:
+        w = count.astype(jnp.result_type(v, jnp.float32))
+        total = jax.lax.psum(jnp.where(has, v * w, jnp.zeros_like(v * w)), AXIS)
+        return total / jax.lax.psum(w, AXIS)
+    if op is ReduceOp.MAX:
+        return jax.lax.pmax(jnp.where(has, v, _lowest(v.dtype)), AXIS)
+    return jax.lax.pmin(jnp.where(has, v, _highest(v.dtype)), AXIS)
+
+
+_LOCAL = threading.local()
+
+
+def get_replica_context() -> ReplicaContext | None:
+    """The replica context of the innermost `strategy.run` being traced, else `None`.
+
+    >>> import lockstep as ls
+    >>> ls.get_replica_context() is None
+    True
+    """
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+@contextlib.contextmanager
+def replica_context(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
+    stack = getattr(_LOCAL, "stack", None)
+    if stack is None:
+        stack = _LOCAL.stack = []
+    stack.append(ctx)
+    try:
+        yield ctx
+    finally:
+        stack.pop()

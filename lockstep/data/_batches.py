@@ -1,0 +1,95 @@
+"""`batches`: global batches from in-memory arrays."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+
+class Batches:
+    """A re-iterable sequence of global batches over a pytree of arrays.
+
+    Made by `lockstep.data.batches`. With `shuffle=True` each pass over the data uses a new
+    permutation, drawn from `seed` and the number of the pass, so runs are reproducible.
+    """
+
+    def __init__(self, arrays: Any, batch_size: int, shuffle: bool, seed: int, drop_remainder: bool):
+        self._leaves, self._treedef = jax.tree.flatten(arrays)
+        self._n = int(np.shape(self._leaves[0])[0])
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_remainder = drop_remainder
+        self.epoch = 0
+
+    @property
+    def num_samples(self) -> int:
+        return self._n
+
+    def __len__(self) -> int:
+        full, rest = divmod(self._n, self.batch_size)
+        return full + (1 if rest and not self.drop_remainder else 0)
+
+    def order(self, epoch: int) -> np.ndarray:
+        """The sample order of pass number `epoch`."""
+        if not self.shuffle:
+            return np.arange(self._n)
+        return np.random.default_rng([self.seed, epoch]).permutation(self._n)
+
+    def iterate(self, epoch: int, start: int = 0) -> Iterator[Any]:
+        """Batches of pass number `epoch`, from batch index `start` on."""
+        order = self.order(epoch)
+        contiguous = not self.shuffle
+        for i in range(start, len(self)):
+            lo, hi = i * self.batch_size, min((i + 1) * self.batch_size, self._n)
+            if contiguous:
+                parts = [leaf[lo:hi] for leaf in self._leaves]
+            else:
+                parts = [np.take(leaf, order[lo:hi], axis=0) for leaf in self._leaves]
+            yield jax.tree.unflatten(self._treedef, parts)
+
+    def __iter__(self) -> Iterator[Any]:
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return self.iterate(epoch)
+
+
+def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int = 0,
+            drop_remainder: bool = False) -> Batches:
+    """Yields global batches of `batch_size` samples from a pytree of arrays.
+
+    Args:
+      arrays: an array, or a pytree (tuple, dict, ...) of arrays sharing their first dimension.
+      batch_size: global batch size (all replicas and workers together), at least 1.
+      shuffle: draw a new permutation on every pass over the data.
+      seed: seed of the permutations.
+      drop_remainder: leave out a last batch shorter than `batch_size`.
+
+    Returns:
+      A re-iterable `Batches`; `len()` is the number of batches per pass.
+
+    Raises:
+      ValueError: `batch_size` is not positive, the arrays have different lengths, or no samples.
+
+    >>> import lockstep as ls, numpy as np
+    >>> b = ls.data.batches((np.arange(5), np.arange(5) * 10), batch_size=2)
+    >>> len(b), [x.tolist() for x, y in b]
+    (3, [[0, 1], [2, 3], [4]])
+    """
+    if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
+        raise ValueError(f"`batch_size` must be a positive integer, got batch_size={batch_size!r}.")
+    leaves = jax.tree.leaves(arrays)
+    if not leaves:
+        raise ValueError(f"`arrays` must hold at least one array, got {arrays!r}.")
+    leaves = [np.asarray(x) for x in leaves]
+    if any(x.ndim == 0 for x in leaves):
+        raise ValueError("every array in `arrays` needs a first (sample) dimension, got a scalar.")
+    lengths = [int(x.shape[0]) for x in leaves]
+    if len(set(lengths)) != 1:
+        raise ValueError(f"every array in `arrays` must have the same length, got lengths {lengths}.")
+    if lengths[0] == 0:
+        raise ValueError("`arrays` hold no samples (length 0).")
+    return Batches(jax.tree.unflatten(jax.tree.structure(arrays), leaves), int(batch_size),
+                   bool(shuffle), int(seed), bool(drop_remainder))

@@ -1,0 +1,156 @@
+"""Per-example losses and `compute_average_loss`.
+
+Every loss here returns one value per sample (shape ``(batch,)``); `compute_average_loss`
+turns those into the step's loss so that a step on several replicas, with a short or
+padded batch, equals the single-device step on the real samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from ._values import AXIS, get_replica_context
+
+EPSILON = 1e-7  # Keras' backend epsilon, used to clip probabilities
+
+
+def _per_sample(x: jax.Array) -> jax.Array:
+    return x if x.ndim <= 1 else jnp.mean(x.reshape(x.shape[0], -1), axis=-1)
+
+
+def sparse_categorical_crossentropy(y_true: Any, y_pred: Any, from_logits: bool = False) -> jax.Array:
+    """Cross-entropy between integer labels and class probabilities (or logits).
+
+    >>> import lockstep as ls, numpy as np
+    >>> ls.losses.sparse_categorical_crossentropy(np.array([1]), np.array([[0.5, 0.5]])).round(4)
+    Array([0.6931], dtype=float32)
+    """
+    y_pred = jnp.asarray(y_pred)
+    labels = jnp.asarray(y_true).astype(jnp.int32)
+    if labels.ndim == y_pred.ndim:
+        labels = labels.reshape(labels.shape[:-1])
+    if from_logits:
+        logp = jax.nn.log_softmax(y_pred, axis=-1)
+    else:
+        p = y_pred / jnp.sum(y_pred, axis=-1, keepdims=True)
+        logp = jnp.log(jnp.clip(p, EPSILON, 1.0 - EPSILON))
+    return _per_sample(-jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0])
+
+
+def categorical_crossentropy(y_true: Any, y_pred: Any, from_logits: bool = False) -> jax.Array:
+    """Cross-entropy between one-hot (or soft) labels and class probabilities (or logits)."""
+    y_pred = jnp.asarray(y_pred)
+    y_true = jnp.asarray(y_true, y_pred.dtype)
+    if from_logits:
+        logp = jax.nn.log_softmax(y_pred, axis=-1)
+    else:
+        p = y_pred / jnp.sum(y_pred, axis=-1, keepdims=True)
+        logp = jnp.log(jnp.clip(p, EPSILON, 1.0 - EPSILON))
+    return _per_sample(-jnp.sum(y_true * logp, axis=-1))
+
+
+def binary_crossentropy(y_true: Any, y_pred: Any, from_logits: bool = False) -> jax.Array:
+    """Binary cross-entropy, averaged over the last axis as Keras does."""
+    y_pred = jnp.asarray(y_pred)
+    y_true = jnp.asarray(y_true, y_pred.dtype).reshape(y_pred.shape)
+    if from_logits:
+        per = jnp.maximum(y_pred, 0) - y_pred * y_true + jnp.log1p(jnp.exp(-jnp.abs(y_pred)))
+    else:
+        p = jnp.clip(y_pred, EPSILON, 1.0 - EPSILON)
+        per = -(y_true * jnp.log(p) + (1 - y_true) * jnp.log(1 - p))
+    return _per_sample(per if per.ndim <= 1 else jnp.mean(per, axis=-1))
+
+
+def mean_squared_error(y_true: Any, y_pred: Any) -> jax.Array:
+    """Squared error, averaged over all but the first axis."""
+    y_pred = jnp.asarray(y_pred)
+    return _per_sample(jnp.square(jnp.asarray(y_true, y_pred.dtype).reshape(y_pred.shape) - y_pred))
+
+
+def mean_absolute_error(y_true: Any, y_pred: Any) -> jax.Array:
+    """Absolute error, averaged over all but the first axis."""
+    y_pred = jnp.asarray(y_pred)
+    return _per_sample(jnp.abs(jnp.asarray(y_true, y_pred.dtype).reshape(y_pred.shape) - y_pred))
+
+
+_LOSSES: dict[str, Callable[..., jax.Array]] = {
+    "sparse_categorical_crossentropy": sparse_categorical_crossentropy,
+    "categorical_crossentropy": categorical_crossentropy,
+    "binary_crossentropy": binary_crossentropy,
+    "mean_squared_error": mean_squared_error,
+    "mse": mean_squared_error,
+    "mean_absolute_error": mean_absolute_error,
+    "mae": mean_absolute_error,
+}
+
+
+def get(identifier: str | Callable[..., jax.Array]) -> Callable[[Any, Any], jax.Array]:
+    """The per-example loss named by `identifier` (Keras names; a ``_from_logits`` suffix
+    selects the logits variant), or `identifier` itself if callable.
+
+    Raises:
+      ValueError: the name is unknown (the message lists the known names).
+    """
+    if callable(identifier):
+        return identifier
+    if isinstance(identifier, str):
+        name = identifier.lower()
+        logits = name.endswith("_from_logits")
+        base = name.removesuffix("_from_logits")
+        fn = _LOSSES.get(base)
+        if fn is not None and (not logits or "crossentropy" in base):
+            return (lambda t, p: fn(t, p, from_logits=True)) if logits else fn
+    known = sorted(_LOSSES) + [k + "_from_logits" for k in sorted(_LOSSES) if "crossentropy" in k]
+    raise ValueError(f"`loss` must be a callable or one of {known}, got loss={identifier!r}.")
+
+
+def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
+                         global_batch_size: int | None = None) -> jax.Array:
+    """The step's loss from per-sample losses: sum over real samples / global real sample count.
+
+    Inside `strategy.run` it returns this replica's share: its masked sum divided by the real
+    number of samples of the whole step (all replicas), so the sum over replicas is the mean
+    loss and gradients (which JAX sums over replicas for you) are the single-device ones.
+    Outside `run` it is the plain (weighted) sum divided by the batch size.
+
+    Args:
+      per_example_loss: per-sample losses, shape ``(batch,)`` (other axes are summed).
+      sample_weight: optional weights, broadcastable to `per_example_loss`.
+      global_batch_size: divide by this instead of the real sample count (as in TF).
+
+    >>> import lockstep as ls, numpy as np
+    >>> float(ls.compute_average_loss(np.array([1.0, 2.0, 3.0])))
+    2.0
+    """
+    loss = jnp.asarray(per_example_loss)
+    if loss.ndim == 0:
+        raise ValueError(f"`per_example_loss` must have a batch axis, got a scalar of shape {loss.shape}.")
+    if sample_weight is not None:
+        loss = loss * jnp.broadcast_to(jnp.asarray(sample_weight, loss.dtype).reshape(
+            jnp.shape(sample_weight) + (1,) * (loss.ndim - jnp.ndim(sample_weight))), loss.shape)
+    if global_batch_size is not None and (isinstance(global_batch_size, bool) or global_batch_size <= 0):
+        raise ValueError(f"`global_batch_size` must be a positive integer, got {global_batch_size!r}.")
+    ctx = get_replica_context()
+    if ctx is None:
+        denom = loss.shape[0] if global_batch_size is None else global_batch_size
+        return jnp.sum(loss) / denom
+    mask = ctx.mask
+    if mask is not None:
+        if mask.shape[0] != loss.shape[0]:
+            raise ValueError(
+                f"`per_example_loss` has {loss.shape[0]} rows but this replica's batch has "
+                f"{mask.shape[0]}; pass one loss per sample of the distributed batch."
+            )
+        m = mask.reshape(mask.shape + (1,) * (loss.ndim - 1)) > 0
+        loss = jnp.where(m, loss, jnp.zeros_like(loss))
+    if global_batch_size is not None:
+        denom = jnp.asarray(global_batch_size, loss.dtype)
+    elif mask is not None:
+        denom = jax.lax.psum(jnp.sum(mask), AXIS).astype(loss.dtype)
+    else:
+        denom = jnp.asarray(loss.shape[0] * ctx.num_replicas_in_sync, loss.dtype)
+    return jnp.sum(loss) / denom
