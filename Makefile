@@ -16,7 +16,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	KERAS_BACKEND=jax $(BIN)/python -m lockstep.demo
+	KERAS_BACKEND=jax $(BIN)/python examples/custom_loop.py
 
 test: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python -m pytest -q

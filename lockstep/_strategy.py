@@ -355,9 +355,10 @@ class Strategy:
     def reduce(self, op: ReduceOp | str, value: Any, axis: int | None = None) -> Any:
         """Combines a distributed value across replicas (and, with `axis=0`, across its batch axis).
 
-        `MEAN` is weighted by real sample counts: replicas and rows that hold only padding
-        contribute nothing. With `axis=0`, rows of a per-replica value whose leading dimension
-        is the step's per-replica batch size are masked row by row.
+        With `axis=None`, `MEAN` weighs each replica by its real samples in the step that made
+        the value (replicas holding only padding are left out); `SUM`, `MAX`, `MIN` combine all
+        replicas. With `axis=0`, a per-replica value whose leading dimension is the step's
+        per-replica batch size is masked row by row, so padding rows never count.
 
         Args:
           op: a `ReduceOp` (or its name).
@@ -401,7 +402,7 @@ class Strategy:
         if step is not None and rows == step.per_replica:
             row_mask = step.row_mask
         else:
-            row_mask = np.repeat((weights > 0)[:, None], rows, axis=1)
+            row_mask = np.ones((r, rows), bool)
         return _reduce_rows(stacked, row_mask, op=op)
 
     def gather(self, value: Any, axis: int = 0) -> Any:
@@ -469,16 +470,14 @@ def _split_rows(a: jax.Array, r: int) -> jax.Array:
 
 @functools.partial(jax.jit, static_argnames=("op",))
 def _reduce_replicas(stacked: jax.Array, weights: jax.Array, *, op: ReduceOp) -> jax.Array:
-    w = weights.reshape((-1,) + (1,) * (stacked.ndim - 1))
-    has = w > 0
     if op is ReduceOp.SUM:
-        return jnp.sum(jnp.where(has, stacked, 0), axis=0)
-    if op is ReduceOp.MEAN:
-        num = jnp.sum(jnp.where(has, stacked * w.astype(jnp.result_type(stacked, jnp.float32)), 0), axis=0)
-        return num / jnp.sum(weights)
+        return jnp.sum(stacked, axis=0)
     if op is ReduceOp.MAX:
-        return jnp.max(jnp.where(has, stacked, _lowest(stacked.dtype)), axis=0)
-    return jnp.min(jnp.where(has, stacked, _highest(stacked.dtype)), axis=0)
+        return jnp.max(stacked, axis=0)
+    if op is ReduceOp.MIN:
+        return jnp.min(stacked, axis=0)
+    w = weights.reshape((-1,) + (1,) * (stacked.ndim - 1)).astype(jnp.result_type(stacked, jnp.float32))
+    return jnp.sum(jnp.where(w > 0, stacked * w, 0), axis=0) / jnp.sum(weights)
 
 
 @functools.partial(jax.jit, static_argnames=("op",))

@@ -154,7 +154,6 @@ class ReplicaContext:
     """What a function running inside `strategy.run` knows about its replica.
 
     Read it with `lockstep.get_replica_context()`; outside `run` that returns `None`.
-    Replicas that hold only padding in a step contribute nothing to `all_reduce`.
     """
 
     def __init__(self, strategy: "Strategy", mask: jax.Array | None):
@@ -186,7 +185,8 @@ class ReplicaContext:
     def all_reduce(self, op: ReduceOp | str, value: Any) -> Any:
         """Combines `value` (a pytree) across replicas; every replica gets the result.
 
-        `MEAN` weighs each replica by its number of real samples in the step.
+        `MEAN` weighs each replica by its number of real samples in the step (a replica that
+        holds only padding is left out); `SUM`, `MAX` and `MIN` combine every replica.
         Note: gradients taken with respect to values that are the same on every replica
         (model parameters passed to `run`) already come back summed over replicas.
         """
@@ -202,22 +202,19 @@ class ReplicaContext:
 
 
 def _all_reduce_leaf(op: ReduceOp, v: jax.Array, count: jax.Array | None) -> jax.Array:
-    if count is None:
-        if op is ReduceOp.SUM:
-            return jax.lax.psum(v, AXIS)
-        if op is ReduceOp.MEAN:
-            return jax.lax.pmean(v, AXIS)
-        return (jax.lax.pmax if op is ReduceOp.MAX else jax.lax.pmin)(v, AXIS)
-    has = count > 0
     if op is ReduceOp.SUM:
-        return jax.lax.psum(jnp.where(has, v, jnp.zeros_like(v)), AXIS)
-    if op is ReduceOp.MEAN:
-        w = count.astype(jnp.result_type(v, jnp.float32))
-        total = jax.lax.psum(jnp.where(has, v * w, jnp.zeros_like(v * w)), AXIS)
-        return total / jax.lax.psum(w, AXIS)
+        return jax.lax.psum(v, AXIS)
     if op is ReduceOp.MAX:
-        return jax.lax.pmax(jnp.where(has, v, _lowest(v.dtype)), AXIS)
-    return jax.lax.pmin(jnp.where(has, v, _highest(v.dtype)), AXIS)
+        return jax.lax.pmax(v, AXIS)
+    if op is ReduceOp.MIN:
+        return jax.lax.pmin(v, AXIS)
+    if count is None:
+        return jax.lax.pmean(v, AXIS)
+    # MEAN: weighted by real samples; a replica holding only padding (weight 0) is left out,
+    # so its value (often NaN, a mean over nothing) cannot leak in.
+    w = count.astype(jnp.result_type(v, jnp.float32))
+    total = jax.lax.psum(jnp.where(count > 0, v * w, jnp.zeros_like(v * w)), AXIS)
+    return total / jax.lax.psum(w, AXIS)
 
 
 _LOCAL = threading.local()

@@ -1,0 +1,314 @@
+"""Strategies, `run` / `reduce` / `gather`, the replica context: checked against NumPy."""
+
+import itertools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import lockstep as ls
+from lockstep._strategy import MAX_STEPS_IN_FLIGHT
+
+REPLICAS = [1, 2, 3, 4, 8]
+SIZES = [1, 7, 63, 64, 65, 1003]
+
+
+def _data(n, seed=0):
+    rng = np.random.default_rng(seed)
+    return rng.normal(size=(n, 3)).astype(np.float32)
+
+
+def per_sample(b):
+    return b * 2.0
+
+
+def replica_stats(b):
+    ctx = ls.get_replica_context()
+    m = ctx.mask[:, None] > 0
+    local_sum = jnp.sum(jnp.where(m, b, 0.0), axis=0)
+    count = jnp.sum(ctx.mask)
+    local_mean = local_sum / count  # NaN on a replica holding only padding
+    local_max = jnp.max(jnp.where(m, b, -jnp.inf), axis=0)
+    local_min = jnp.min(jnp.where(m, b, jnp.inf), axis=0)
+    return {
+        "sum": local_sum, "mean": local_mean, "max": local_max, "min": local_min,
+        "ctx_sum": ctx.all_reduce(ls.ReduceOp.SUM, local_sum),
+        "ctx_mean": ctx.all_reduce(ls.ReduceOp.MEAN, local_mean),
+        "ctx_max": ctx.all_reduce("max", local_max),
+        "ctx_min": ctx.all_reduce("MIN", local_min),
+        "ctx_gather": ctx.all_gather(b, axis=0),
+        "ctx_gather_mask": ctx.all_gather(ctx.mask, axis=0),
+        "id": ctx.replica_id_in_sync_group,
+    }
+
+
+@pytest.mark.parametrize("r", REPLICAS)
+@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("batch_size", [64, 3])
+def test_reduce_gather_and_collectives_match_numpy(r, n, batch_size):
+    if batch_size == 3 and n == 1003:
+        n = 101  # keep the step count small; 101 is prime and leaves a short last batch
+    s = ls.MirroredStrategy(r)
+    x = _data(n)
+    gathered = []
+    for i, batch in enumerate(s.experimental_distribute_dataset(ls.data.batches(x, batch_size))):
+        ref = x[i * batch_size:(i + 1) * batch_size]
+        out = s.run(per_sample, args=(batch,))
+        gathered.append(np.asarray(s.gather(out)))
+        np.testing.assert_allclose(s.reduce("SUM", out, axis=0), 2 * ref.sum(0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(s.reduce("MEAN", out, axis=0), 2 * ref.mean(0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(s.reduce("MAX", out, axis=0), 2 * ref.max(0))
+        np.testing.assert_array_equal(s.reduce("MIN", out, axis=0), 2 * ref.min(0))
+
+        st = s.run(replica_stats, args=(batch,))
+        np.testing.assert_allclose(s.reduce("SUM", st["sum"]), ref.sum(0), rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(s.reduce("MEAN", st["mean"]), ref.mean(0), rtol=1e-5, atol=1e-6)
+        np.testing.assert_array_equal(s.reduce("MAX", st["max"]), ref.max(0))
+        np.testing.assert_array_equal(s.reduce("MIN", st["min"]), ref.min(0))
+        for key, want in [("ctx_sum", ref.sum(0)), ("ctx_mean", ref.mean(0))]:
+            assert isinstance(st[key], ls.Mirrored)
+            np.testing.assert_allclose(np.asarray(st[key]), want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(st["ctx_max"]), ref.max(0))
+        np.testing.assert_array_equal(np.asarray(st["ctx_min"]), ref.min(0))
+        # all_gather keeps static shapes (padding included); the gathered mask picks the real rows
+        for g, gm in zip(s.experimental_local_results(st["ctx_gather"]),
+                         s.experimental_local_results(st["ctx_gather_mask"])):
+            np.testing.assert_array_equal(np.asarray(g)[np.asarray(gm) > 0], ref)
+        ids = [int(v) for v in s.experimental_local_results(st["id"])]
+        assert ids == list(range(r))
+    np.testing.assert_array_equal(np.concatenate(gathered), 2 * x)
+
+
+def test_a_replica_with_no_data_contributes_nothing():
+    s = ls.MirroredStrategy(8)
+    x = np.arange(3, dtype=np.float32)[:, None]  # 3 samples, 8 replicas: 5 replicas hold padding only
+    batch = next(iter(s.experimental_distribute_dataset([x])))
+    assert batch.num_real == 3
+    st = s.run(replica_stats, args=(batch,))
+    means = [np.asarray(v) for v in s.experimental_local_results(st["mean"])]
+    assert np.isnan(means[-1]).all()  # a naive average would be NaN
+    np.testing.assert_allclose(s.reduce("MEAN", st["mean"]), [1.0])
+    np.testing.assert_allclose(np.asarray(st["ctx_mean"]), [1.0])
+
+
+def linear_step(w, batch):
+    x, y = batch
+
+    def loss_fn(w):
+        return ls.compute_average_loss((x @ w - y) ** 2)
+
+    loss, grad = jax.value_and_grad(loss_fn)(w)
+    return loss, grad
+
+
+@pytest.mark.parametrize("r", REPLICAS)
+@pytest.mark.parametrize("n", [1, 7, 65, 1003])
+def test_compute_average_loss_gives_single_device_loss_and_gradient(r, n):
+    s = ls.MirroredStrategy(r)
+    x = _data(n)
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32) + 0.1).astype(np.float32)
+    w = np.array([0.3, 0.1, -0.2], np.float32)
+    for i, batch in enumerate(s.experimental_distribute_dataset(ls.data.batches((x, y), 64))):
+        xb, yb = x[i * 64:(i + 1) * 64], y[i * 64:(i + 1) * 64]
+        loss, grad = s.run(linear_step, args=(w, batch))
+        resid = xb @ w - yb
+        np.testing.assert_allclose(s.reduce("SUM", loss), np.mean(resid ** 2), rtol=1e-5)
+        assert isinstance(grad, ls.Mirrored)  # JAX sums gradients of replicated values over replicas
+        np.testing.assert_allclose(np.asarray(grad), 2 * xb.T @ resid / len(xb), rtol=1e-4, atol=1e-6)
+
+
+def test_compute_average_loss_with_weights_and_explicit_global_batch_size():
+    s = ls.MirroredStrategy(4)
+    x = np.arange(6, dtype=np.float32)
+    wts = np.array([1, 0, 2, 1, 1, 3], np.float32)
+    batch = next(iter(s.experimental_distribute_dataset([(x, wts)])))
+    out = s.run(lambda b: ls.compute_average_loss(b[0], sample_weight=b[1]), args=(batch,))
+    np.testing.assert_allclose(s.reduce("SUM", out), np.sum(x * wts) / 6, rtol=1e-6)
+    out = s.run(lambda b: ls.compute_average_loss(b[0], global_batch_size=10), args=(batch,))
+    np.testing.assert_allclose(s.reduce("SUM", out), np.sum(x) / 10, rtol=1e-6)
+    np.testing.assert_allclose(ls.compute_average_loss(x, sample_weight=wts), np.sum(x * wts) / 6)
+
+
+def _mlp_init(seed=0):
+    rng = np.random.default_rng(seed)
+    return {"w1": rng.normal(size=(8, 16)).astype(np.float32) * 0.3, "b1": np.zeros(16, np.float32),
+            "w2": rng.normal(size=(16, 3)).astype(np.float32) * 0.3, "b2": np.zeros(3, np.float32)}
+
+
+def _mlp(p, x):
+    return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+def sgd_step(params, batch):
+    x, y = batch
+
+    def loss_fn(p):
+        return ls.compute_average_loss(ls.losses.sparse_categorical_crossentropy(y, _mlp(p, x), from_logits=True))
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    return jax.tree.map(lambda p, g: p - 0.5 * g, params, grads), loss
+
+
+def test_one_epoch_of_an_mlp_under_8_replicas_equals_single_device():
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(1003, 8)).astype(np.float32)
+    y = rng.integers(0, 3, size=1003)
+    results = {}
+    for name, strategy in [("one", ls.OneDeviceStrategy()), ("eight", ls.MirroredStrategy(8))]:
+        params = _mlp_init()
+        for batch in strategy.experimental_distribute_dataset(ls.data.batches((x, y), 64)):
+            params, _ = strategy.run(sgd_step, args=(params, batch))
+        results[name] = jax.tree.map(np.asarray, params)
+    # an independent reference: plain JAX on the whole batches, no strategy at all
+    params = _mlp_init()
+    for i in range(0, 1003, 64):
+        xb, yb = x[i:i + 64], y[i:i + 64]
+        grads = jax.grad(lambda p: jnp.mean(-jax.nn.log_softmax(_mlp(p, xb))[np.arange(len(yb)), yb]))(params)
+        params = jax.tree.map(lambda p, g: p - 0.5 * g, params, grads)
+    for name in results:
+        for k in params:
+            np.testing.assert_allclose(results[name][k], np.asarray(params[k]), rtol=2e-4, atol=2e-5)
+
+
+def test_per_replica_state_carries_across_runs_without_recompiling():
+    s = ls.MirroredStrategy(4)
+    x = np.arange(20, dtype=np.float32)
+
+    def accumulate(total, b):
+        return total + jnp.sum(jnp.where(ls.get_replica_context().mask > 0, b, 0.0))
+
+    total = np.float32(0)
+    for batch in s.experimental_distribute_dataset(ls.data.batches(x, 8)):
+        total = s.run(accumulate, args=(total, batch))
+        assert isinstance(total, ls.PerReplica)
+    assert float(s.reduce("SUM", total)) == x.sum()
+    entries = [k for k in s._runs if k[0] is accumulate]
+    # first call (replicated initial value) and later calls (per-replica) are two signatures
+    assert len(entries) == 2
+    assert all(s._runs[k].call._cache_size() == 1 for k in entries)
+
+
+def test_mirrored_local_results_repeat_the_value_per_replica():
+    s = ls.MirroredStrategy(3)
+    out = s.run(lambda: jnp.float32(7))
+    assert isinstance(out, ls.Mirrored)
+    assert [float(v) for v in s.experimental_local_results(out)] == [7.0, 7.0, 7.0]
+    assert float(s.reduce("SUM", out)) == 21.0
+    assert float(s.reduce("MEAN", out)) == 7.0
+
+
+def test_many_steps_with_collectives_keep_dispatch_bounded():
+    s = ls.MirroredStrategy(8)
+    w = jnp.zeros(())
+    x = np.ones(8, np.float32)
+    batch = next(iter(s.experimental_distribute_dataset([x])))
+    step = lambda w, b: w + ls.get_replica_context().all_reduce("SUM", jnp.sum(b))  # noqa: E731
+    for _ in range(200):  # far beyond the ~32 steps in flight that wedge XLA's CPU collectives
+        w = s.run(step, args=(w, batch))
+        assert len(s._in_flight) <= MAX_STEPS_IN_FLIGHT
+    assert float(np.asarray(w)) == 200 * 8.0
+
+
+def test_datasets_from_generators_dicts_and_functions():
+    s = ls.MirroredStrategy(3)
+    data = {"a": np.arange(10.0), "b": np.arange(10) % 2}
+
+    def gen():
+        for i in range(0, 10, 4):
+            yield {k: v[i:i + 4] for k, v in data.items()}
+
+    got = [s.gather(s.run(lambda b: b, args=(batch,))) for batch in s.experimental_distribute_dataset(gen())]
+    np.testing.assert_array_equal(np.concatenate([g["a"] for g in got]), data["a"])
+    np.testing.assert_array_equal(np.concatenate([g["b"] for g in got]), data["b"])
+
+    seen = []
+
+    def dataset_fn(ctx):
+        seen.append(ctx)
+        return ls.data.batches(data["a"], batch_size=ctx.get_per_replica_batch_size(6) * ctx.num_replicas_in_sync)
+
+    ds = s.distribute_datasets_from_function(dataset_fn)
+    assert [b.num_real for b in ds] == [6, 4]
+    assert (seen[0].num_input_pipelines, seen[0].input_pipeline_id, seen[0].num_replicas_in_sync) == (1, 0, 3)
+
+
+def test_shuffled_batches_cover_every_sample_once_and_change_per_epoch():
+    b = ls.data.batches(np.arange(50), batch_size=7, shuffle=True, seed=3)
+    e1 = np.concatenate(list(b))
+    e2 = np.concatenate(list(b))
+    assert sorted(e1) == list(range(50)) and sorted(e2) == list(range(50))
+    assert not np.array_equal(e1, e2)
+    assert len(ls.data.batches(np.arange(50), 7, drop_remainder=True)) == 7
+
+
+def test_scope_and_default_strategy():
+    default = ls.get_strategy()
+    assert isinstance(default, ls.OneDeviceStrategy)
+    a, b = ls.MirroredStrategy(2), ls.MirroredStrategy(4)
+    with a.scope():
+        assert ls.get_strategy() is a
+        with b.scope():
+            assert ls.get_strategy() is b
+        assert ls.get_strategy() is a
+    assert ls.get_strategy() is default
+    assert ls.MirroredStrategy().num_replicas_in_sync == 8
+    assert ls.MirroredStrategy(["cpu:0", "/cpu:2"]).devices == (jax.devices()[0], jax.devices()[2])
+
+
+# --- errors ------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", [0, -3, 2.5, True])
+def test_bad_batch_size(bad):
+    with pytest.raises(ValueError, match="batch_size"):
+        ls.data.batches(np.arange(4), bad)
+
+
+def test_arrays_of_different_lengths():
+    with pytest.raises(ValueError, match=r"same length.*\[4, 5\]"):
+        ls.data.batches((np.arange(4), np.arange(5)), 2)
+    s = ls.MirroredStrategy(2)
+    with pytest.raises(ValueError, match="same leading"):
+        next(iter(s.experimental_distribute_dataset([(np.arange(4), np.arange(3))])))
+
+
+def test_values_of_one_strategy_rejected_by_another():
+    a, b = ls.MirroredStrategy(2), ls.MirroredStrategy(2)
+    batch = next(iter(a.experimental_distribute_dataset([np.arange(4.0)])))
+    v = a.run(lambda x: x, args=(batch,))
+    with pytest.raises(ValueError, match="another strategy"):
+        b.run(lambda x: x, args=(v,))
+    with pytest.raises(ValueError, match="another strategy"):
+        b.reduce("SUM", v)
+    with pytest.raises(ValueError, match="another strategy"):
+        b.run(lambda x: x, args=(batch,))
+
+
+def test_unknown_reduce_op_and_bad_axis():
+    s = ls.MirroredStrategy(2)
+    with pytest.raises(ValueError, match="op.*'median'"):
+        s.reduce("median", np.ones(2))
+    with pytest.raises(ValueError, match="axis"):
+        s.reduce("SUM", np.ones(2), axis=1)
+
+
+def test_simulate_cpu_devices_after_jax_started():
+    jax.devices()
+    ls.simulate_cpu_devices(8)  # the number in force: fine
+    with pytest.raises(ls.UsageError, match="after JAX started"):
+        ls.simulate_cpu_devices(4)
+    with pytest.raises(ValueError, match="n=0"):
+        ls.simulate_cpu_devices(0)
+
+
+def test_bad_device_arguments():
+    with pytest.raises(ValueError, match="devices=9"):
+        ls.MirroredStrategy(9)
+    with pytest.raises(ValueError, match="twice"):
+        ls.MirroredStrategy([0, 0])
+    with pytest.raises(TypeError, match="fn"):
+        ls.MirroredStrategy(2).run(3)
+
+
+def test_combinations_are_swept():
+    # guard against the sweep above silently shrinking
+    assert len(list(itertools.product(REPLICAS, SIZES))) == 30
