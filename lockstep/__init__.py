@@ -5,6 +5,7 @@ Every number lockstep reports is the number a single device would report on the 
 
 from . import data as data
 from . import losses as losses
+from . import metrics as metrics
 from ._devices import simulate_cpu_devices as simulate_cpu_devices
 from ._errors import UsageError as UsageError
 from ._reduce import ReduceOp as ReduceOp
@@ -40,5 +41,6 @@ __all__ = [
     "get_replica_context",
     "get_strategy",
     "losses",
+    "metrics",
     "simulate_cpu_devices",
 ]

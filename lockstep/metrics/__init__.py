@@ -1,0 +1,59 @@
+"""Exact stateful metrics: states declare their cross-replica reduction; values are never averaged."""
+
+from ._accuracy import Accuracy as Accuracy
+from ._accuracy import BinaryAccuracy as BinaryAccuracy
+from ._accuracy import CategoricalAccuracy as CategoricalAccuracy
+from ._accuracy import SparseCategoricalAccuracy as SparseCategoricalAccuracy
+from ._accuracy import SparseTopKCategoricalAccuracy as SparseTopKCategoricalAccuracy
+from ._accuracy import TopKCategoricalAccuracy as TopKCategoricalAccuracy
+from ._base import Metric as Metric
+from ._base import StateSpec as StateSpec
+from ._base import divide_no_nan as divide_no_nan
+from ._base import sync_state as sync_state
+from ._collection import MetricCollection as MetricCollection
+from ._confusion import AUC as AUC
+from ._confusion import Precision as Precision
+from ._confusion import Recall as Recall
+from ._confusion_matrix import ConfusionMatrix as ConfusionMatrix
+from ._fbeta import F1Score as F1Score
+from ._fbeta import FBetaScore as FBetaScore
+from ._reduction import Max as Max
+from ._reduction import Mean as Mean
+from ._reduction import MeanMetricWrapper as MeanMetricWrapper
+from ._reduction import Min as Min
+from ._reduction import Sum as Sum
+from ._registry import get as get
+from ._regression import MeanAbsoluteError as MeanAbsoluteError
+from ._regression import MeanSquaredError as MeanSquaredError
+from ._regression import R2Score as R2Score
+from ._regression import RootMeanSquaredError as RootMeanSquaredError
+
+__all__ = [
+    "AUC",
+    "Accuracy",
+    "BinaryAccuracy",
+    "CategoricalAccuracy",
+    "ConfusionMatrix",
+    "F1Score",
+    "FBetaScore",
+    "Max",
+    "Mean",
+    "MeanAbsoluteError",
+    "MeanMetricWrapper",
+    "MeanSquaredError",
+    "Metric",
+    "MetricCollection",
+    "Min",
+    "Precision",
+    "R2Score",
+    "Recall",
+    "RootMeanSquaredError",
+    "SparseCategoricalAccuracy",
+    "SparseTopKCategoricalAccuracy",
+    "StateSpec",
+    "Sum",
+    "TopKCategoricalAccuracy",
+    "divide_no_nan",
+    "get",
+    "sync_state",
+]
