@@ -66,7 +66,9 @@ class R2Score(Metric):
     Args:
       class_aggregation: ``"uniform_average"``, ``"variance_weighted_average"`` or ``None``
         (one score per output).
-      num_regressors: for the adjusted R², the number of regressors (0: plain R²).
+      num_regressors: for the adjusted R², the number of regressors (0: plain R²). The adjusted
+        score uses n = the number of samples with non-zero weight (Keras uses the number of
+        elements, which differs for several outputs); it falls back to R² when n - p - 1 <= 0.
       num_outputs: outputs per sample; ``None`` to infer it from the first batch.
 
     Note: states are float32 sums (Σw, Σwy, Σwy², Σw·residual²), so the total sum of squares
@@ -97,6 +99,7 @@ class R2Score(Metric):
         self._num_outputs = k
         for field in ("count", "sum", "squared_sum", "residual_sum"):
             self.add_state(field, shape=(k,))
+        self.add_state("num_samples")
 
     @property
     def built(self) -> bool:
@@ -116,7 +119,8 @@ class R2Score(Metric):
         wy = jnp.where(w != 0, w * y_true, 0.0)
         return {"count": jnp.sum(w, 0), "sum": jnp.sum(wy, 0),
                 "squared_sum": jnp.sum(jnp.where(w != 0, wy * y_true, 0.0), 0),
-                "residual_sum": jnp.sum(jnp.where(w != 0, w * jnp.square(y_true - y_pred), 0.0), 0)}
+                "residual_sum": jnp.sum(jnp.where(w != 0, w * jnp.square(y_true - y_pred), 0.0), 0),
+                "num_samples": jnp.sum(jnp.any(w != 0, axis=1)).astype(jnp.float32)}
 
     def result_from(self, state: State) -> jax.Array:
         mean = divide_no_nan(state["sum"], state["count"])
@@ -130,7 +134,7 @@ class R2Score(Metric):
         else:
             score = divide_no_nan(jnp.sum(raw * total), jnp.sum(total))
         if self.num_regressors:
-            n = jnp.sum(state["count"]) / self._num_outputs
+            n = state["num_samples"]
             p = self.num_regressors
             score = jnp.where(n - p - 1 > 0, 1.0 - (1.0 - score) * divide_no_nan(n - 1, n - p - 1), score)
         return score
