@@ -3,6 +3,8 @@
 Every number lockstep reports is the number a single device would report on the whole data.
 """
 
+from . import callbacks as callbacks
+from . import checkpoint as checkpoint
 from . import data as data
 from . import losses as losses
 from . import metrics as metrics
@@ -14,6 +16,7 @@ from ._strategy import InputContext as InputContext
 from ._strategy import MirroredStrategy as MirroredStrategy
 from ._strategy import OneDeviceStrategy as OneDeviceStrategy
 from ._strategy import Strategy as Strategy
+from ._strategy import ValueContext as ValueContext
 from ._strategy import get_strategy as get_strategy
 from ._values import DistributedBatch as DistributedBatch
 from ._values import Mirrored as Mirrored
@@ -21,10 +24,16 @@ from ._values import PerReplica as PerReplica
 from ._values import ReplicaContext as ReplicaContext
 from ._values import get_replica_context as get_replica_context
 from .losses import compute_average_loss as compute_average_loss
+from .training import FunctionalModel as FunctionalModel
+from .training import Trainer as Trainer
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "FunctionalModel",
+    "Trainer",
+    "callbacks",
+    "checkpoint",
     "DistributedBatch",
     "DistributedDataset",
     "InputContext",
@@ -36,6 +45,7 @@ __all__ = [
     "ReplicaContext",
     "Strategy",
     "UsageError",
+    "ValueContext",
     "compute_average_loss",
     "data",
     "get_replica_context",

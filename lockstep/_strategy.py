@@ -73,6 +73,14 @@ class InputContext:
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
 
 
+class ValueContext:
+    """What `experimental_distribute_values_from_function`'s function knows: which replica it builds for."""
+
+    def __init__(self, replica_id_in_sync_group: int, num_replicas_in_sync: int):
+        self.replica_id_in_sync_group = replica_id_in_sync_group
+        self.num_replicas_in_sync = num_replicas_in_sync
+
+
 class _RunEntry:
     """A compiled `run` for one function, argument structure and argument shapes."""
 
@@ -210,6 +218,32 @@ class Strategy:
             raise TypeError(f"`dataset_fn` must be callable, got {type(dataset_fn).__name__}.")
         ctx = InputContext(jax.process_count(), jax.process_index(), self.num_replicas_in_sync)
         return self.experimental_distribute_dataset(dataset_fn(ctx))
+
+    def experimental_distribute_values_from_function(self, value_fn: Callable[["ValueContext"], Any]) -> Any:
+        """A per-replica value made by calling `value_fn(ValueContext)` once per replica.
+
+        >>> import lockstep as ls, numpy as np
+        >>> s = ls.MirroredStrategy(3)
+        >>> v = s.experimental_distribute_values_from_function(lambda ctx: np.float32(ctx.replica_id_in_sync_group))
+        >>> [float(x) for x in s.experimental_local_results(v)]
+        [0.0, 1.0, 2.0]
+        """
+        if not callable(value_fn):
+            raise TypeError(f"`value_fn` must be callable, got {type(value_fn).__name__}.")
+        n = self.num_replicas_in_sync
+        local_ids = [i for i, d in enumerate(self._devices) if d.process_index == jax.process_index()]
+        per = [value_fn(ValueContext(i, n)) for i in local_ids]
+        leaves0, treedef = jax.tree.flatten(per[0])
+        columns = [jax.tree.leaves(p) for p in per]
+        out = []
+        for j in range(len(leaves0)):
+            stacked = np.stack([np.asarray(c[j]) for c in columns])
+            if jax.process_count() == 1:
+                arr = jax.device_put(stacked, self._split)
+            else:
+                arr = jax.make_array_from_process_local_data(self._split, stacked, (n, *stacked.shape[1:]))
+            out.append(PerReplica(arr, self))
+        return jax.tree.unflatten(treedef, out)
 
     # --- run ---------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Any = (), kwargs: dict[str, Any] | None = None) -> Any:

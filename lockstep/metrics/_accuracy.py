@@ -66,12 +66,16 @@ class Accuracy(MeanMetricWrapper):
     0.75
     """
 
+    direction = "up"
+
     def __init__(self, name: str = "accuracy", dtype: Any = "float32"):
         super().__init__(accuracy, name=name, dtype=dtype)
 
 
 class BinaryAccuracy(MeanMetricWrapper):
     """How often `y_pred > threshold` matches binary `y_true`."""
+
+    direction = "up"
 
     def __init__(self, name: str = "binary_accuracy", dtype: Any = "float32", threshold: float = 0.5):
         super().__init__(binary_accuracy, name=name, dtype=dtype, threshold=threshold)
@@ -80,6 +84,8 @@ class BinaryAccuracy(MeanMetricWrapper):
 
 class CategoricalAccuracy(MeanMetricWrapper):
     """How often the arg-max of `y_pred` matches the arg-max of one-hot `y_true`."""
+
+    direction = "up"
 
     def __init__(self, name: str = "categorical_accuracy", dtype: Any = "float32"):
         super().__init__(categorical_accuracy, name=name, dtype=dtype)
@@ -94,12 +100,16 @@ class SparseCategoricalAccuracy(MeanMetricWrapper):
     0.5
     """
 
+    direction = "up"
+
     def __init__(self, name: str = "sparse_categorical_accuracy", dtype: Any = "float32"):
         super().__init__(sparse_categorical_accuracy, name=name, dtype=dtype)
 
 
 class TopKCategoricalAccuracy(MeanMetricWrapper):
     """How often one-hot `y_true`'s class is among the `k` largest predictions."""
+
+    direction = "up"
 
     def __init__(self, k: int = 5, name: str = "top_k_categorical_accuracy", dtype: Any = "float32"):
         if not isinstance(k, int) or k < 1:
@@ -110,6 +120,8 @@ class TopKCategoricalAccuracy(MeanMetricWrapper):
 
 class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
     """How often integer `y_true` is among the `k` largest predictions."""
+
+    direction = "up"
 
     def __init__(self, k: int = 5, name: str = "sparse_top_k_categorical_accuracy", dtype: Any = "float32"):
         if not isinstance(k, int) or k < 1:

@@ -147,6 +147,9 @@ class Metric:
     0.6667
     """
 
+    #: "up" when larger is better, "down" when smaller is; callbacks with mode="auto" read it.
+    direction: str | None = None
+
     def __init__(self, name: str | None = None, dtype: Any = "float32"):
         self.name = name or _snake(type(self).__name__)
         self.dtype = jnp.dtype(dtype)

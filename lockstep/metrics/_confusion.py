@@ -116,6 +116,8 @@ class Precision(_ThresholdMetric):
     0.6667
     """
 
+    direction = "up"
+
     _fields = ("true_positives", "false_positives")
 
     def __init__(self, thresholds: float | Sequence[float] | None = None, top_k: int | None = None,
@@ -134,6 +136,8 @@ class Recall(_ThresholdMetric):
     >>> m = ls.metrics.Recall(); m.update_state([0, 1, 1, 1], [1, 0, 1, 1]); round(float(m.result()), 4)
     0.6667
     """
+
+    direction = "up"
 
     _fields = ("true_positives", "false_negatives")
 
@@ -167,6 +171,8 @@ class AUC(Metric):
     >>> m.update_state([0, 0, 1, 1], [0.0, 0.5, 0.3, 0.9]); round(float(m.result()), 4)
     0.75
     """
+
+    direction = "up"
 
     _FIELDS = ("true_positives", "false_positives", "true_negatives", "false_negatives")
 

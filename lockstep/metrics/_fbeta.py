@@ -33,6 +33,8 @@ class FBetaScore(Metric):
     0.5
     """
 
+    direction = "up"
+
     def __init__(self, average: str | None = None, beta: float = 1.0, threshold: float | None = None,
                  name: str = "fbeta_score", dtype: Any = "float32", num_classes: int | None = None):
         if average not in _AVERAGES:

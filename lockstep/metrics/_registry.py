@@ -16,6 +16,8 @@ from ._regression import MeanAbsoluteError, MeanSquaredError, R2Score, RootMeanS
 class _AutoAccuracy(Metric):
     """`"accuracy"`: binary, sparse or categorical accuracy, picked from the shapes (as Keras does)."""
 
+    direction = "up"
+
     def __init__(self, name: str = "accuracy"):
         super().__init__(name=name)
         self._inner: Metric | None = None

@@ -34,12 +34,16 @@ def absolute_error(y_true: Any, y_pred: Any) -> jax.Array:
 class MeanSquaredError(MeanMetricWrapper):
     """Mean of squared errors (per sample averaged over the last axes, then weighted over samples)."""
 
+    direction = "down"
+
     def __init__(self, name: str = "mean_squared_error", dtype: Any = "float32"):
         super().__init__(squared_error, name=name, dtype=dtype)
 
 
 class MeanAbsoluteError(MeanMetricWrapper):
     """Mean of absolute errors."""
+
+    direction = "down"
 
     def __init__(self, name: str = "mean_absolute_error", dtype: Any = "float32"):
         super().__init__(absolute_error, name=name, dtype=dtype)
@@ -52,6 +56,8 @@ class RootMeanSquaredError(MeanMetricWrapper):
     >>> m = ls.metrics.RootMeanSquaredError(); m.update_state([0.0, 0.0], [3.0, 4.0]); round(float(m.result()), 4)
     3.5355
     """
+
+    direction = "down"
 
     def __init__(self, name: str = "root_mean_squared_error", dtype: Any = "float32"):
         super().__init__(squared_error, name=name, dtype=dtype)
@@ -79,6 +85,8 @@ class R2Score(Metric):
     >>> round(float(m.result()), 4)
     0.97
     """
+
+    direction = "up"
 
     def __init__(self, class_aggregation: str | None = "uniform_average", num_regressors: int = 0,
                  num_outputs: int | None = None, name: str = "r2_score", dtype: Any = "float32"):

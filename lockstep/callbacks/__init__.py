@@ -1,0 +1,31 @@
+"""Callbacks with Keras' hook and argument names; every decision comes from global values."""
+
+from ._callback import Callback as Callback
+from ._callback import CallbackList as CallbackList
+from ._csv_logger import CSVLogger as CSVLogger
+from ._early_stopping import EarlyStopping as EarlyStopping
+from ._early_stopping import EarlyStoppingState as EarlyStoppingState
+from ._history import History as History
+from ._learning_rate_scheduler import LearningRateScheduler as LearningRateScheduler
+from ._model_checkpoint import ModelCheckpoint as ModelCheckpoint
+from ._monitor import MonitorCallback as MonitorCallback
+from ._progbar import ProgbarLogger as ProgbarLogger
+from ._reduce_lr_on_plateau import ReduceLROnPlateau as ReduceLROnPlateau
+from ._tensorboard import TensorBoard as TensorBoard
+from ._terminate_on_nan import TerminateOnNaN as TerminateOnNaN
+
+__all__ = [
+    "CSVLogger",
+    "Callback",
+    "CallbackList",
+    "EarlyStopping",
+    "EarlyStoppingState",
+    "History",
+    "LearningRateScheduler",
+    "ModelCheckpoint",
+    "MonitorCallback",
+    "ProgbarLogger",
+    "ReduceLROnPlateau",
+    "TensorBoard",
+    "TerminateOnNaN",
+]

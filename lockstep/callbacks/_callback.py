@@ -1,0 +1,90 @@
+"""`Callback` (Keras' hook names) and `CallbackList`."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import jax
+
+if TYPE_CHECKING:
+    from ..training._trainer import Trainer
+
+
+def is_chief() -> bool:
+    """Whether this process writes files and prints (process 0)."""
+    return jax.process_index() == 0
+
+
+class Callback:
+    """Base class of callbacks; override the hooks you need (Keras' names and arguments).
+
+    `self.trainer` (also `self.model`, as in Keras) is the `Trainer` being run. Decisions
+    (`trainer.stop_training = True`, a new learning rate) must come from the `logs`, which hold
+    global values identical on every worker, so every worker decides the same.
+
+    >>> import lockstep as ls
+    >>> class PrintEpoch(ls.callbacks.Callback):
+    ...     def on_epoch_end(self, epoch, logs=None):
+    ...         print(epoch, sorted(logs))
+    """
+
+    def __init__(self) -> None:
+        self.trainer: Trainer | None = None
+
+    @property
+    def model(self) -> "Trainer | None":
+        return self.trainer
+
+    def set_trainer(self, trainer: "Trainer") -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None: ...
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None: ...
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None: ...
+    def on_test_begin(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_test_end(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_test_batch_begin(self, batch: int, logs: Any = None) -> None: ...
+    def on_test_batch_end(self, batch: int, logs: Any = None) -> None: ...
+    def on_predict_begin(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_predict_end(self, logs: dict[str, Any] | None = None) -> None: ...
+    def on_predict_batch_begin(self, batch: int, logs: Any = None) -> None: ...
+    def on_predict_batch_end(self, batch: int, logs: Any = None) -> None: ...
+
+    def get_state(self) -> dict[str, Any]:
+        """The callback's bookkeeping, to be checkpointed (see `set_state`)."""
+        return {}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Restores what `get_state` returned."""
+
+
+_HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
+
+
+class CallbackList:
+    """Calls every hook on every callback, in order."""
+
+    def __init__(self, callbacks: Iterable[Callback], trainer: "Trainer"):
+        self.callbacks = list(callbacks)
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"`callbacks` must hold lockstep.callbacks.Callback objects, got {type(cb).__name__}.")
+            cb.set_trainer(trainer)
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in _HOOKS:
+            raise AttributeError(name)
+
+        def call(*args: Any, **kwargs: Any) -> None:
+            for cb in self.callbacks:
+                getattr(cb, name)(*args, **kwargs)
+        return call
+
+    def needs_batch_logs(self) -> bool:
+        """Whether any callback overrides a per-batch hook (else the trainer skips building batch logs)."""
+        names = ("on_train_batch_end", "on_test_batch_end", "on_predict_batch_end")
+        return any(getattr(type(cb), n) is not getattr(Callback, n) for cb in self.callbacks for n in names)

@@ -1,0 +1,94 @@
+"""`ModelCheckpoint`: atomic saves of the weights (or the whole training state), chief only."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+
+from ._callback import is_chief
+from ._monitor import MonitorCallback
+
+
+class ModelCheckpoint(MonitorCallback):
+    """Saves the model at the end of epochs (or every `save_freq` steps).
+
+    Writes are atomic (a temporary file renamed into place), so a crash during a save leaves the
+    previous file intact. Only process 0 writes; the decision to save comes from global values.
+
+    Args:
+      filepath: may hold ``{epoch}`` (1-based, as in Keras) and log fields such as
+        ``{val_loss:.4f}``.
+      monitor, mode: the log entry and direction for `save_best_only`.
+      save_best_only: save only when `monitor` improves.
+      save_weights_only: save the weights (`Trainer.load_weights` reads them); else the whole
+        training state (weights, optimizer state, epoch) — for a Keras model and a ``.keras``
+        path, Keras' own full-model file.
+      save_freq: ``"epoch"`` or a number of training steps.
+      initial_value_threshold: the value to beat first, with `save_best_only`.
+    """
+
+    def __init__(self, filepath: str | os.PathLike[str], monitor: str = "val_loss", verbose: int = 0,
+                 save_best_only: bool = False, save_weights_only: bool = False, mode: str = "auto",
+                 save_freq: str | int = "epoch", initial_value_threshold: float | None = None):
+        super().__init__(monitor, mode)
+        if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
+            raise ValueError(f"`save_freq` must be 'epoch' or a positive integer, got save_freq={save_freq!r}.")
+        self.filepath = os.fspath(filepath)
+        self.verbose = verbose
+        self.save_best_only = save_best_only
+        self.save_weights_only = save_weights_only
+        self.save_freq = save_freq
+        self.initial_value_threshold = initial_value_threshold
+        self.best: float | None = initial_value_threshold
+        self._steps = 0
+        self._epoch = 0
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._steps = 0
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        self._epoch = epoch
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self.save_freq == "epoch":
+            return
+        self._steps += 1
+        if self._steps % int(self.save_freq) == 0:
+            self._save(self._epoch, dict(logs or {}))
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if self.save_freq == "epoch":
+            self._save(epoch, logs or {})
+
+    def _save(self, epoch: int, logs: dict[str, Any]) -> None:
+        assert self.trainer is not None
+        if self.save_best_only:
+            current = self.get_monitor_value(logs)
+            if current is None or not self.is_improvement(current, self.best):
+                return
+            if self.verbose:
+                print(f"Epoch {epoch + 1}: {self.monitor} improved from {self.best} to {current}, saving.")
+            self.best = current
+        path = self.format_path(epoch, logs)
+        if not is_chief():
+            return
+        if self.save_weights_only:
+            self.trainer.save_weights(path)
+        else:
+            self.trainer.save(path, epoch=epoch + 1)
+
+    def format_path(self, epoch: int, logs: dict[str, Any]) -> str:
+        fields = {k: float(np.asarray(v)) for k, v in logs.items() if np.ndim(v) == 0}
+        try:
+            return self.filepath.format(epoch=epoch + 1, **fields)
+        except KeyError as e:
+            raise KeyError(f"`filepath` {self.filepath!r} names {e}, which is not in the logs "
+                           f"({sorted(fields)}).") from None
+
+    def get_state(self) -> dict[str, Any]:
+        return {"best": self.best}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.best = state["best"]

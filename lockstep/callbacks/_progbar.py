@@ -1,0 +1,69 @@
+"""`ProgbarLogger`: a tqdm progress bar with running global metrics (process 0 only)."""
+
+from __future__ import annotations
+
+import sys
+from typing import Any
+
+from ._callback import Callback, is_chief
+
+
+def format_logs(logs: Any) -> str:
+    parts = []
+    for k, v in logs.items():
+        try:
+            parts.append(f"{k}: {float(v):.4f}")
+        except (TypeError, ValueError):
+            continue
+    return " - ".join(parts)
+
+
+class ProgbarLogger(Callback):
+    """Shows steps, ETA and the running loss and metrics over all samples seen this epoch.
+
+    `verbose=1`: a bar per epoch, refreshed at most every `refresh_seconds`; `verbose=2`: one
+    line per epoch. The running values are global (all replicas, all workers), never an
+    average of per-replica values.
+    """
+
+    def __init__(self, verbose: int = 1, refresh_seconds: float = 0.25, file: Any = None):
+        super().__init__()
+        self.verbose = verbose
+        self.refresh_seconds = refresh_seconds
+        self.file = file
+        self._bar: Any = None
+        self._epochs = 0
+        self._steps: int | None = None
+
+    def set_params(self, epochs: int, steps: int | None) -> None:
+        self._epochs, self._steps = epochs, steps
+
+    def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if not is_chief() or self.verbose != 1:
+            return
+        from tqdm.auto import tqdm
+
+        self._bar = tqdm(total=self._steps, desc=f"Epoch {epoch + 1}/{self._epochs}", unit="step",
+                         file=self.file or sys.stdout, mininterval=self.refresh_seconds, leave=True,
+                         dynamic_ncols=True)
+        self._last = 0.0
+
+    def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        if self._bar is None:
+            return
+        self._bar.update(1)
+        now = self._bar.format_dict.get("elapsed", 0.0)
+        if logs is not None and now - self._last >= self.refresh_seconds:
+            self._last = now
+            self._bar.set_postfix_str(format_logs(logs), refresh=False)
+
+    def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
+        if not is_chief():
+            return
+        if self._bar is not None:
+            self._bar.set_postfix_str(format_logs(logs or {}), refresh=True)
+            self._bar.close()
+            self._bar = None
+        elif self.verbose == 2:
+            print(f"Epoch {epoch + 1}/{self._epochs} - {format_logs(logs or {})}", file=self.file or sys.stdout,
+                  flush=True)
