@@ -176,11 +176,20 @@ class Trainer:
                              "(each batch carries them).")
         return x
 
-    def _first_batch(self, data: Iterable[Any]) -> Any:
-        first = next(iter(data.iterate(0) if hasattr(data, "iterate") else data), None)
+    @staticmethod
+    def _peek(data: Iterable[Any]) -> tuple[Any, Iterable[Any]]:
+        """The first batch, and `data` with that batch still in it (a one-shot iterator is chained)."""
+        if hasattr(data, "iterate"):
+            first = next(iter(data.iterate(0)), None)  # a lockstep Batches: re-iterable, no epoch consumed
+        elif iter(data) is data:
+            it = iter(data)
+            first = next(it, None)
+            data = itertools.chain([] if first is None else [first], it)
+        else:
+            first = next(iter(data), None)
         if first is None:
             raise ValueError("the data yields no batch.")
-        return first
+        return first, data
 
     def _read(self, state: Any) -> dict[str, Any]:
         values = self.strategy.run(self._steps["read"], args=(state,))
@@ -232,7 +241,8 @@ class Trainer:
                 val = self._batches(vx, vy, vw, validation_batch_size or batch_size, False, 0, "validation_data")
             else:
                 val = self._batches(validation_data, None, None, None, False, 0, "validation_data")
-        self._build(self._first_batch(train))
+        first, train = self._peek(train)
+        self._build(first)
 
         verbose = 1 if verbose == "auto" else int(verbose)
         history = History()
@@ -255,6 +265,7 @@ class Trainer:
             cblist.on_epoch_begin(epoch)
             state = self._fresh_state()
             params, opt_state = self._params, self._opt_state
+            step = -1
             for step, batch in enumerate(itertools.islice(dist_train, steps_per_epoch)):
                 cblist.on_train_batch_begin(step)
                 params, opt_state, state = self.strategy.run(train_step, args=(params, opt_state, state, batch))
@@ -262,6 +273,10 @@ class Trainer:
                 cblist.on_train_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
                 if self.stop_training:
                     break
+            if step < 0:
+                raise ValueError(
+                    f"`x` yielded no batch in epoch {epoch + 1}: a one-shot iterator is used up after one pass; "
+                    "pass a re-iterable (a list, lockstep.data.batches, a tf.data dataset) or `steps_per_epoch`.")
             logs = self._read(state)
             if val is not None:
                 logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val, cblist).items()})
@@ -283,7 +298,8 @@ class Trainer:
 
     # --- evaluate / predict --------------------------------------------------------------------
     def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList | None = None) -> dict[str, Any]:
-        self._build(self._first_batch(data))
+        first, data = self._peek(data)
+        self._build(first)
         state = self._fresh_state()
         step_fn = self._steps["eval"]
         if cblist is not None:
@@ -318,7 +334,8 @@ class Trainer:
                 callbacks: Iterable[Callback] | None = None) -> Any:
         """The model's outputs for every sample: exactly `len(x)` rows, in input order (NumPy)."""
         data = self._batches(x, None, None, batch_size, False, 0)
-        self._build(self._first_batch(data))
+        first, data = self._peek(data)
+        self._build(first)
         cblist = CallbackList(list(callbacks or []), self)
         cblist.on_predict_begin()
         outputs = []

@@ -1,0 +1,234 @@
+"""Trainer: evaluate / predict / fit under 1..8 replicas against NumPy, scikit-learn and one device."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import optax
+import pytest
+from sklearn.metrics import accuracy_score, f1_score
+
+import lockstep as ls
+
+N = 1003
+
+
+def data(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.int32) + (x[:, 2] > 1).astype(np.int32)
+    return x, y
+
+
+def keras_mlp(seed=0):
+    keras.utils.set_random_seed(seed)
+    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                             keras.layers.Dense(3, activation="softmax")])
+
+
+def numpy_keras_forward(weights, x):
+    w1, b1, w2, b2 = (np.asarray(w, np.float64) for w in weights)
+    logits = np.maximum(x @ w1 + b1, 0) @ w2 + b2
+    e = np.exp(logits - logits.max(1, keepdims=True))
+    return e / e.sum(1, keepdims=True)
+
+
+def functional_mlp():
+    def init(rng, x):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (x.shape[-1], 16)) * 0.3, "b1": jnp.zeros(16),
+                "w2": jax.random.normal(k2, (16, 3)) * 0.3, "b2": jnp.zeros(3)}
+
+    def apply(p, x, training=False):
+        return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+    return ls.FunctionalModel(init, apply)
+
+
+def numpy_functional_forward(p, x):
+    p = {k: np.asarray(v, np.float64) for k, v in p.items()}
+    return np.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
+
+
+@pytest.mark.parametrize("r", [1, 3, 8])
+def test_evaluate_and_predict_keras_model_match_numpy(r):
+    x, y = data()
+    model = keras_mlp()
+    trainer = ls.Trainer(model, loss="sparse_categorical_crossentropy",
+                         metrics=["accuracy", ls.metrics.F1Score(average="macro")], strategy=ls.MirroredStrategy(r))
+    out = trainer.evaluate(x, y, batch_size=64)
+    probs = numpy_keras_forward(trainer.get_weights(), x)
+    want_loss = np.mean(-np.log(np.clip(probs[np.arange(N), y], 1e-7, 1 - 1e-7)))
+    np.testing.assert_allclose(out["loss"], want_loss, rtol=2e-6)
+    assert out["accuracy"] == np.float32(accuracy_score(y, probs.argmax(1)))
+    np.testing.assert_allclose(out["f1_score"], f1_score(y, probs.argmax(1), average="macro"), rtol=1e-6)
+    pred = trainer.predict(x, batch_size=64)
+    assert pred.shape == (N, 3)
+    np.testing.assert_allclose(pred, model.predict(x, batch_size=N, verbose=0), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(pred, probs, rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("r", [1, 3, 8])
+def test_evaluate_and_predict_functional_model_match_numpy(r):
+    x, y = data()
+    trainer = ls.Trainer(functional_mlp(), loss="sparse_categorical_crossentropy_from_logits",
+                         metrics=["accuracy"], strategy=ls.MirroredStrategy(r))
+    out = trainer.evaluate(x, y, batch_size=64)
+    logits = numpy_functional_forward(trainer.get_weights(), x)
+    logp = logits - np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1, keepdims=True)) - logits.max(1, keepdims=True)
+    np.testing.assert_allclose(out["loss"], -np.mean(logp[np.arange(N), y]), rtol=2e-6)
+    assert out["accuracy"] == np.float32(accuracy_score(y, logits.argmax(1)))
+    single = ls.Trainer(functional_mlp(), loss="sparse_categorical_crossentropy_from_logits",
+                        strategy=ls.OneDeviceStrategy()).predict(x, batch_size=N)
+    pred = trainer.predict(x, batch_size=64)
+    assert pred.shape == (N, 3)
+    np.testing.assert_allclose(pred, single, rtol=1e-5, atol=1e-6)
+
+
+class BatchLogRecorder(ls.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen = getattr(self, "seen", [])
+        self.seen.append(dict(logs))
+
+
+@pytest.mark.parametrize("model_kind", ["keras", "functional"])
+def test_fit_on_8_replicas_equals_fit_on_one(model_kind):
+    x, y = data()
+    results = {}
+    for r in (1, 8):
+        model = keras_mlp() if model_kind == "keras" else functional_mlp()
+        loss = "sparse_categorical_crossentropy" if model_kind == "keras" else "sparse_categorical_crossentropy_from_logits"
+        trainer = ls.Trainer(model, optimizer="adam", loss=loss, metrics=["accuracy"], strategy=ls.MirroredStrategy(r))
+        rec = BatchLogRecorder()
+        hist = trainer.fit(x, y, batch_size=64, epochs=3, validation_split=0.2, shuffle=True, seed=1, verbose=0,
+                           callbacks=[rec])
+        results[r] = (trainer.get_weights(), hist.history, rec.seen)
+    (w1, h1, b1), (w8, h8, b8) = results[1], results[8]
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5), w1, w8)
+    assert h1.keys() == h8.keys() == {"loss", "accuracy", "val_loss", "val_accuracy"}
+    for k in h1:
+        np.testing.assert_allclose(h1[k], h8[k], rtol=1e-4, atol=1e-6)
+    # per-step logs: running global values over the samples seen so far, identical for R=1 and R=8
+    assert len(b1) == len(b8) == 3 * 13
+    for a, b in zip(b1, b8):
+        np.testing.assert_allclose(a["loss"], b["loss"], rtol=1e-4)
+        np.testing.assert_allclose(a["accuracy"], b["accuracy"], rtol=1e-5)
+
+
+def test_running_batch_logs_are_global_not_per_replica_averages():
+    # a constant model: the running loss after each step must be the mean over all samples seen
+    x, y = data(200)
+    model = ls.FunctionalModel(lambda rng, x: {"b": jnp.zeros(3)}, lambda p, x, training=False: x[:, :3] * 0 + p["b"])
+    trainer = ls.Trainer(model, optimizer=optax.sgd(0.0),
+                         loss=lambda t, p: ls.losses.mean_squared_error(jax.nn.one_hot(t, 3), p),
+                         strategy=ls.MirroredStrategy(8))
+    rec = BatchLogRecorder()
+    trainer.fit(x, y, batch_size=64, epochs=1, shuffle=False, verbose=0, callbacks=[rec])
+    per_sample = np.mean((np.eye(3)[y] - 0) ** 2, axis=1)
+    for step, logs in enumerate(rec.seen):
+        seen = min((step + 1) * 64, 200)
+        np.testing.assert_allclose(logs["loss"], per_sample[:seen].mean(), rtol=1e-6)
+
+
+def test_sample_weights_and_iterables_of_batches():
+    x, y = data(301)
+    w = np.random.default_rng(1).integers(0, 3, size=301).astype(np.float32)
+    trainer = ls.Trainer(functional_mlp(), loss="sparse_categorical_crossentropy_from_logits", metrics=["accuracy"],
+                         strategy=ls.MirroredStrategy(3))
+    out = trainer.evaluate(x, y, sample_weight=w, batch_size=50)
+    logits = numpy_functional_forward(trainer.get_weights(), x)
+    assert out["accuracy"] == np.float32(accuracy_score(y, logits.argmax(1), sample_weight=w))
+    gen_out = trainer.evaluate(((x[i:i + 50], y[i:i + 50], w[i:i + 50]) for i in range(0, 301, 50)))
+    np.testing.assert_allclose(gen_out["loss"], out["loss"], rtol=1e-6)
+    assert gen_out["accuracy"] == out["accuracy"]
+    pred = trainer.predict((x[i:i + 77],) for i in range(0, 301, 77))
+    assert pred.shape == (301, 3)
+
+
+def test_keras_model_holds_trained_weights_and_set_weights_syncs():
+    x, y = data(256)
+    model = keras_mlp()
+    trainer = ls.Trainer(model, strategy=ls.MirroredStrategy(4))
+    trainer.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    for a, b in zip(model.get_weights(), trainer.get_weights()):
+        np.testing.assert_array_equal(a, b)
+    zeros = [np.zeros_like(w) for w in trainer.get_weights()]
+    trainer.set_weights(zeros)
+    assert all(not np.any(w) for w in model.get_weights())
+
+
+def test_steps_per_epoch_and_initial_epoch():
+    x, y = data(200)
+    trainer = ls.Trainer(functional_mlp(), loss="sparse_categorical_crossentropy_from_logits",
+                         strategy=ls.MirroredStrategy(2))
+    rec = BatchLogRecorder()
+    hist = trainer.fit(x, y, batch_size=20, epochs=4, initial_epoch=2, steps_per_epoch=3, verbose=0, callbacks=[rec])
+    assert hist.epoch == [2, 3]
+    assert len(rec.seen) == 6
+
+
+def test_learning_rate_is_readable_and_settable_without_recompiling():
+    x, y = data(64)
+    trainer = ls.Trainer(functional_mlp(), optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
+                         strategy=ls.MirroredStrategy(2))
+    trainer.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    assert trainer.learning_rate == pytest.approx(0.01)
+    trainer.learning_rate = 0.0
+    before = trainer.get_weights()
+    trainer.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    jax.tree.map(np.testing.assert_array_equal, before, trainer.get_weights())
+    train_keys = [k for k in trainer.strategy._runs if k[0] is trainer._steps["train"]]
+    assert len(train_keys) == 1
+    with pytest.raises(ValueError, match="inject_hyperparams"):
+        t2 = ls.Trainer(functional_mlp(), optimizer=optax.sgd(0.1),
+                        loss="sparse_categorical_crossentropy_from_logits")
+        t2.fit(x, y, batch_size=32, epochs=1, verbose=0)
+        t2.learning_rate = 0.5
+
+
+# --- errors ---------------------------------------------------------------------------------
+def test_clear_errors():
+    x, y = data(10)
+    t = ls.Trainer(functional_mlp(), loss="sparse_categorical_crossentropy_from_logits")
+    with pytest.raises(ValueError, match=r"`x` has 10, `y` has 9"):
+        t.fit(x, y[:9], verbose=0)
+    for bad in (1.0, -0.1, 1.5):
+        with pytest.raises(ValueError, match="validation_split"):
+            t.fit(x, y, validation_split=bad, verbose=0)
+    with pytest.raises(ValueError, match="loss='hinge_me'"):
+        ls.Trainer(functional_mlp(), loss="hinge_me")
+    with pytest.raises(ValueError, match="optimizer='adamax_plus'"):
+        ls.Trainer(functional_mlp(), optimizer="adamax_plus")
+    with pytest.raises(TypeError, match="model"):
+        ls.Trainer(object())
+    with pytest.raises(ValueError, match="batch_size"):
+        t.evaluate(x, y, batch_size=0)
+
+
+def test_keras_model_on_another_backend_is_refused():
+    code = ("import keras, lockstep as ls\n"
+            "m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])\n"
+            "try:\n    ls.Trainer(m)\nexcept ValueError as e:\n    print('ERR', e)\n")
+    env = {**os.environ, "KERAS_BACKEND": "numpy"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert "ERR a Keras model needs the JAX backend" in out.stdout, out.stdout + out.stderr
+    assert "'numpy'" in out.stdout
+
+
+def test_one_shot_iterators_lose_no_batch_and_fail_clearly_when_used_up():
+    x, y = data(120)
+    t = ls.Trainer(functional_mlp(), loss="sparse_categorical_crossentropy_from_logits", metrics=["accuracy"],
+                   strategy=ls.MirroredStrategy(4))
+    whole = t.evaluate(x, y, batch_size=120)
+    one_shot = t.evaluate(iter([(x[i:i + 25], y[i:i + 25]) for i in range(0, 120, 25)]))
+    assert one_shot["accuracy"] == whole["accuracy"]
+    np.testing.assert_allclose(one_shot["loss"], whole["loss"], rtol=1e-6)
+    gen = ((x[i:i + 30], y[i:i + 30]) for i in range(0, 120, 30))
+    with pytest.raises(ValueError, match="no batch in epoch 2"):
+        t.fit(gen, epochs=2, verbose=0)
+    gen = ((x[i % 120:i % 120 + 30], y[i % 120:i % 120 + 30]) for i in range(0, 240, 30))
+    hist = t.fit(gen, epochs=2, steps_per_epoch=4, verbose=0)  # one iterator continues across epochs
+    assert hist.epoch == [0, 1]
