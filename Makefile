@@ -16,7 +16,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 install: $(STAMP)
 
 demo: $(STAMP)
-	KERAS_BACKEND=jax $(BIN)/python examples/custom_loop.py
+	KERAS_BACKEND=jax $(BIN)/python examples/keras_mirrored.py demo_output
 
 test: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python -m pytest -q

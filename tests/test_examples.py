@@ -10,10 +10,12 @@ import pytest
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["custom_loop.py"])
-def test_example_runs_and_agrees(script):
+@pytest.mark.parametrize("script", ["custom_loop.py", "keras_mirrored.py", "early_stopping.py",
+                                    "f1_training_metric.py"])
+def test_example_runs_and_agrees(script, tmp_path):
     env = {**os.environ, "KERAS_BACKEND": "jax", "XLA_FLAGS": ""}
-    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script)], capture_output=True,
-                          text=True, timeout=240, env=env, cwd=ROOT)
+    args = [str(tmp_path)] if script == "keras_mirrored.py" else []
+    proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True,
+                          text=True, timeout=240, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
-    assert "agree" in proc.stdout.splitlines()[-1]
+    assert "agree" in proc.stdout.splitlines()[-1] and "DISAGREE" not in proc.stdout

@@ -49,9 +49,10 @@ class MonitorCallback(Callback):
         return self._direction
 
     def is_improvement(self, value: float, reference: float | None) -> bool:
+        direction = self._resolve_direction()  # first, so an undirected monitor fails at once
         if reference is None:
             return True
-        if self._resolve_direction() == "min":
+        if direction == "min":
             return bool(value + self.min_delta < reference)
         return bool(value - self.min_delta > reference)
 

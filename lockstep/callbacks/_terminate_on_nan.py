@@ -25,7 +25,12 @@ class TerminateOnNaN(Callback):
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch = epoch
 
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self.terminated_at = None
+
     def _check(self, logs: Any, batch: int | None) -> None:
+        if self.terminated_at is not None:
+            return
         loss = None if logs is None else logs.get("loss")
         if loss is not None and not np.isfinite(float(np.asarray(loss))):
             print(f"Batch {batch}: invalid loss, terminating training" if batch is not None

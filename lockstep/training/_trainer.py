@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -62,6 +63,16 @@ def _is_arrays(x: Any) -> bool:
         isinstance(x, Mapping) and all(isinstance(v, (np.ndarray, jax.Array)) for v in x.values()))
 
 
+def _check_takes_labels(metric: Metric) -> None:
+    params = inspect.signature(metric.batch_state).parameters.values()
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                  and p.name != "sample_weight"]
+    if len(positional) < 2 and not any(p.kind is p.VAR_POSITIONAL for p in params):
+        raise TypeError(
+            f"`metrics` holds {type(metric).__name__} `{metric.name}`, which takes `values`, not "
+            "(y_true, y_pred); wrap a per-sample function in lockstep.metrics.MeanMetricWrapper instead.")
+
+
 def _num_samples(x: Any) -> int:
     return int(np.shape(jax.tree.leaves(x)[0])[0])
 
@@ -109,7 +120,10 @@ class Trainer:
         if metrics is not None and (isinstance(metrics, (str, Metric)) or not isinstance(metrics, Iterable)):
             raise TypeError(f"`metrics` must be a list of metrics or names, got {metrics!r}.")
         self._loss_tracker = Mean(name="loss")
-        self._all = MetricCollection([self._loss_tracker, *[get_metric(m) for m in (metrics or [])]])
+        resolved = [get_metric(m) for m in (metrics or [])]
+        for m in resolved:
+            _check_takes_labels(m)
+        self._all = MetricCollection([self._loss_tracker, *resolved])
         self._metrics = MetricCollection({k: m for k, m in self._all.metrics.items() if m is not self._loss_tracker})
         self._params: Any = None
         self._opt_state: Any = None
