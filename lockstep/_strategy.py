@@ -104,6 +104,7 @@ class Strategy:
         self._replicated = NamedSharding(self._mesh, P())
         self._split = NamedSharding(self._mesh, P(AXIS))
         self._runs: dict[Any, _RunEntry] = {}
+        self._helpers: dict[Any, Callable[..., Any]] = {}
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._lock = threading.Lock()
 
@@ -159,30 +160,41 @@ class Strategy:
     def _put_replicated(self, x: Any) -> jax.Array:
         return jax.device_put(x, self._replicated)
 
+    @property
+    def _local_replica_ids(self) -> list[int]:
+        me = jax.process_index()
+        return [i for i, d in enumerate(self._devices) if d.process_index == me]
+
+    def _place_split(self, local: list[np.ndarray], global_rows: int) -> list[jax.Array]:
+        """Global arrays split over replicas from this process's rows (all rows when single-process)."""
+        if jax.process_count() == 1:
+            return jax.device_put(local, self._split)
+        return [jax.make_array_from_process_local_data(self._split, x, (global_rows, *x.shape[1:])) for x in local]
+
     def _distribute_batch(self, batch: Any, padded_size: int | None = None) -> DistributedBatch:
-        """Splits one global batch (a pytree of arrays) across replicas, padded, with a mask."""
+        """Splits one global batch (a pytree of arrays, the same on every worker) across replicas,
+        padded, with a mask. Each worker keeps only the rows of its own replicas."""
         leaves, treedef = jax.tree.flatten(batch)
         if not leaves:
             raise ValueError(f"`batch` must hold at least one array, got {batch!r}.")
         leaves = [_to_numpy(x) for x in leaves]
-        lengths = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
-        if len(lengths) != 1 or -1 in lengths:
-            shapes = [np.shape(x) for x in leaves]
-            raise ValueError(
-                f"every array of a batch must have the same leading (batch) dimension, got shapes {shapes}."
-            )
-        n = lengths.pop()
-        if n < 1:
-            raise ValueError("a batch must hold at least one sample, got an empty batch.")
+        n = _batch_length(leaves)
         r = self.num_replicas_in_sync
         size = max(padded_size or 0, math.ceil(n / r) * r)
         size = math.ceil(size / r) * r
-        if size > n:  # pad by repeating the first row: padding stays valid input (labels in range, no log(0))
-            idx = np.concatenate([np.arange(n), np.zeros(size - n, dtype=np.int64)])
-            leaves = [np.take(x, idx, axis=0) for x in leaves]
-        mask = (np.arange(size) < n).astype(np.float32)
-        placed = jax.device_put([*leaves, mask], self._split)
-        step = StepInfo(r, size // r, n)
+        b = size // r
+        ids = self._local_replica_ids
+        lo, hi = ids[0] * b, (ids[-1] + 1) * b  # a process's replicas are contiguous in the mesh
+        # padding repeats the first row: padding stays valid input (labels in range, no log(0))
+        idx = np.arange(lo, hi)
+        idx = np.where(idx < n, idx, 0)
+        if lo == 0 and hi <= n:
+            local = [x[:hi] for x in leaves]
+        else:
+            local = [np.take(x, idx, axis=0) for x in leaves]
+        mask = (np.arange(lo, hi) < n).astype(np.float32)
+        placed = self._place_split([*local, mask], size)
+        step = StepInfo.contiguous(r, b, n)
         return DistributedBatch(placed[:-1], treedef, placed[-1], step, self)
 
     # --- datasets ----------------------------------------------------------------------
@@ -323,6 +335,14 @@ class Strategy:
             self._track(outs[0])
         return jax.tree.unflatten(entry.out_tree, wrapped)
 
+    def _call(self, fn: Callable[..., Any], *args: Any, **static: Any) -> jax.Array:
+        """`fn` compiled with a result replicated on every device (readable on every worker)."""
+        key = (fn, tuple(sorted(static)))
+        jitted = self._helpers.get(key)
+        if jitted is None:
+            jitted = self._helpers[key] = jax.jit(fn, static_argnames=tuple(static), out_shardings=self._replicated)
+        return jitted(*args, **static)
+
     def _track(self, token: jax.Array) -> None:
         """Bounds the compiled steps in flight (DESIGN.md's CPU deadlock)."""
         self._in_flight.append(token)
@@ -431,13 +451,13 @@ class Strategy:
             raise ValueError("`axis=0` needs per-replica values with a batch axis, got scalars per replica.")
         weights = np.ones(r, np.float32) if step is None else step.counts.astype(np.float32)
         if axis is None:
-            return _reduce_replicas(stacked, weights, op=op)
+            return self._call(_reduce_replicas, stacked, weights, op=op)
         rows = stacked.shape[1]
         if step is not None and rows == step.per_replica:
             row_mask = step.row_mask
         else:
             row_mask = np.ones((r, rows), bool)
-        return _reduce_rows(stacked, row_mask, op=op)
+        return self._call(_reduce_rows, stacked, row_mask, op=op)
 
     def gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenates per-replica values along `axis`; padding rows of batch-aligned values are dropped.
@@ -462,8 +482,8 @@ class Strategy:
         if stacked.ndim < 2:
             raise ValueError("`gather` needs per-replica values with at least one axis, got scalars per replica.")
         if axis == 0 and step is not None and stacked.shape[1] == step.per_replica:
-            return _take_rows(stacked, np.flatnonzero(step.row_mask.reshape(-1)))
-        return _concat_replicas(stacked, axis=axis)
+            return self._call(_take_rows, stacked, np.flatnonzero(step.row_mask.reshape(-1)))
+        return self._call(_concat_replicas, stacked, axis=axis)
 
     def experimental_local_results(self, value: Any) -> Any:
         """Each leaf as a tuple with one entry per local replica, in replica order.
@@ -481,6 +501,17 @@ class Strategy:
                 return (v._array,) * n_local
             return (v,) * n_local
         return jax.tree.map(local, value, is_leaf=is_distributed)
+
+
+def _batch_length(leaves: list[np.ndarray]) -> int:
+    lengths = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
+    if len(lengths) != 1 or -1 in lengths:
+        shapes = [np.shape(x) for x in leaves]
+        raise ValueError(f"every array of a batch must have the same leading (batch) dimension, got shapes {shapes}.")
+    n = lengths.pop()
+    if n < 1:
+        raise ValueError("a batch must hold at least one sample, got an empty batch.")
+    return n
 
 
 def _signature(x: Any) -> Any:
@@ -502,7 +533,6 @@ def _split_rows(a: jax.Array, r: int) -> jax.Array:
     return a.reshape(r, a.shape[0] // r, *a.shape[1:])
 
 
-@functools.partial(jax.jit, static_argnames=("op",))
 def _reduce_replicas(stacked: jax.Array, weights: jax.Array, *, op: ReduceOp) -> jax.Array:
     if op is ReduceOp.SUM:
         return jnp.sum(stacked, axis=0)
@@ -514,7 +544,6 @@ def _reduce_replicas(stacked: jax.Array, weights: jax.Array, *, op: ReduceOp) ->
     return jnp.sum(jnp.where(w > 0, stacked * w, 0), axis=0) / jnp.sum(weights)
 
 
-@functools.partial(jax.jit, static_argnames=("op",))
 def _reduce_rows(stacked: jax.Array, row_mask: jax.Array, *, op: ReduceOp) -> jax.Array:
     m = row_mask.reshape(row_mask.shape + (1,) * (stacked.ndim - 2))
     if op is ReduceOp.SUM:
@@ -527,13 +556,11 @@ def _reduce_rows(stacked: jax.Array, row_mask: jax.Array, *, op: ReduceOp) -> ja
     return jnp.min(jnp.where(m, stacked, _highest(stacked.dtype)), axis=(0, 1))
 
 
-@jax.jit
 def _take_rows(stacked: jax.Array, idx: jax.Array) -> jax.Array:
     flat = stacked.reshape(-1, *stacked.shape[2:])
     return jnp.take(flat, idx, axis=0)
 
 
-@functools.partial(jax.jit, static_argnames=("axis",))
 def _concat_replicas(stacked: jax.Array, *, axis: int) -> jax.Array:
     return jnp.concatenate(list(stacked), axis=axis)
 

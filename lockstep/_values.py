@@ -22,20 +22,24 @@ AXIS = "replica"
 class StepInfo:
     """Host-side facts of one distributed batch: which rows of each replica are real.
 
-    Known on the host when the batch is built, so trimming padding never waits on a device.
+    Known on the host when the batch is built (on every worker), so trimming padding never
+    waits on a device. Replica `r` holds `counts[r]` real rows, then padding.
     """
 
     __slots__ = ("num_replicas", "per_replica", "num_real", "counts", "row_mask")
 
-    def __init__(self, num_replicas: int, per_replica: int, num_real: int):
+    def __init__(self, num_replicas: int, per_replica: int, counts: np.ndarray):
         self.num_replicas = num_replicas
         self.per_replica = per_replica
-        self.num_real = num_real
+        self.counts = np.asarray(counts, np.int64)  # (R,)
+        self.num_real = int(self.counts.sum())
+        self.row_mask = np.arange(per_replica)[None, :] < self.counts[:, None]  # (R, b) bool
+
+    @classmethod
+    def contiguous(cls, num_replicas: int, per_replica: int, num_real: int) -> "StepInfo":
+        """A global batch of `num_real` rows laid out replica after replica, padding at the end."""
         starts = np.arange(num_replicas) * per_replica
-        self.counts = np.clip(num_real - starts, 0, per_replica).astype(np.int64)  # (R,)
-        self.row_mask = (np.arange(num_replicas * per_replica) < num_real).reshape(
-            num_replicas, per_replica
-        )  # (R, b) bool
+        return cls(num_replicas, per_replica, np.clip(num_real - starts, 0, per_replica))
 
 
 class PerReplica:

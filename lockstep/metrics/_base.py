@@ -20,7 +20,6 @@ The eager face, with Keras' names, on the same implementation:
 
 from __future__ import annotations
 
-import functools
 import re
 from collections.abc import Mapping
 from typing import Any, NamedTuple
@@ -77,28 +76,19 @@ def _sync_in_replica(state: State, specs: Mapping[str, StateSpec]) -> State:
     return out
 
 
-@functools.partial(jax.jit, static_argnames=("reductions",))
-def _sync_stacked(stacked: State, reductions: tuple[tuple[str, str], ...]) -> State:
-    out = {}
-    for k, reduction in reductions:
-        a = stacked[k]
-        if reduction == "sum":
-            out[k] = jnp.sum(a, axis=0)
-        elif reduction == "max":
-            out[k] = jnp.max(a, axis=0)
-        elif reduction == "min":
-            out[k] = jnp.min(a, axis=0)
-        else:
-            out[k] = a.reshape(-1, *a.shape[2:])
-    return out
+def _sync_per_replica(reductions: tuple[tuple[str, str], ...], state: State) -> State:
+    """Runs inside `strategy.run`: the in-replica sync, for state given as `PerReplica` values."""
+    specs = {k: StateSpec((), None, reduction, 0) for k, reduction in reductions}
+    return _sync_in_replica(state, specs)
 
 
 def sync_state(state: State, specs: Mapping[str, StateSpec]) -> State:
     """Reduces per-replica metric state across replicas with each field's declared reduction.
 
-    Inside `strategy.run` this is one all-reduce per kind of reduction; outside, on the
-    `PerReplica` state that `run` returned, one compiled program for all fields. State that is
-    already global (mirrored, or plain arrays) is returned as it is.
+    Inside `strategy.run` this is one all-reduce per kind of reduction, all fields together;
+    outside, on the `PerReplica` state that `run` returned, the same program runs through the
+    state's strategy (so it works across workers too). State that is already global (mirrored,
+    or plain arrays) is returned as it is.
     """
     if set(state) != set(specs):
         raise ValueError(f"`state` must have the fields {sorted(specs)}, got {sorted(state)}.")
@@ -111,7 +101,11 @@ def sync_state(state: State, specs: Mapping[str, StateSpec]) -> State:
         if len(strategies) > 1:
             raise ValueError("`state` mixes per-replica values of several strategies.")
         reductions = tuple(sorted((k, specs[k].reduction) for k in per))
-        out.update(_sync_stacked({k: v._array for k, v in per.items()}, reductions))
+        synced = strategies.pop().run(_sync_per_replica, args=(reductions, per))
+        out.update({k: v._array if isinstance(v, (Mirrored, PerReplica)) else v for k, v in synced.items()})
+        for k, reduction in reductions:  # an all-gather comes back per replica, identical: take one copy
+            if reduction == "cat" and isinstance(synced[k], PerReplica):
+                out[k] = synced[k]._strategy.experimental_local_results(synced[k])[0]
     return out
 
 
