@@ -10,6 +10,12 @@ from . import losses as losses
 from . import metrics as metrics
 from ._devices import simulate_cpu_devices as simulate_cpu_devices
 from ._errors import UsageError as UsageError
+from ._multi_worker import ClusterResolver as ClusterResolver
+from ._multi_worker import EnvClusterResolver as EnvClusterResolver
+from ._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
+from ._multi_worker import SlurmClusterResolver as SlurmClusterResolver
+from ._multi_worker import TFConfigClusterResolver as TFConfigClusterResolver
+from ._multi_worker import resolve_cluster as resolve_cluster
 from ._reduce import ReduceOp as ReduceOp
 from ._strategy import DistributedDataset as DistributedDataset
 from ._strategy import InputContext as InputContext
@@ -30,6 +36,12 @@ from .training import Trainer as Trainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "ClusterResolver",
+    "EnvClusterResolver",
+    "MultiWorkerMirroredStrategy",
+    "SlurmClusterResolver",
+    "TFConfigClusterResolver",
+    "resolve_cluster",
     "FunctionalModel",
     "Trainer",
     "callbacks",

@@ -197,6 +197,55 @@ class Strategy:
         step = StepInfo.contiguous(r, b, n)
         return DistributedBatch(placed[:-1], treedef, placed[-1], step, self)
 
+    def _replicas_per_process(self) -> list[int]:
+        counts = collections.Counter(d.process_index for d in self._devices)
+        return [counts[p] for p in range(jax.process_count())]
+
+    def _allgather_counts(self, n: int) -> np.ndarray:
+        """Every worker's local batch size this step (one small collective across workers)."""
+        if jax.process_count() == 1:
+            return np.array([n])
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(np.array([n], np.int64))).reshape(-1)
+
+    def _distribute_local_batches(self, dataset: Iterable[Any]) -> Iterator[DistributedBatch]:
+        """Per-worker pipelines: agree on sizes each step; a finished worker sends padding only."""
+        it = iter(dataset)
+        template: list[np.ndarray] | None = None
+        treedef: Any = None
+        per_replica = 0
+        local_replicas = self._replicas_per_process()
+        mine = local_replicas[jax.process_index()]
+        while True:
+            batch = next(it, None)
+            if batch is not None:
+                leaves, treedef = jax.tree.flatten(batch)
+                leaves = [_to_numpy(x) for x in leaves]
+                n = _batch_length(leaves)
+                if template is None:
+                    template = [x[:1] for x in leaves]
+            else:
+                n = 0
+            sizes = self._allgather_counts(n)
+            if not sizes.any():
+                return
+            if template is None:
+                raise ValueError(f"worker {jax.process_index()}'s pipeline yielded no batch while other workers' "
+                                 "did: give every worker at least one batch.")
+            per_replica = max(per_replica, *(math.ceil(int(k) / r) for k, r in zip(sizes, local_replicas)))
+            rows = mine * per_replica
+            source = leaves if n else template
+            idx = np.where(np.arange(rows) < n, np.arange(rows), 0)
+            local = [np.take(x, idx, axis=0) for x in source]
+            mask = (np.arange(rows) < n).astype(np.float32)
+            counts = np.concatenate([np.clip(int(k) - np.arange(r) * per_replica, 0, per_replica)
+                                     for k, r in zip(sizes, local_replicas)])
+            total = self.num_replicas_in_sync * per_replica
+            placed = self._place_split([*local, mask], total)
+            yield DistributedBatch(placed[:-1], treedef, placed[-1],
+                                   StepInfo(self.num_replicas_in_sync, per_replica, counts), self)
+
     # --- datasets ----------------------------------------------------------------------
     def experimental_distribute_dataset(self, dataset: Iterable[Any]) -> "DistributedDataset":
         """Wraps an iterable of *global* batches so each batch is split across replicas.
@@ -229,7 +278,10 @@ class Strategy:
         if not callable(dataset_fn):
             raise TypeError(f"`dataset_fn` must be callable, got {type(dataset_fn).__name__}.")
         ctx = InputContext(jax.process_count(), jax.process_index(), self.num_replicas_in_sync)
-        return self.experimental_distribute_dataset(dataset_fn(ctx))
+        dataset = dataset_fn(ctx)
+        if not isinstance(dataset, Iterable):
+            raise TypeError(f"`dataset_fn` must return an iterable of batches, got {type(dataset).__name__}.")
+        return DistributedDataset(self, dataset, per_worker=True)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[["ValueContext"], Any]) -> Any:
         """A per-replica value made by calling `value_fn(ValueContext)` once per replica.
@@ -566,13 +618,23 @@ def _concat_replicas(stacked: jax.Array, *, axis: int) -> jax.Array:
 
 
 class DistributedDataset:
-    """An iterable of `DistributedBatch`es made from an iterable of global batches."""
+    """An iterable of `DistributedBatch`es.
 
-    def __init__(self, strategy: Strategy, dataset: Iterable[Any]):
+    Made by `experimental_distribute_dataset` (every worker iterates the same *global* batches
+    and keeps its replicas' rows) or by `distribute_datasets_from_function` (each worker has its
+    own pipeline of *local* batches; per step, the workers agree on a padded size, and a worker
+    whose pipeline ran out contributes a batch of padding only, so all take the same steps).
+    """
+
+    def __init__(self, strategy: Strategy, dataset: Iterable[Any], per_worker: bool = False):
         self._strategy = strategy
         self._dataset = dataset
+        self._per_worker = per_worker
 
     def __iter__(self) -> Iterator[DistributedBatch]:
+        if self._per_worker:
+            yield from self._strategy._distribute_local_batches(self._dataset)
+            return
         padded: int | None = None
         for batch in self._dataset:
             dist = self._strategy._distribute_batch(batch, padded)

@@ -13,7 +13,7 @@ import numpy as np
 import optax
 
 from .. import losses as _losses
-from .._strategy import Strategy, get_strategy
+from .._strategy import DistributedDataset, Strategy, get_strategy
 from .._values import Mirrored, PerReplica
 from ..callbacks import Callback, CallbackList, History, ProgbarLogger
 from ..callbacks._callback import is_chief
@@ -133,6 +133,10 @@ class Trainer:
 
     # --- building ------------------------------------------------------------------------
     def _place(self, params: Any) -> None:
+        if jax.process_count() > 1:  # every worker starts from worker 0's weights
+            from jax.experimental import multihost_utils
+
+            params = jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(params))
         self._params = jax.device_put(params, self.strategy._replicated)
         self._opt_state = jax.device_put(self._optimizer.init(self._params["trainable"]), self.strategy._replicated)
 
@@ -167,6 +171,12 @@ class Trainer:
                  arg: str = "x") -> Iterable[Any]:
         if x is None:
             raise ValueError(f"`{arg}` is required, got None.")
+        if isinstance(x, DistributedDataset):
+            if x._strategy is not self.strategy:
+                raise ValueError(f"`{arg}` is a distributed dataset of another strategy than the trainer's.")
+            if y is not None or sample_weight is not None:
+                raise ValueError(f"when `{arg}` is a distributed dataset, `y` and `sample_weight` must be None.")
+            return x
         if _is_arrays(x):
             n = _num_samples(x)
             arrays: list[Any] = [x]
@@ -190,9 +200,12 @@ class Trainer:
                              "(each batch carries them).")
         return x
 
-    @staticmethod
-    def _peek(data: Iterable[Any]) -> tuple[Any, Iterable[Any]]:
+    @classmethod
+    def _peek(cls, data: Iterable[Any]) -> tuple[Any, Iterable[Any]]:
         """The first batch, and `data` with that batch still in it (a one-shot iterator is chained)."""
+        if isinstance(data, DistributedDataset):
+            first, inner = cls._peek(data._dataset)
+            return first, DistributedDataset(data._strategy, inner, data._per_worker)
         if hasattr(data, "iterate"):
             first = next(iter(data.iterate(0)), None)  # a lockstep Batches: re-iterable, no epoch consumed
         elif iter(data) is data:
@@ -204,6 +217,9 @@ class Trainer:
         if first is None:
             raise ValueError("the data yields no batch.")
         return first, data
+
+    def _distribute(self, data: Iterable[Any]) -> DistributedDataset:
+        return data if isinstance(data, DistributedDataset) else self.strategy.experimental_distribute_dataset(data)
 
     def _read(self, state: Any) -> dict[str, Any]:
         values = self.strategy.run(self._steps["read"], args=(state,))
@@ -250,7 +266,8 @@ class Trainer:
         train = self._batches(x, y, sample_weight, batch_size, shuffle, seed)
         val = None
         if validation_data is not None:
-            if isinstance(validation_data, tuple) and 2 <= len(validation_data) <= 3 and _is_arrays(validation_data[0]):
+            if (isinstance(validation_data, tuple) and 2 <= len(validation_data) <= 3
+                    and _is_arrays(validation_data[0])):
                 vx, vy, vw = (*validation_data, None)[:3]
                 val = self._batches(vx, vy, vw, validation_batch_size or batch_size, False, 0, "validation_data")
             else:
@@ -270,7 +287,7 @@ class Trainer:
         cblist = CallbackList(cbs, self)
         self.history = history
         self.stop_training = False
-        dist_train = self.strategy.experimental_distribute_dataset(train)
+        dist_train = self._distribute(train)
         train_step = self._steps["train"]
 
         cblist.on_train_begin()
@@ -318,7 +335,7 @@ class Trainer:
         step_fn = self._steps["eval"]
         if cblist is not None:
             cblist.on_test_begin()
-        for step, batch in enumerate(self.strategy.experimental_distribute_dataset(data)):
+        for step, batch in enumerate(self._distribute(data)):
             state = self.strategy.run(step_fn, args=(self._params, state, batch))
             if cblist is not None:
                 cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
@@ -353,7 +370,7 @@ class Trainer:
         cblist = CallbackList(list(callbacks or []), self)
         cblist.on_predict_begin()
         outputs = []
-        for step, batch in enumerate(self.strategy.experimental_distribute_dataset(data)):
+        for step, batch in enumerate(self._distribute(data)):
             out = self.strategy.gather(self.strategy.run(self._steps["predict"], args=(self._params, batch)))
             outputs.append(jax.tree.map(np.asarray, out))
             cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})

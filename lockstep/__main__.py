@@ -1,0 +1,5 @@
+"""`python -m lockstep launch ...`."""
+
+from .cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,298 @@
+"""`MultiWorkerMirroredStrategy`: synchronous data parallelism over several processes.
+
+Built on JAX's own distributed runtime (`jax.distributed`: a coordination service, gloo
+collectives on CPU, NCCL on GPU). Each process is a *worker*; the replicas are all devices of
+all workers. Start the workers with `lockstep launch`, or give each the environment below.
+
+On each of two machines (or twice on one, with different ids)::
+
+    LOCKSTEP_COORDINATOR_ADDRESS=10.0.0.1:29500 LOCKSTEP_NUM_PROCESSES=2 LOCKSTEP_PROCESS_ID=0 python train.py
+    LOCKSTEP_COORDINATOR_ADDRESS=10.0.0.1:29500 LOCKSTEP_NUM_PROCESSES=2 LOCKSTEP_PROCESS_ID=1 python train.py
+
+No hangs: the runtime's heartbeat and collective time-outs are set from `failure_timeout`
+(default `LOCKSTEP_FAILURE_TIMEOUT`, else 20 s), and a watchdog thread makes a worker whose peer
+died or froze exit with `LOST_WORKER_EXIT_CODE` and a one-line message naming that peer.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import re
+import sys
+import threading
+import time
+from typing import Any
+
+import jax
+
+from ._errors import UsageError
+from ._strategy import Strategy
+
+#: Exit code of a worker that lost a peer (dead, frozen or unreachable).
+LOST_WORKER_EXIT_CODE = 75
+DEFAULT_FAILURE_TIMEOUT = 20.0
+_BEAT_INTERVAL = 1.0
+
+
+class ClusterResolver:
+    """Where the coordinator is, how many workers there are, and which one this is.
+
+    >>> r = ClusterResolver("127.0.0.1:29500", num_processes=2, process_id=1)
+    >>> r.task_id, r.is_chief, r.num_workers
+    (1, False, 2)
+    """
+
+    def __init__(self, coordinator_address: str, num_processes: int, process_id: int):
+        if not isinstance(coordinator_address, str) or ":" not in coordinator_address:
+            raise ValueError(f"`coordinator_address` must be 'host:port', got {coordinator_address!r}.")
+        if not isinstance(num_processes, int) or num_processes < 1:
+            raise ValueError(f"`num_processes` must be a positive integer, got num_processes={num_processes!r}.")
+        if not isinstance(process_id, int) or not 0 <= process_id < num_processes:
+            raise ValueError(f"`process_id` must be in [0, {num_processes}), got process_id={process_id!r}.")
+        self.coordinator_address = coordinator_address
+        self.num_processes = num_processes
+        self.process_id = process_id
+
+    @property
+    def task_id(self) -> int:
+        return self.process_id
+
+    @property
+    def num_workers(self) -> int:
+        return self.num_processes
+
+    @property
+    def is_chief(self) -> bool:
+        """Worker 0 writes files and prints."""
+        return self.process_id == 0
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(coordinator_address={self.coordinator_address!r}, "
+                f"num_processes={self.num_processes}, process_id={self.process_id})")
+
+
+def _int_env(env: dict[str, str], name: str) -> int:
+    try:
+        return int(env[name])
+    except ValueError:
+        raise ValueError(f"the environment variable {name} must be an integer, got {env[name]!r}.") from None
+
+
+class EnvClusterResolver(ClusterResolver):
+    """From `LOCKSTEP_COORDINATOR_ADDRESS`, `LOCKSTEP_NUM_PROCESSES`, `LOCKSTEP_PROCESS_ID`."""
+
+    def __init__(self, env: dict[str, str] | None = None):
+        env = dict(os.environ if env is None else env)
+        missing = [k for k in ("LOCKSTEP_COORDINATOR_ADDRESS", "LOCKSTEP_NUM_PROCESSES", "LOCKSTEP_PROCESS_ID")
+                   if k not in env]
+        if missing:
+            raise ValueError(f"the environment lacks {missing} for a multi-worker cluster.")
+        super().__init__(env["LOCKSTEP_COORDINATOR_ADDRESS"], _int_env(env, "LOCKSTEP_NUM_PROCESSES"),
+                         _int_env(env, "LOCKSTEP_PROCESS_ID"))
+
+
+class TFConfigClusterResolver(ClusterResolver):
+    """From `TF_CONFIG`, as `tf.distribute` users already write it.
+
+    The chief (if the cluster names one) is worker 0 and the coordinator; else ``worker[0]`` is.
+
+    >>> import json
+    >>> cfg = {"cluster": {"worker": ["localhost:12345", "localhost:23456"]}, "task": {"type": "worker", "index": 1}}
+    >>> r = TFConfigClusterResolver(json.dumps(cfg))
+    >>> r.coordinator_address, r.num_processes, r.task_id
+    ('localhost:12345', 2, 1)
+    """
+
+    def __init__(self, tf_config: str | dict[str, Any] | None = None):
+        raw = os.environ.get("TF_CONFIG") if tf_config is None else tf_config
+        if raw is None:
+            raise ValueError("TF_CONFIG is not set.")
+        try:
+            cfg = json.loads(raw) if isinstance(raw, str) else raw
+            cluster, task = cfg["cluster"], cfg["task"]
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"TF_CONFIG must be JSON with 'cluster' and 'task', got {raw!r}.") from None
+        chief = list(cluster.get("chief", []))
+        workers = chief + list(cluster.get("worker", []))
+        if not workers:
+            raise ValueError(f"TF_CONFIG's cluster lists no 'chief' or 'worker', got {cluster!r}.")
+        kind, index = task.get("type"), int(task.get("index", 0))
+        if kind not in ("chief", "worker"):
+            raise ValueError(f"TF_CONFIG's task type must be 'chief' or 'worker', got {kind!r}.")
+        pid = index if kind == "chief" else len(chief) + index
+        super().__init__(workers[0], len(workers), pid)
+
+
+def _first_slurm_host(nodelist: str) -> str:
+    """The first host of a SLURM node list such as ``node[03-05,09],gpu1``."""
+    m = re.match(r"([^,\[]+)(\[([^\]]+)\])?", nodelist.strip())
+    if not m:
+        raise ValueError(f"cannot read the SLURM node list {nodelist!r}.")
+    prefix, ranges = m.group(1), m.group(3)
+    if not ranges:
+        return prefix
+    return prefix + ranges.split(",")[0].split("-")[0]
+
+
+class SlurmClusterResolver(ClusterResolver):
+    """From SLURM's variables: `SLURM_NTASKS`, `SLURM_PROCID` and the first node of the job's
+    node list; the port is `LOCKSTEP_COORDINATOR_PORT` (default 29500).
+
+    >>> env = {"SLURM_NTASKS": "4", "SLURM_PROCID": "2", "SLURM_JOB_NODELIST": "gpu[07-08]"}
+    >>> SlurmClusterResolver(env).coordinator_address
+    'gpu07:29500'
+    """
+
+    def __init__(self, env: dict[str, str] | None = None):
+        env = dict(os.environ if env is None else env)
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if "SLURM_NTASKS" not in env or "SLURM_PROCID" not in env or not nodelist:
+            raise ValueError("SLURM_NTASKS, SLURM_PROCID and SLURM_JOB_NODELIST are needed for a SLURM cluster.")
+        port = env.get("LOCKSTEP_COORDINATOR_PORT", "29500")
+        super().__init__(f"{_first_slurm_host(nodelist)}:{port}", _int_env(env, "SLURM_NTASKS"),
+                         _int_env(env, "SLURM_PROCID"))
+
+
+def resolve_cluster(env: dict[str, str] | None = None) -> ClusterResolver:
+    """The cluster this process belongs to: LOCKSTEP_* variables, else TF_CONFIG, else SLURM.
+
+    Raises:
+      ValueError: none of them is set (the message says what to set).
+    """
+    env = dict(os.environ if env is None else env)
+    if "LOCKSTEP_COORDINATOR_ADDRESS" in env:
+        return EnvClusterResolver(env)
+    if "TF_CONFIG" in env:
+        return TFConfigClusterResolver(env["TF_CONFIG"])
+    if "SLURM_NTASKS" in env and "SLURM_PROCID" in env:
+        return SlurmClusterResolver(env)
+    raise ValueError(
+        "no cluster found: start the workers with `lockstep launch`, or set LOCKSTEP_COORDINATOR_ADDRESS, "
+        "LOCKSTEP_NUM_PROCESSES and LOCKSTEP_PROCESS_ID (or TF_CONFIG, or run under SLURM), or pass a "
+        "ClusterResolver."
+    )
+
+
+class _Watchdog:
+    """Counts heartbeats of every worker in the coordination service; names a silent one and exits."""
+
+    def __init__(self, rank: int, num: int, timeout: float):
+        from jax._src import distributed
+
+        self._client = distributed.global_state.client
+        self._rank, self._num, self._timeout = rank, num, timeout
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="lockstep-watchdog", daemon=True)
+        atexit.register(self.stop)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        if not self._done.is_set():
+            self._done.set()
+            try:
+                self._client.key_value_set(f"lockstep/done/{self._rank}", "1", allow_overwrite=True)
+            except Exception:  # noqa: BLE001 - the coordinator may already be gone at exit
+                pass
+
+    def _loop(self) -> None:
+        last_seen = {r: (None, time.monotonic()) for r in range(self._num)}
+        while not self._done.wait(_BEAT_INTERVAL):
+            now = time.monotonic()
+            try:
+                self._client.key_value_increment(f"lockstep/beat/{self._rank}", 1)
+                beats = dict(self._client.key_value_dir_get("lockstep/beat/"))
+                done = {k.rsplit("/", 1)[-1] for k, _ in self._client.key_value_dir_get("lockstep/done/")}
+            except Exception as e:  # noqa: BLE001 - any failure to reach the coordinator
+                if self._done.is_set():
+                    return
+                self._die(f"lost contact with the coordinator (worker 0): {type(e).__name__}: {str(e)[:200]}")
+                return
+            for r in range(self._num):
+                if r == self._rank or str(r) in done:
+                    continue
+                count = beats.get(f"lockstep/beat/{r}")
+                seen, since = last_seen[r]
+                if count != seen:
+                    last_seen[r] = (count, now)
+                elif now - since > self._timeout:
+                    self._die(f"lost worker {r}: no heartbeat for {now - since:.0f} s (dead or frozen)")
+                    return
+
+    def _die(self, why: str) -> None:
+        print(f"lockstep: worker {self._rank}: {why}; exiting with code {LOST_WORKER_EXIT_CODE}.",
+              file=sys.stderr, flush=True)
+        os._exit(LOST_WORKER_EXIT_CODE)
+
+
+_INITIALIZED: list[ClusterResolver] = []
+
+
+def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
+    if _INITIALIZED:
+        prev = _INITIALIZED[0]
+        if (prev.coordinator_address, prev.num_processes, prev.process_id) != (
+                resolver.coordinator_address, resolver.num_processes, resolver.process_id):
+            raise UsageError(f"jax.distributed is already initialised for {prev!r}; cannot join {resolver!r}.")
+        return
+    from ._devices import _backends_started
+
+    if _backends_started():
+        raise UsageError(
+            "MultiWorkerMirroredStrategy must be created before any JAX computation (JAX has already started "
+            "its backend): create the strategy first thing in the script, after `simulate_cpu_devices` if any.")
+    timeout = max(1, int(round(failure_timeout)))
+    flag = f"--xla_cpu_collective_timeout_seconds={timeout}"
+    if "xla_cpu_collective_timeout_seconds" not in os.environ.get("XLA_FLAGS", ""):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
+    devices = os.environ.get("LOCKSTEP_DEVICES_PER_PROC")
+    if devices and jax.config.jax_platforms in (None, "", "cpu"):
+        jax.config.update("jax_num_cpu_devices", int(devices))
+    jax.distributed.initialize(resolver.coordinator_address, resolver.num_processes, resolver.process_id,
+                               initialization_timeout=max(30, 3 * timeout), heartbeat_timeout_seconds=timeout,
+                               shutdown_timeout_seconds=max(10, timeout))
+    _INITIALIZED.append(resolver)
+
+
+class MultiWorkerMirroredStrategy(Strategy):
+    """Synchronous data parallelism over every device of every worker process.
+
+    Args:
+      cluster_resolver: a `ClusterResolver`; `None` reads the LOCKSTEP_* variables, TF_CONFIG or SLURM.
+      failure_timeout: seconds after which a dead or frozen worker ends the job (the runtime's
+        heartbeat and collective time-outs, and lockstep's watchdog). Default:
+        `LOCKSTEP_FAILURE_TIMEOUT`, else 20.
+
+    Every worker runs the same script. With NumPy inputs each worker keeps only the rows of its
+    own replicas of each global batch; `distribute_datasets_from_function` gives each worker its
+    own pipeline, and workers whose pipelines run out early contribute masked empty batches, so
+    all take the same number of steps. Only the chief (worker 0) writes files.
+    """
+
+    def __init__(self, cluster_resolver: ClusterResolver | None = None, failure_timeout: float | None = None):
+        resolver = cluster_resolver or resolve_cluster()
+        if not isinstance(resolver, ClusterResolver):
+            raise TypeError(f"`cluster_resolver` must be a ClusterResolver, got {type(resolver).__name__}.")
+        if failure_timeout is None:
+            failure_timeout = float(os.environ.get("LOCKSTEP_FAILURE_TIMEOUT", DEFAULT_FAILURE_TIMEOUT))
+        if failure_timeout <= 0:
+            raise ValueError(f"`failure_timeout` must be positive, got failure_timeout={failure_timeout!r}.")
+        fresh = not _INITIALIZED
+        _initialize(resolver, failure_timeout)
+        self.cluster_resolver = resolver
+        self.failure_timeout = failure_timeout
+        super().__init__(jax.devices())
+        if fresh and resolver.num_processes > 1:
+            # the watchdog names a silent peer before the runtime's own heartbeat aborts this process
+            _Watchdog(resolver.process_id, resolver.num_processes, 0.7 * failure_timeout).start()
+
+    @property
+    def num_workers(self) -> int:
+        return self.cluster_resolver.num_workers
+
+    @property
+    def worker_index(self) -> int:
+        return self.cluster_resolver.task_id

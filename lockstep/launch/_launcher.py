@@ -1,0 +1,182 @@
+"""`lockstep launch`: start the worker processes of one node, watch them, stop them all together."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Sequence
+from typing import IO
+
+from .._multi_worker import LOST_WORKER_EXIT_CODE
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+    except OSError:
+        pass
+
+
+def _is_stopped(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+        return False
+
+
+def _describe(rc: int) -> str:
+    if rc < 0:
+        try:
+            return f"killed by {signal.Signals(-rc).name}"
+        except ValueError:
+            return f"killed by signal {-rc}"
+    if rc == LOST_WORKER_EXIT_CODE:
+        return f"exited with code {rc} (lost a peer worker)"
+    return f"exited with code {rc}"
+
+
+class _Worker:
+    def __init__(self, rank: int, proc: subprocess.Popen[bytes], out: IO[str]):
+        self.rank, self.proc = rank, proc
+        self.tail: deque[str] = deque(maxlen=20)
+        self._thread = threading.Thread(target=self._pump, args=(out,), daemon=True)
+        self._thread.start()
+
+    def _pump(self, out: IO[str]) -> None:
+        assert self.proc.stdout is not None
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode(errors="replace").rstrip("\n")
+            self.tail.append(line)
+            print(f"[rank {self.rank}] {line}", file=out, flush=True)
+        self.proc.stdout.close()
+
+    def join(self, timeout: float) -> None:
+        self._thread.join(timeout)
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def last_lockstep_message(self) -> str | None:
+        for line in reversed(self.tail):
+            if line.startswith("lockstep:"):
+                return line
+        return None
+
+
+def launch(script: str, args: Sequence[str] = (), nproc_per_node: int = 1, nnodes: int = 1, node_rank: int = 0,
+           coordinator: str | None = None, devices_per_proc: int | None = None, failure_timeout: float = 20.0,
+           grace: float = 5.0, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+    """Runs `script` in `nproc_per_node` worker processes of this node; returns the exit code.
+
+    Each worker gets LOCKSTEP_COORDINATOR_ADDRESS, LOCKSTEP_NUM_PROCESSES, LOCKSTEP_PROCESS_ID
+    (and LOCKSTEP_DEVICES_PER_PROC, LOCKSTEP_FAILURE_TIMEOUT). Output lines are prefixed with the
+    rank. When a worker fails, the others are stopped (SIGTERM, then SIGKILL after `grace`
+    seconds), a one-line summary names the failed rank (and any frozen one), and the code is 1.
+    SIGINT and SIGTERM are forwarded to the workers.
+    """
+    out = out or sys.stdout
+    err = err or sys.stderr
+    for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"`{name}` must be a positive integer, got {name}={value!r}.")
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"`node_rank` must be in [0, {nnodes}), got node_rank={node_rank!r}.")
+    if coordinator is None:
+        if nnodes > 1:
+            raise ValueError("`coordinator` (host:port of node 0) is needed when `nnodes` > 1.")
+        coordinator = f"127.0.0.1:{free_port()}"
+    if not os.path.exists(script):
+        raise FileNotFoundError(f"`script` does not exist: {script!r}.")
+    world = nnodes * nproc_per_node
+    workers: list[_Worker] = []
+    stopping = threading.Event()
+
+    def forward(signum: int, frame: object) -> None:
+        stopping.set()
+        for w in workers:
+            w.signal(signum)
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for i in range(nproc_per_node):
+            rank = node_rank * nproc_per_node + i
+            env = {**os.environ, "LOCKSTEP_COORDINATOR_ADDRESS": coordinator, "LOCKSTEP_NUM_PROCESSES": str(world),
+                   "LOCKSTEP_PROCESS_ID": str(rank), "LOCKSTEP_FAILURE_TIMEOUT": str(failure_timeout),
+                   "PYTHONUNBUFFERED": "1"}
+            if devices_per_proc is not None:
+                env["LOCKSTEP_DEVICES_PER_PROC"] = str(devices_per_proc)
+            proc = subprocess.Popen([sys.executable, "-u", script, *args], env=env, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+            workers.append(_Worker(rank, proc, out))
+        failed: _Worker | None = None
+        while True:
+            codes = [w.proc.poll() for w in workers]
+            bad = [w for w, rc in zip(workers, codes) if rc not in (None, 0)]
+            if bad:
+                failed = bad[0]
+                break
+            if all(rc == 0 for rc in codes):
+                break
+            time.sleep(0.05)
+        if failed is None:
+            for w in workers:
+                w.join(5.0)
+            return 0
+        frozen = [w.rank for w in workers if w.proc.poll() is None and _is_stopped(w.proc.pid)]
+        _stop_all(workers, grace)
+        reason = _describe(failed.proc.returncode)
+        message = failed.last_lockstep_message()
+        summary = f"lockstep launch: rank {failed.rank} {reason}"
+        if message:
+            summary += f" [{message}]"
+        if frozen:
+            summary += f"; frozen (stopped) rank{'s' if len(frozen) > 1 else ''} {', '.join(map(str, frozen))}"
+        summary += f"; stopped all {len(workers)} worker processes."
+        if stopping.is_set():
+            summary += " (interrupted)"
+        print(summary, file=err, flush=True)
+        return 1
+    finally:
+        _stop_all(workers, grace)
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _stop_all(workers: list[_Worker], grace: float) -> None:
+    alive = [w for w in workers if w.proc.poll() is None]
+    for w in alive:
+        w.signal(signal.SIGTERM)
+        w.signal(signal.SIGCONT)  # a stopped (frozen) process handles SIGTERM only once continued
+    deadline = time.monotonic() + grace
+    for w in alive:
+        try:
+            w.proc.wait(max(0.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            pass
+    for w in workers:
+        w.signal(signal.SIGKILL)  # the whole process group: no orphans
+        try:
+            w.proc.wait(10)
+        except subprocess.TimeoutExpired:  # pragma: no cover
+            pass
+        w.join(5.0)
