@@ -1,0 +1,248 @@
+"""Several worker processes on 127.0.0.1 (started by `lockstep launch`), checked against one process."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+from sklearn.metrics import accuracy_score, f1_score
+
+import lockstep as ls
+from lockstep.launch import free_port
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "workers"))
+import common  # noqa: E402
+
+LAUNCH_TIMEOUT = 240
+
+
+def launch(script, *args, nproc=2, devices=1, failure_timeout=20, env=None, cwd=None):
+    """Runs `lockstep launch` in a subprocess, bounded in time; returns the completed process."""
+    cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(nproc), "--devices-per-proc",
+           str(devices), "--failure-timeout", str(failure_timeout), str(script), *map(str, args)]
+    full_env = {**os.environ, "XLA_FLAGS": "", **(env or {})}
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=full_env, cwd=cwd)
+
+
+@pytest.fixture(scope="module")
+def references():
+    """Single-process results of the same job (one replica: the one-device numbers)."""
+    s = ls.MirroredStrategy(1)
+    x, y = common.data()
+    t = common.trainer(s)
+    ev = t.evaluate(x, y, batch_size=64)
+    pred = t.predict(x, batch_size=64)
+    init = t.get_weights()
+    hist = t.fit(x, y, batch_size=64, epochs=2, seed=1, verbose=0)
+    return {"x": x, "y": y, "ev": ev, "pred": pred, "init": init, "fit": t.get_weights(),
+            "loss": hist.history["loss"], "trainer": t}
+
+
+def flat(tree):
+    return np.concatenate([np.ravel(v) for v in jax.tree.leaves(tree)])
+
+
+@pytest.mark.parametrize("nproc,devices", [(2, 1), (3, 1), (2, 2), (3, 2)])
+def test_workers_evaluate_predict_fit_and_stop_exactly_like_one_process(nproc, devices, tmp_path, references):
+    proc = launch(HERE / "workers" / "trainer_job.py", tmp_path, nproc=nproc, devices=devices)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [np.load(tmp_path / f"rank{r}.npz") for r in range(nproc)]
+    x, y, t = references["x"], references["y"], references["trainer"]
+    logits = references["pred"]
+    for res in results:
+        assert int(res["replicas"]) == nproc * devices
+        np.testing.assert_array_equal(res["init"], flat(references["init"]))  # same start on every worker
+        # evaluate on 1003 samples: exact counts, float32-rounding loss, against scikit-learn
+        loss, acc, f1 = res["ev"]
+        assert np.float32(acc) == np.float32(accuracy_score(y, logits.argmax(1)))
+        np.testing.assert_allclose(f1, f1_score(y, logits.argmax(1), average="macro"), rtol=1e-6)
+        np.testing.assert_allclose(loss, references["ev"]["loss"], rtol=1e-6)
+        # predict: 1003 rows, in input order, on every worker
+        assert res["pred"].shape == (1003, 3)
+        np.testing.assert_allclose(res["pred"], logits, rtol=1e-5, atol=1e-6)
+        # fit: the single-process weights and losses
+        np.testing.assert_allclose(res["fit"], flat(references["fit"]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(res["loss"], references["loss"], rtol=1e-5)
+    # uneven per-worker pipelines (5 batches on worker 0, 3 on the others): exact over the union
+    parts = [common.uneven_batches(w, nproc) for w in range(nproc)]
+    ux = np.concatenate([b[0] for p in parts for b in p])
+    uy = np.concatenate([b[1] for p in parts for b in p])
+    union = t.evaluate(ux, uy, batch_size=len(ux))
+    ul = references["trainer"].predict(ux, batch_size=len(ux))
+    for res in results:
+        loss, acc, f1 = res["uneven"]
+        assert np.float32(acc) == np.float32(accuracy_score(uy, ul.argmax(1)))
+        np.testing.assert_allclose(f1, f1_score(uy, ul.argmax(1), average="macro"), rtol=1e-6)
+        np.testing.assert_allclose(loss, union["loss"], rtol=1e-5)
+    # early stopping: every worker stops at the epoch the single process stops at on all the
+    # validation data, although the last worker's data alone would have stopped it earlier
+    epochs = {tuple(res["es_epochs"]) for res in results}
+    assert len(epochs) == 1
+    stop_epochs = es_reference_epochs(nproc)
+    assert list(epochs.pop()) == stop_epochs["union"]
+    assert len(stop_epochs["last_worker_alone"]) < len(stop_epochs["union"])
+
+
+_ES_CACHE = {}
+
+
+def es_reference_epochs(nproc):
+    if nproc not in _ES_CACHE:
+        x, y = common.data()
+        parts = common.validation_parts(nproc)
+        out = {}
+        for name, (vx, vy) in [("union", (np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts]))),
+                               ("last_worker_alone", parts[-1])]:
+            t = common.trainer(ls.MirroredStrategy(1))
+            h = t.fit(x, y, batch_size=64, epochs=12, seed=2, verbose=0, validation_data=(vx, vy),
+                      callbacks=[ls.callbacks.EarlyStopping(**common.ES)])
+            out[name] = h.epoch
+        _ES_CACHE[nproc] = out
+    return _ES_CACHE[nproc]
+
+
+FAULT = textwrap.dedent("""
+    import os, signal, time
+    import lockstep as ls
+    s = ls.MultiWorkerMirroredStrategy()
+    import numpy as np, jax.numpy as jnp
+    w = jnp.zeros(())
+    batch = next(iter(s.experimental_distribute_dataset([np.ones(8, np.float32)])))
+    for i in range(100000):
+        w = s.run(lambda w, b: w + ls.get_replica_context().all_reduce("SUM", jnp.sum(b)), args=(w, batch))
+        if i == 20 and s.cluster_resolver.task_id == 1:
+            print("pid", os.getpid(), flush=True)
+            os.kill(os.getpid(), signal.SIG{how})
+        time.sleep(0.01)
+""")
+
+
+@pytest.mark.parametrize("how", ["KILL", "STOP"])
+def test_a_dead_or_frozen_worker_ends_the_job_in_bounded_time_and_is_named(how, tmp_path):
+    script = tmp_path / "fault.py"
+    script.write_text(FAULT.format(how=how))
+    start = time.monotonic()
+    proc = launch(script, nproc=3, failure_timeout=10)
+    elapsed = time.monotonic() - start
+    assert proc.returncode != 0
+    summary = proc.stderr.strip().splitlines()[-1]
+    if how == "KILL":
+        assert "rank 1 killed by SIGKILL" in summary, summary
+    else:
+        assert "frozen (stopped) rank 1" in summary and "lost worker 1" in summary, summary
+    assert elapsed < 60, elapsed  # start-up + failure timeout (10 s) + grace, never a hang
+    pid = int(next(line.split()[-1] for line in proc.stdout.splitlines() if "pid" in line))
+    assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
+
+
+TF_JOB = textwrap.dedent("""
+    import lockstep as ls
+    s = ls.MultiWorkerMirroredStrategy()
+    import numpy as np
+    r = s.cluster_resolver
+    x = np.arange(10.0, dtype=np.float32)
+    total = sum(float(s.reduce("SUM", s.run(lambda b: b, args=(b,)), axis=0))
+                for b in s.experimental_distribute_dataset(ls.data.batches(x, 4)))
+    print("task", r.task_id, "chief", r.is_chief, "replicas", s.num_replicas_in_sync, "total", total, flush=True)
+""")
+
+
+def test_tf_config_from_the_tf_distribute_docs_works_unchanged(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(TF_JOB)
+    port_a, port_b = free_port(), free_port()
+    # the example of tf.distribute's multi-worker tutorial, with local ports
+    tf_config = {"cluster": {"worker": [f"localhost:{port_a}", f"localhost:{port_b}"]}, "task": {"type": "worker"}}
+    procs = []
+    try:
+        for index in range(2):
+            cfg = {**tf_config, "task": {"type": "worker", "index": index}}
+            env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_")}
+            env.update(TF_CONFIG=json.dumps(cfg), XLA_FLAGS="", LOCKSTEP_FAILURE_TIMEOUT="10")
+            procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+                                          stderr=subprocess.STDOUT, text=True, start_new_session=True))
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    assert all(p.returncode == 0 for p in procs), outs
+    assert "task 0 chief True replicas 2 total 45.0" in outs[0]
+    assert "task 1 chief False replicas 2 total 45.0" in outs[1]
+
+
+def test_cluster_resolvers_read_env_tf_config_and_slurm():
+    r = ls.resolve_cluster({"LOCKSTEP_COORDINATOR_ADDRESS": "h:1", "LOCKSTEP_NUM_PROCESSES": "4",
+                            "LOCKSTEP_PROCESS_ID": "3"})
+    assert (r.coordinator_address, r.num_workers, r.task_id, r.is_chief) == ("h:1", 4, 3, False)
+    cfg = {"cluster": {"chief": ["c:5"], "worker": ["w0:5", "w1:5"]}, "task": {"type": "worker", "index": 1}}
+    r = ls.resolve_cluster({"TF_CONFIG": json.dumps(cfg)})
+    assert (r.coordinator_address, r.num_workers, r.task_id) == ("c:5", 3, 2)
+    r = ls.resolve_cluster({"SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "node[12-15],x",
+                            "LOCKSTEP_COORDINATOR_PORT": "7000"})
+    assert (r.coordinator_address, r.num_workers, r.is_chief) == ("node12:7000", 8, True)
+    with pytest.raises(ValueError, match="no cluster found"):
+        ls.resolve_cluster({})
+    with pytest.raises(ValueError, match="process_id"):
+        ls.ClusterResolver("h:1", 2, 2)
+    with pytest.raises(ValueError, match="TF_CONFIG must be JSON"):
+        ls.TFConfigClusterResolver("{not json")
+
+
+def test_launcher_reports_a_failing_script_and_bad_arguments(tmp_path):
+    script = tmp_path / "bad.py"
+    script.write_text("import os, sys\nsys.exit(3 if os.environ['LOCKSTEP_PROCESS_ID'] == '1' else 0)\n")
+    proc = launch(script, nproc=2)
+    assert proc.returncode == 1
+    assert "rank 1 exited with code 3" in proc.stderr
+    proc = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "0", str(script)],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "nproc_per_node" in proc.stderr
+
+
+def test_multi_worker_strategy_after_jax_started_is_a_clear_error():
+    jax.numpy.zeros(()).block_until_ready()  # JAX has started in this process
+    with pytest.raises(ls.UsageError, match="before any JAX computation"):
+        ls.MultiWorkerMirroredStrategy(ls.ClusterResolver("127.0.0.1:1", 2, 0))
+
+
+def test_launcher_forwards_sigterm_and_leaves_no_process_behind(tmp_path):
+    script = tmp_path / "sleepy.py"
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys, time
+        def bye(signum, frame):
+            print("got", signal.Signals(signum).name, flush=True)
+            sys.exit(143)
+        signal.signal(signal.SIGTERM, bye)
+        print("pid", os.getpid(), flush=True)
+        time.sleep(120)
+    """))
+    cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", str(script)]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        pids = []
+        while len(pids) < 2:
+            line = launcher.stdout.readline()
+            assert line, "launcher ended early"
+            if " pid " in line:
+                pids.append(int(line.split()[-1]))
+        launcher.send_signal(signal.SIGTERM)
+        out, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 1
+    assert out.count("got SIGTERM") == 2
+    assert "(interrupted)" in err
+    for pid in pids:
+        assert not os.path.exists(f"/proc/{pid}")

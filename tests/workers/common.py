@@ -1,0 +1,54 @@
+"""Data, model and settings shared by the multi-worker job and the single-process references."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import lockstep as ls
+
+N = 1003
+
+
+def data(n=N, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.int32) + (x[:, 2] > 1).astype(np.int32)
+    return x, y
+
+
+def model():
+    def init(rng, x):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (x.shape[-1], 16)) * 0.3, "b1": jnp.zeros(16),
+                "w2": jax.random.normal(k2, (16, 3)) * 0.3, "b2": jnp.zeros(3)}
+    return ls.FunctionalModel(init, lambda p, x, training=False: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"])
+
+
+def trainer(strategy):
+    return ls.Trainer(model(), optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
+                      metrics=["accuracy", ls.metrics.F1Score(average="macro")], strategy=strategy)
+
+
+def uneven_batches(worker, num_workers):
+    """Worker 0 has 5 batches of 40, the others 3 batches of 30 (distinct samples)."""
+    x, y = data(400, seed=7)
+    sizes = [5 * 40] + [3 * 30] * (num_workers - 1)
+    lo = sum(sizes[:worker])
+    size = 40 if worker == 0 else 30
+    xs, ys = x[lo:lo + sizes[worker]], y[lo:lo + sizes[worker]]
+    return [(xs[i:i + size], ys[i:i + size]) for i in range(0, len(xs), size)]
+
+
+def validation_parts(num_workers):
+    """Worker 0's validation data follow the training labels; the last worker's are flipped, so its
+    local val_loss alone rises as the model learns, while the global one falls for a while."""
+    x, y = data(300, seed=11)
+    parts = np.array_split(np.arange(300), num_workers)
+    out = []
+    for w, idx in enumerate(parts):
+        yy = y[idx] if w < num_workers - 1 else (2 - y[idx])
+        out.append((x[idx], yy))
+    return out
+
+
+ES = {"monitor": "val_loss", "patience": 1, "min_delta": 0.0}
