@@ -626,16 +626,18 @@ class DistributedDataset:
     whose pipeline ran out contributes a batch of padding only, so all take the same steps).
     """
 
-    def __init__(self, strategy: Strategy, dataset: Iterable[Any], per_worker: bool = False):
+    def __init__(self, strategy: Strategy, dataset: Iterable[Any], per_worker: bool = False,
+                 padded_size: int | None = None):
         self._strategy = strategy
         self._dataset = dataset
         self._per_worker = per_worker
+        self._padded_size = padded_size
 
     def __iter__(self) -> Iterator[DistributedBatch]:
         if self._per_worker:
             yield from self._strategy._distribute_local_batches(self._dataset)
             return
-        padded: int | None = None
+        padded = self._padded_size
         for batch in self._dataset:
             dist = self._strategy._distribute_batch(batch, padded)
             if padded is None:

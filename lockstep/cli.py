@@ -20,6 +20,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--devices-per-proc", type=int, default=None, help="CPU devices each worker simulates")
     p.add_argument("--failure-timeout", type=float, default=20.0,
                    help="seconds after which a dead or frozen worker ends the job (default 20)")
+    p.add_argument("--max-restarts", type=int, default=0,
+                   help="start the workers again this many times when one fails or is preempted (default 0)")
     p.add_argument("script", help="the Python script every worker runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
@@ -33,7 +35,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return launch(args.script, args.args, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                       node_rank=args.node_rank, coordinator=args.coordinator,
-                      devices_per_proc=args.devices_per_proc, failure_timeout=args.failure_timeout)
+                      devices_per_proc=args.devices_per_proc, failure_timeout=args.failure_timeout,
+                      max_restarts=args.max_restarts)
     except (ValueError, FileNotFoundError) as e:
         print(f"lockstep launch: {e}", file=sys.stderr)
         return 2

@@ -1,5 +1,7 @@
 """Callbacks with Keras' hook and argument names; every decision comes from global values."""
 
+from ._backup_and_restore import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+from ._backup_and_restore import BackupAndRestore as BackupAndRestore
 from ._callback import Callback as Callback
 from ._callback import CallbackList as CallbackList
 from ._csv_logger import CSVLogger as CSVLogger
@@ -15,6 +17,8 @@ from ._tensorboard import TensorBoard as TensorBoard
 from ._terminate_on_nan import TerminateOnNaN as TerminateOnNaN
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "BackupAndRestore",
     "CSVLogger",
     "Callback",
     "CallbackList",

@@ -5,6 +5,9 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+import jax
+import numpy as np
+
 from ._monitor import MonitorCallback
 
 
@@ -100,7 +103,14 @@ class EarlyStopping(MonitorCallback):
             self.trainer.set_weights(st.best_weights)
 
     def get_state(self) -> dict[str, Any]:
-        return dataclasses.asdict(self.state)
+        out = dataclasses.asdict(self.state)
+        if out["best_weights"] is not None:  # a list of arrays, whatever the model's weight structure
+            out["best_weights"] = [np.asarray(w) for w in jax.tree.leaves(out["best_weights"])]
+        return out
 
     def set_state(self, state: dict[str, Any]) -> None:
+        state = dict(state)
+        if state.get("best_weights") is not None and self.trainer is not None:
+            structure = jax.tree.structure(self.trainer.get_weights())
+            state["best_weights"] = jax.tree.unflatten(structure, list(state["best_weights"]))
         self.state = EarlyStoppingState(**state)

@@ -30,6 +30,16 @@ class History(Callback):
         for k, v in (logs or {}).items():
             self.history.setdefault(k, []).append(v)
 
+    def get_state(self) -> dict[str, Any]:
+        def plain(v: Any) -> Any:
+            a = np.asarray(v)
+            return float(a) if a.ndim == 0 else a.tolist()
+        return {"history": {k: [plain(v) for v in vs] for k, vs in self.history.items()}, "epoch": list(self.epoch)}
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        self.history = {k: list(v) for k, v in state["history"].items()}
+        self.epoch = list(state["epoch"])
+
     def plot(self, path: str | os.PathLike[str], keys: list[str] | None = None) -> str:
         """Writes a PNG of the curves (train next to validation) to `path`; returns the path.
 

@@ -15,8 +15,10 @@ from collections.abc import Sequence
 from typing import IO
 
 from .._multi_worker import LOST_WORKER_EXIT_CODE
+from ..callbacks._backup_and_restore import PREEMPTED_EXIT_CODE
 
 _PR_SET_PDEATHSIG = 1
+_PRINT_LOCK = threading.Lock()  # one whole line at a time from the workers' reader threads
 
 
 def free_port() -> int:
@@ -49,6 +51,8 @@ def _describe(rc: int) -> str:
             return f"killed by signal {-rc}"
     if rc == LOST_WORKER_EXIT_CODE:
         return f"exited with code {rc} (lost a peer worker)"
+    if rc == PREEMPTED_EXIT_CODE:
+        return f"exited with code {rc} (preempted; backup saved)"
     return f"exited with code {rc}"
 
 
@@ -64,7 +68,8 @@ class _Worker:
         for raw in iter(self.proc.stdout.readline, b""):
             line = raw.decode(errors="replace").rstrip("\n")
             self.tail.append(line)
-            print(f"[rank {self.rank}] {line}", file=out, flush=True)
+            with _PRINT_LOCK:
+                print(f"[rank {self.rank}] {line}", file=out, flush=True)
         self.proc.stdout.close()
 
     def join(self, timeout: float) -> None:
@@ -85,31 +90,32 @@ class _Worker:
 
 def launch(script: str, args: Sequence[str] = (), nproc_per_node: int = 1, nnodes: int = 1, node_rank: int = 0,
            coordinator: str | None = None, devices_per_proc: int | None = None, failure_timeout: float = 20.0,
-           grace: float = 5.0, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+           max_restarts: int = 0, grace: float = 5.0, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
     """Runs `script` in `nproc_per_node` worker processes of this node; returns the exit code.
 
     Each worker gets LOCKSTEP_COORDINATOR_ADDRESS, LOCKSTEP_NUM_PROCESSES, LOCKSTEP_PROCESS_ID
-    (and LOCKSTEP_DEVICES_PER_PROC, LOCKSTEP_FAILURE_TIMEOUT). Output lines are prefixed with the
-    rank. When a worker fails, the others are stopped (SIGTERM, then SIGKILL after `grace`
-    seconds), a one-line summary names the failed rank (and any frozen one), and the code is 1.
-    SIGINT and SIGTERM are forwarded to the workers.
+    (and LOCKSTEP_DEVICES_PER_PROC, LOCKSTEP_FAILURE_TIMEOUT, LOCKSTEP_RESTART_COUNT). Output
+    lines are prefixed with the rank. When a worker fails or is preempted, the others are
+    stopped (SIGTERM, then SIGKILL after `grace` seconds) and a one-line summary names the failed
+    rank (and any frozen one); the group is started again up to `max_restarts` times (with
+    `BackupAndRestore`, training continues where it stopped), else the exit code is 1.
+    SIGINT and SIGTERM sent to the launcher are forwarded to the workers and end the job.
     """
     out = out or sys.stdout
     err = err or sys.stderr
     for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {name}={value!r}.")
+    if not isinstance(max_restarts, int) or max_restarts < 0:
+        raise ValueError(f"`max_restarts` must be a non-negative integer, got max_restarts={max_restarts!r}.")
     if not 0 <= node_rank < nnodes:
         raise ValueError(f"`node_rank` must be in [0, {nnodes}), got node_rank={node_rank!r}.")
-    if coordinator is None:
-        if nnodes > 1:
-            raise ValueError("`coordinator` (host:port of node 0) is needed when `nnodes` > 1.")
-        coordinator = f"127.0.0.1:{free_port()}"
+    if coordinator is None and nnodes > 1:
+        raise ValueError("`coordinator` (host:port of node 0) is needed when `nnodes` > 1.")
     if not os.path.exists(script):
         raise FileNotFoundError(f"`script` does not exist: {script!r}.")
-    world = nnodes * nproc_per_node
-    workers: list[_Worker] = []
     stopping = threading.Event()
+    workers: list[_Worker] = []
 
     def forward(signum: int, frame: object) -> None:
         stopping.set()
@@ -118,48 +124,63 @@ def launch(script: str, args: Sequence[str] = (), nproc_per_node: int = 1, nnode
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for i in range(nproc_per_node):
-            rank = node_rank * nproc_per_node + i
-            env = {**os.environ, "LOCKSTEP_COORDINATOR_ADDRESS": coordinator, "LOCKSTEP_NUM_PROCESSES": str(world),
-                   "LOCKSTEP_PROCESS_ID": str(rank), "LOCKSTEP_FAILURE_TIMEOUT": str(failure_timeout),
-                   "PYTHONUNBUFFERED": "1"}
-            if devices_per_proc is not None:
-                env["LOCKSTEP_DEVICES_PER_PROC"] = str(devices_per_proc)
-            proc = subprocess.Popen([sys.executable, "-u", script, *args], env=env, stdout=subprocess.PIPE,
-                                    stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
-            workers.append(_Worker(rank, proc, out))
-        failed: _Worker | None = None
-        while True:
-            codes = [w.proc.poll() for w in workers]
-            bad = [w for w, rc in zip(workers, codes) if rc not in (None, 0)]
-            if bad:
-                failed = bad[0]
-                break
-            if all(rc == 0 for rc in codes):
-                break
-            time.sleep(0.05)
-        if failed is None:
-            for w in workers:
-                w.join(5.0)
-            return 0
-        frozen = [w.rank for w in workers if w.proc.poll() is None and _is_stopped(w.proc.pid)]
-        _stop_all(workers, grace)
-        reason = _describe(failed.proc.returncode)
-        message = failed.last_lockstep_message()
-        summary = f"lockstep launch: rank {failed.rank} {reason}"
-        if message:
-            summary += f" [{message}]"
-        if frozen:
-            summary += f"; frozen (stopped) rank{'s' if len(frozen) > 1 else ''} {', '.join(map(str, frozen))}"
-        summary += f"; stopped all {len(workers)} worker processes."
-        if stopping.is_set():
-            summary += " (interrupted)"
-        print(summary, file=err, flush=True)
+        for attempt in range(max_restarts + 1):
+            address = coordinator or f"127.0.0.1:{free_port()}"
+            workers.clear()
+            summary = _run_group(workers, script, args, nproc_per_node, nnodes, node_rank, address,
+                                 devices_per_proc, failure_timeout, attempt, grace, out, stopping)
+            if summary is None:
+                return 0
+            print(summary + (" (interrupted)" if stopping.is_set() else ""), file=err, flush=True)
+            if stopping.is_set() or attempt == max_restarts:
+                return 1
+            print(f"lockstep launch: restarting the workers (restart {attempt + 1} of {max_restarts}).",
+                  file=err, flush=True)
         return 1
     finally:
         _stop_all(workers, grace)
         for s, h in old.items():
             signal.signal(s, h)
+
+
+def _run_group(workers: list[_Worker], script: str, args: Sequence[str], nproc_per_node: int, nnodes: int,
+               node_rank: int, coordinator: str, devices_per_proc: int | None, failure_timeout: float,
+               attempt: int, grace: float, out: IO[str], stopping: threading.Event) -> str | None:
+    """Starts one group of workers and waits; returns None on success, else a summary line."""
+    world = nnodes * nproc_per_node
+    for i in range(nproc_per_node):
+        rank = node_rank * nproc_per_node + i
+        env = {**os.environ, "LOCKSTEP_COORDINATOR_ADDRESS": coordinator, "LOCKSTEP_NUM_PROCESSES": str(world),
+               "LOCKSTEP_PROCESS_ID": str(rank), "LOCKSTEP_FAILURE_TIMEOUT": str(failure_timeout),
+               "LOCKSTEP_RESTART_COUNT": str(attempt), "PYTHONUNBUFFERED": "1"}
+        if devices_per_proc is not None:
+            env["LOCKSTEP_DEVICES_PER_PROC"] = str(devices_per_proc)
+        proc = subprocess.Popen([sys.executable, "-u", script, *args], env=env, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
+        workers.append(_Worker(rank, proc, out))
+    failed: _Worker | None = None
+    while True:
+        codes = [w.proc.poll() for w in workers]
+        bad = [w for w, rc in zip(workers, codes) if rc not in (None, 0)]
+        if bad:
+            failed = bad[0]
+            break
+        if all(rc == 0 for rc in codes):
+            break
+        time.sleep(0.05)
+    if failed is None:
+        for w in workers:
+            w.join(5.0)
+        return None
+    frozen = [w.rank for w in workers if w.proc.poll() is None and _is_stopped(w.proc.pid)]
+    _stop_all(workers, grace)
+    summary = f"lockstep launch: rank {failed.rank} {_describe(failed.proc.returncode)}"
+    message = failed.last_lockstep_message()
+    if message:
+        summary += f" [{message}]"
+    if frozen:
+        summary += f"; frozen (stopped) rank{'s' if len(frozen) > 1 else ''} {', '.join(map(str, frozen))}"
+    return summary + f"; stopped all {len(workers)} worker processes."
 
 
 def _stop_all(workers: list[_Worker], grace: float) -> None:

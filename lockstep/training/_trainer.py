@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import math
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -15,9 +16,10 @@ import optax
 from .. import losses as _losses
 from .._strategy import DistributedDataset, Strategy, get_strategy
 from .._values import Mirrored, PerReplica
-from ..callbacks import Callback, CallbackList, History, ProgbarLogger
+from ..callbacks import BackupAndRestore, Callback, CallbackList, History, ProgbarLogger
 from ..callbacks._callback import is_chief
 from ..checkpoint import atomic_path, load_tree, save_tree
+from ..data import Batches
 from ..data import batches as make_batches
 from ..metrics import Mean, Metric, MetricCollection
 from ..metrics import get as get_metric
@@ -130,6 +132,9 @@ class Trainer:
         self._steps: dict[str, Callable[..., Any]] = {}
         self.stop_training = False
         self.history: History | None = None
+        self._global_step = 0
+        self._fit_seed = seed
+        self._progress: tuple[int, int, Any] = (0, 0, None)
 
     # --- building ------------------------------------------------------------------------
     def _place(self, params: Any) -> None:
@@ -287,27 +292,40 @@ class Trainer:
         cblist = CallbackList(cbs, self)
         self.history = history
         self.stop_training = False
-        dist_train = self._distribute(train)
         train_step = self._steps["train"]
 
+        backups = [cb for cb in cbs if isinstance(cb, BackupAndRestore)]
+        for cb in backups:
+            cb.attach(cbs)
+        self._global_step = 0
+        self._fit_seed = seed
         cblist.on_train_begin()
+        # restored after every on_train_begin, which resets callbacks' state
+        resume = backups[0].restore() if backups else None
+        start_epoch, start_step = (resume.epoch, resume.step) if resume else (initial_epoch, 0)
         logs: dict[str, Any] = {}
-        for epoch in range(initial_epoch, epochs):
+        for epoch in range(start_epoch, epochs):
+            skip = start_step if epoch == start_epoch else 0
             cblist.on_epoch_begin(epoch)
-            state = self._fresh_state()
+            state = resume.metric_state if resume is not None and skip else self._fresh_state()
             params, opt_state = self._params, self._opt_state
-            step = -1
-            for step, batch in enumerate(itertools.islice(dist_train, steps_per_epoch)):
+            step = skip - 1
+            for step, batch in enumerate(self._epoch_batches(train, epoch, skip, steps_per_epoch), start=skip):
                 cblist.on_train_batch_begin(step)
                 params, opt_state, state = self.strategy.run(train_step, args=(params, opt_state, state, batch))
                 self._params, self._opt_state = params, opt_state
+                self._global_step += 1
+                self._progress = (epoch, step + 1, state)
                 cblist.on_train_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
+                if backups and backups[0].preempted(self._global_step):
+                    backups[0].save_and_exit()
                 if self.stop_training:
                     break
             if step < 0:
                 raise ValueError(
                     f"`x` yielded no batch in epoch {epoch + 1}: a one-shot iterator is used up after one pass; "
                     "pass a re-iterable (a list, lockstep.data.batches, a tf.data dataset) or `steps_per_epoch`.")
+            self._progress = (epoch + 1, 0, state)
             logs = self._read(state)
             if val is not None:
                 logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val, cblist).items()})
@@ -318,6 +336,38 @@ class Trainer:
         cblist.on_train_end(logs)
         self._adapter.sync_to_model(_host(self._params))
         return history
+
+    def _epoch_batches(self, train: Iterable[Any], epoch: int, skip: int, steps: int | None) -> Iterable[Any]:
+        """Epoch `epoch`'s distributed batches from batch `skip` on (at most `steps` in all).
+
+        Array inputs are shuffled from (seed, epoch) alone, so a resumed run sees the same order,
+        and every batch is padded to the full batch size, so one compiled step serves them all.
+        """
+        stop = None if steps is None else max(steps - skip, 0)
+        if isinstance(train, Batches):
+            padded = math.ceil(train.batch_size / self.strategy.num_replicas_in_sync) * self.strategy.num_replicas_in_sync
+            dist = DistributedDataset(self.strategy, train.iterate(epoch, skip), padded_size=padded)
+            return itertools.islice(dist, stop)
+        return itertools.islice(self._distribute(train), skip, None if steps is None else steps)
+
+    # --- training state for backups ----------------------------------------------------------
+    def _state_arrays(self, metric_state: Any) -> dict[str, Any]:
+        """Weights, optimizer state and `metric_state` as one flat dict of global arrays."""
+        out = {}
+        for name, tree in (("params", self._params), ("opt_state", self._opt_state), ("metrics", metric_state)):
+            leaves = jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, (Mirrored, PerReplica)))
+            for i, v in enumerate(leaves):
+                out[f"{name}/{i:05d}"] = v._array if isinstance(v, (Mirrored, PerReplica)) else jnp.asarray(v)
+        return out
+
+    def _load_state_arrays(self, arrays: dict[str, Any]) -> Any:
+        """Puts restored weights and optimizer state in place; returns the metric state."""
+        def rebuild(name: str, like: Any, wrap: Callable[[Any], Any]) -> Any:
+            treedef = jax.tree.structure(like, is_leaf=lambda v: isinstance(v, (Mirrored, PerReplica)))
+            return jax.tree.unflatten(treedef, [wrap(arrays[f"{name}/{i:05d}"]) for i in range(treedef.num_leaves)])
+        self._params = rebuild("params", self._params, lambda a: a)
+        self._opt_state = rebuild("opt_state", self._opt_state, lambda a: a)
+        return rebuild("metrics", self._fresh_state(), lambda a: PerReplica(a, self.strategy))
 
     def _agree(self, flag: bool) -> bool:
         """Every worker takes process 0's decision (each computed it from the same global values)."""

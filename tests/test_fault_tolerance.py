@@ -1,0 +1,154 @@
+"""BackupAndRestore, preemption and restarts: resumed runs equal uninterrupted ones, bit for bit."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import lockstep as ls
+
+HERE = pathlib.Path(__file__).resolve().parent
+JOB = HERE / "workers" / "resume_job.py"
+sys.path.insert(0, str(HERE / "workers"))
+import common  # noqa: E402
+
+
+def launch_cmd(nproc, out_dir, mode, restarts=1):
+    return [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(nproc), "--max-restarts",
+            str(restarts), "--failure-timeout", "10", str(JOB), str(out_dir), mode]
+
+
+def run_job(nproc, out_dir, mode, restarts=1):
+    env = {**os.environ, "XLA_FLAGS": ""}
+    return subprocess.run(launch_cmd(nproc, out_dir, mode, restarts), capture_output=True, text=True, timeout=300,
+                          env=env)
+
+
+def result(out_dir):
+    with open(out_dir / "history.json") as f:
+        hist = json.load(f)
+    return np.load(out_dir / "final.npz")["weights"], hist
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    out = {}
+    for nproc in (1, 2):
+        d = tmp_path_factory.mktemp(f"plain{nproc}")
+        proc = run_job(nproc, d, "plain")
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        out[nproc] = result(d)
+    return out
+
+
+@pytest.mark.parametrize("nproc", [1, 2])
+def test_a_run_killed_mid_epoch_and_restarted_equals_an_uninterrupted_run(nproc, tmp_path, uninterrupted):
+    proc = run_job(nproc, tmp_path, "kill")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"rank {nproc - 1} killed by SIGKILL" in proc.stderr
+    assert "restarting the workers (restart 1 of 1)" in proc.stderr
+    weights, hist = result(tmp_path)
+    ref_weights, ref_hist = uninterrupted[nproc]
+    assert hist["restored_from"] == 40  # killed at step 42; the last backup (every 5 steps) was at 40
+    np.testing.assert_array_equal(weights, ref_weights)  # bitwise on CPU: same programs, same data order
+    assert hist["history"] == ref_hist["history"] and hist["epoch"] == ref_hist["epoch"]
+    assert not any((tmp_path / "backup").glob("*")), "backups are deleted once fit succeeds"
+
+
+def test_sigterm_makes_every_worker_save_at_the_same_step_exit_83_and_resume_exactly(tmp_path, uninterrupted):
+    env = {**os.environ, "XLA_FLAGS": ""}
+    launcher = subprocess.Popen(launch_cmd(2, tmp_path, "term"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=env)
+    lines = []
+    try:
+        victim = None
+        while True:
+            line = launcher.stdout.readline()
+            assert line, "the job ended before it could be preempted"
+            lines.append(line)
+            if line.startswith("[rank 1] pid") and victim is None:
+                victim = int(line.split()[3])
+            if line.startswith("[rank 1] step 12"):
+                os.kill(victim, signal.SIGTERM)  # preempt one worker only
+                break
+        rest, err = launcher.communicate(timeout=300)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    out = "".join(lines) + rest
+    assert launcher.returncode == 0, out[-3000:] + err[-3000:]
+    saved = [line for line in out.splitlines() if "preempted: backup saved at step" in line]
+    assert len(saved) == 2 and len({line.split("step ")[1] for line in saved}) == 1, saved  # the same step
+    assert "rank 1 exited with code 83 (preempted; backup saved)" in err or \
+        "rank 0 exited with code 83 (preempted; backup saved)" in err
+    weights, hist = result(tmp_path)
+    ref_weights, ref_hist = uninterrupted[2]
+    np.testing.assert_array_equal(weights, ref_weights)
+    assert hist["history"] == ref_hist["history"]
+
+
+def test_early_stopping_across_a_restart_stops_at_the_same_epoch(tmp_path):
+    proc = run_job(1, tmp_path, "es")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "restarting the workers" in proc.stderr
+    weights, hist = result(tmp_path)
+    # the same run in this process, never interrupted
+    parts = common.validation_parts(2)
+    vx, vy = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
+    x, y = common.data()
+    t = common.trainer(ls.MirroredStrategy(1))
+    ref = t.fit(x, y, batch_size=64, epochs=12, seed=3, verbose=0, validation_data=(vx, vy),
+                callbacks=[ls.callbacks.EarlyStopping(**common.ES, restore_best_weights=True)])
+    assert hist["epoch"] == ref.epoch and len(ref.epoch) < 12  # it did stop early
+    np.testing.assert_allclose(weights, np.concatenate([np.ravel(v) for v in jax.tree.leaves(t.get_weights())]),
+                               rtol=1e-5, atol=1e-6)
+
+
+WRITER = textwrap.dedent("""
+    import sys, numpy as np
+    from lockstep.checkpoint import TrainingCheckpointer
+    store = TrainingCheckpointer(sys.argv[1])
+    step = (store.latest_step() or 0) + 1
+    big = np.zeros((512, 512), np.float32)
+    while True:
+        big[:] = step
+        store.save(step, {"a": big, "b": np.full(9, step, np.int64)}, {"step": step})
+        print("saved", step, flush=True)
+        step += 1
+""")
+
+
+def test_killing_the_saving_process_20_times_never_leaves_a_partial_checkpoint(tmp_path):
+    rng = np.random.default_rng(0)
+    directory = tmp_path / "ckpt"
+    seen = []
+    env = {**os.environ, "XLA_FLAGS": ""}
+    for trial in range(20):
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(directory)], stdout=subprocess.PIPE, text=True,
+                                env=env)
+        try:
+            assert proc.stdout.readline().startswith("saved")
+            time.sleep(rng.uniform(0.0, 0.25))  # somewhere inside a later save
+            proc.send_signal(signal.SIGKILL)
+        finally:
+            proc.kill()
+            proc.wait(30)
+            proc.stdout.close()
+        store = ls.checkpoint.TrainingCheckpointer(directory)
+        step = store.latest_step()
+        for listed in store.all_steps():  # every checkpoint it lists is whole, the newest included
+            arrays, meta = store.restore(listed)
+            assert meta["step"] == listed
+            assert np.all(arrays["a"] == listed) and np.all(arrays["b"] == listed)  # never a mix
+        store.close()
+        seen.append(step)
+    assert seen == sorted(seen) and seen[-1] >= 20  # progress across kills
