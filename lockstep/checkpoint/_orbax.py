@@ -8,10 +8,14 @@ directory and renames it when complete, so a reader only ever sees whole checkpo
 from __future__ import annotations
 
 import os
+import shutil
 from typing import Any
 
 import jax
 import numpy as np
+
+
+_TRASH = "trash"
 
 
 class TrainingCheckpointer:
@@ -30,8 +34,11 @@ class TrainingCheckpointer:
 
         self._ocp = ocp
         self.directory = os.path.abspath(os.fspath(directory))
+        # Deleting a step in place is not atomic (a kill midway leaves a listed, broken step), so
+        # old steps are first renamed into a trash folder, which is purged separately.
+        self._trash = os.path.join(self.directory, _TRASH)
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=False,
-                                               cleanup_tmp_directories=True, create=True)
+                                               cleanup_tmp_directories=True, create=True, todelete_subdir=_TRASH)
         handlers = {"arrays": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
@@ -51,6 +58,11 @@ class TrainingCheckpointer:
         self._manager.save(step, args=args.Composite(arrays=args.StandardSave(arrays), meta=args.JsonSave(meta)),
                            force=True)
         self._manager.wait_until_finished()
+        self._purge()
+
+    def _purge(self) -> None:
+        if jax.process_index() == 0:
+            shutil.rmtree(self._trash, ignore_errors=True)
 
     def restore(self, step: int, shardings: dict[str, Any] | None = None, default_sharding: Any = None
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
@@ -79,6 +91,7 @@ class TrainingCheckpointer:
         for step in self._manager.all_steps(read=True):
             self._manager.delete(step)
         self._manager.wait_until_finished()
+        self._purge()
 
     def close(self) -> None:
         self._manager.close()
