@@ -7,3 +7,6 @@ os.environ.setdefault("KERAS_BACKEND", "jax")
 import lockstep as ls  # noqa: E402
 
 ls.simulate_cpu_devices(8)
+
+# scripts that worker processes run (started by the multi-process tests), not test modules
+collect_ignore = ["workers"]
