@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test install clean
+.PHONY: demo test bench install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,6 +17,9 @@ install: $(STAMP)
 
 demo: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python examples/keras_mirrored.py demo_output
+
+bench: $(STAMP)
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/bench.py
 
 test: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python -m pytest -q

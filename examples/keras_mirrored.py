@@ -32,7 +32,6 @@ def main(out_dir: str = "demo_output") -> int:
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
 
     strategy = ls.MirroredStrategy()
-    print(f"{strategy.num_replicas_in_sync} replicas in sync")
     keras.utils.set_random_seed(0)
     with strategy.scope():
         model = keras.Sequential([
@@ -40,8 +39,10 @@ def main(out_dir: str = "demo_output") -> int:
             keras.layers.Dense(128, activation="relu"),
             keras.layers.Dense(10, activation="softmax"),
         ])
+    # built in the scope: the trainer runs on that strategy
     trainer = ls.Trainer(model, optimizer="adam", loss="sparse_categorical_crossentropy",
                          metrics=["accuracy", ls.metrics.F1Score(average="macro")])
+    print(f"the trainer runs on {trainer.strategy.num_replicas_in_sync} replicas")
     best_path = os.path.join(out_dir, "best.weights.npz")
     history = trainer.fit(
         x_train, y_train, batch_size=64, epochs=60, validation_split=0.2, seed=0, verbose=2,

@@ -7,7 +7,9 @@ import contextlib
 import functools
 import math
 import os
+import sys
 import threading
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -135,6 +137,10 @@ class Strategy:
     def scope(self) -> Iterator["Strategy"]:
         """Makes this strategy the one `get_strategy()` returns inside the block.
 
+        A Keras 3 model built inside the block gets its variables replicated on this strategy's
+        devices (Keras' own `DataParallel` distribution is in force there), and a `Trainer` made
+        later for that model, outside any scope, runs on this strategy — as in `tf.distribute`.
+
         >>> import lockstep as ls
         >>> s = ls.MirroredStrategy(2)
         >>> with s.scope():
@@ -142,10 +148,14 @@ class Strategy:
         True
         """
         _SCOPES.stack.append(self)
+        _RECENT.append(weakref.ref(self))
+        del _RECENT[:-16]
+        previous = _enter_keras_distribution(self)
         try:
             yield self
         finally:
             _SCOPES.stack.pop()
+            _exit_keras_distribution(previous)
 
     # --- checks ------------------------------------------------------------------------
     def _check_owner(self, value: Any, arg: str) -> None:
@@ -713,6 +723,40 @@ class MirroredStrategy(Strategy):
         else:
             raise TypeError(f"`devices` must be None, an int or a list of devices, got {devices!r}.")
         super().__init__(chosen)
+
+
+_NO_KERAS = object()
+
+
+def _enter_keras_distribution(strategy: "Strategy") -> Any:
+    """Sets Keras' distribution to data parallelism over `strategy`'s devices (only when Keras,
+    on the JAX backend, is already imported); returns the previous one."""
+    keras = sys.modules.get("keras")
+    if keras is None and os.environ.get("KERAS_BACKEND") == "jax":
+        import keras  # the user asked for Keras on JAX: models may be built inside this scope
+    if keras is None or keras.backend.backend() != "jax":
+        return _NO_KERAS
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=list(strategy.devices)))
+    return previous
+
+
+def _exit_keras_distribution(previous: Any) -> None:
+    if previous is not _NO_KERAS:
+        sys.modules["keras"].distribution.set_distribution(previous)
+
+
+def strategy_of_devices(devices: Iterable[Any]) -> "Strategy | None":
+    """The most recently entered scope's strategy whose devices are exactly `devices`."""
+    wanted = set(devices)
+    for ref in reversed(_RECENT):
+        strategy = ref()
+        if strategy is not None and set(strategy.devices) == wanted:
+            return strategy
+    return None
+
+
+_RECENT: list[weakref.ReferenceType[Strategy]] = []
 
 
 class _Scopes(threading.local):

@@ -232,3 +232,18 @@ def test_one_shot_iterators_lose_no_batch_and_fail_clearly_when_used_up():
     gen = ((x[i % 120:i % 120 + 30], y[i % 120:i % 120 + 30]) for i in range(0, 240, 30))
     hist = t.fit(gen, epochs=2, steps_per_epoch=4, verbose=0)  # one iterator continues across epochs
     assert hist.epoch == [0, 1]
+
+
+def test_a_keras_model_built_in_a_scope_trains_on_that_strategy_outside_it():
+    s = ls.MirroredStrategy(4)
+    with s.scope():
+        model = keras_mlp()
+    assert {d.id for d in model.trainable_variables[0].value.sharding.device_set} == {0, 1, 2, 3}
+    assert keras.distribution.distribution() is None  # Keras' distribution is restored on exit
+    t = ls.Trainer(model)
+    assert t.strategy is s
+    with pytest.warns(UserWarning, match="runs on one device"):  # built outside: one device, said loudly
+        assert ls.Trainer(keras_mlp()).strategy.num_replicas_in_sync == 1
+    x, y = data(100)
+    t.fit(x, y, batch_size=32, epochs=1, verbose=0)
+    np.testing.assert_allclose(model.predict(x, verbose=0), t.predict(x), rtol=1e-5, atol=1e-6)

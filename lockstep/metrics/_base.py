@@ -82,6 +82,32 @@ def _sync_per_replica(reductions: tuple[tuple[str, str], ...], state: State) -> 
     return _sync_in_replica(state, specs)
 
 
+def per_replica_strategy(state: Any) -> Any:
+    """The strategy of the `PerReplica` leaves of `state`, outside `run`; None otherwise."""
+    if get_replica_context() is not None:
+        return None
+    found = {v._strategy for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, PerReplica))
+             if isinstance(v, PerReplica)}
+    if len(found) > 1:
+        raise ValueError("`state` mixes per-replica values of several strategies.")
+    return found.pop() if found else None
+
+
+def read_mirrored(tree: Any) -> Any:
+    """Arrays from `run`'s outputs: a mirrored value as it is, a per-replica one from its first replica."""
+    def one(v: Any) -> Any:
+        if isinstance(v, Mirrored):
+            return v._array
+        if isinstance(v, PerReplica):  # identical on every replica (say, after an all-gather)
+            return v._strategy.experimental_local_results(v)[0]
+        return v
+    return jax.tree.map(one, tree, is_leaf=lambda v: isinstance(v, (Mirrored, PerReplica)))
+
+
+def _compute_of(metric: Any, state: Any) -> Any:
+    return metric.compute(state)
+
+
 def sync_state(state: State, specs: Mapping[str, StateSpec]) -> State:
     """Reduces per-replica metric state across replicas with each field's declared reduction.
 
@@ -223,7 +249,14 @@ class Metric:
         return {k: _combine(a[k], b[k], self._specs[k].reduction) for k in self._specs}
 
     def compute(self, state: State) -> Any:
-        """The value of (possibly per-replica) `state`: reduced across replicas, then computed."""
+        """The value of (possibly per-replica) `state`: reduced across replicas, then computed.
+
+        On `PerReplica` state (outside `run`) the reduction and the computation run as one
+        compiled program on the state's strategy; the value is the same on every worker.
+        """
+        strategy = per_replica_strategy(state)
+        if strategy is not None:
+            return read_mirrored(strategy.run(_compute_of, args=(self, state)))
         return self.result_from(sync_state(state, self._specs))
 
     # --- eager face (Keras names) ----------------------------------------------------------

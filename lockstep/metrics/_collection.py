@@ -9,7 +9,7 @@ import jax
 
 from .._errors import UsageError
 from .._values import get_replica_context
-from ._base import Metric, State, StateSpec, sync_state
+from ._base import Metric, State, StateSpec, _compute_of, per_replica_strategy, read_mirrored, sync_state
 from ._registry import get as get_metric
 
 
@@ -72,6 +72,10 @@ class MetricCollection:
         return {name: {k: synced[f"{name}/{k}"] for k in m.state_specs} for name, m in self.metrics.items()}
 
     def compute(self, state: dict[str, State]) -> dict[str, Any]:
+        """Every metric's value; on per-replica state, one compiled program reduces and computes all."""
+        strategy = per_replica_strategy(state)
+        if strategy is not None:
+            return read_mirrored(strategy.run(_compute_of, args=(self, state)))
         synced = self.sync(state)
         return {name: m.result_from(synced[name]) for name, m in self.metrics.items()}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import math
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -65,6 +66,28 @@ def _is_arrays(x: Any) -> bool:
         isinstance(x, Mapping) and all(isinstance(v, (np.ndarray, jax.Array)) for v in x.values()))
 
 
+def _strategy_for(model: Any) -> Strategy:
+    """The active scope's strategy; else, for a Keras model built in a scope, that scope's strategy."""
+    from .._strategy import _RECENT, _SCOPES, strategy_of_devices
+
+    if _SCOPES.stack:
+        return _SCOPES.stack[-1]
+    variables = getattr(model, "variables", None) or []
+    if variables:
+        sharding = getattr(getattr(variables[0], "value", None), "sharding", None)
+        found = strategy_of_devices(sharding.device_set) if sharding is not None else None
+        if found is not None:
+            return found
+    default = get_strategy()
+    recent = [r() for r in _RECENT]
+    if variables and any(st is not None and st.num_replicas_in_sync > 1 for st in recent):
+        warnings.warn(
+            "this Trainer runs on one device (no strategy given, no scope active, and the model was not built "
+            "in a strategy's scope): pass `strategy=`, or create the Trainer inside `strategy.scope()`.",
+            stacklevel=3)
+    return default
+
+
 def _check_takes_labels(metric: Metric) -> None:
     params = inspect.signature(metric.batch_state).parameters.values()
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -91,7 +114,8 @@ class Trainer:
       optimizer: an optax transformation or a name (``"adam"``, ``"adamw"``, ``"sgd"``, ``"rmsprop"``).
       loss: a Keras loss name (``"..._from_logits"`` for logits) or a per-example callable.
       metrics: `lockstep.metrics` objects, names (``"accuracy"``, ``"mse"``, ...) or per-sample functions.
-      strategy: defaults to `lockstep.get_strategy()` (the active scope's).
+      strategy: defaults to the active scope's strategy; outside any scope, to the strategy in whose
+        scope the Keras model was built; else a one-device strategy.
       seed: seeds a `FunctionalModel`'s initialisation.
 
     >>> import jax, jax.numpy as jnp, numpy as np, lockstep as ls
@@ -112,7 +136,7 @@ class Trainer:
                  loss: str | Callable[..., Any] = "sparse_categorical_crossentropy",
                  metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
                  strategy: Strategy | None = None, seed: int = 0):
-        self.strategy = strategy or get_strategy()
+        self.strategy = strategy or _strategy_for(model)
         if not isinstance(self.strategy, Strategy):
             raise TypeError(f"`strategy` must be a lockstep strategy, got {type(strategy).__name__}.")
         self.model = model

@@ -1,0 +1,396 @@
+"""Side-by-side benchmarks: lockstep against the systems users would pick instead.
+
+    python benchmarks/bench.py            # the whole matrix; writes benchmarks/RESULTS.md
+    python benchmarks/bench.py --quick    # fewer samples, for a smoke run
+
+Every measurement runs in its own child process (so simulated devices and peak memory are its
+own), all from this one parent, on the same device count and the same global batch:
+
+* fit: a 784-128-10 MLP and a small CNN on 20,000 synthetic MNIST-shaped samples, global batch
+  256, on 1 and 4 simulated CPU devices: (a) lockstep.Trainer.fit, (b) a hand-written jitted
+  JAX + optax data-parallel loop (the practical limit), (c) Keras 3 fit with
+  keras.distribution.DataParallel on JAX, (d) tf.distribute.MirroredStrategy with Keras fit
+  when TensorFlow is importable. Reported: samples/s over epochs 2 and later, the ratio to (b),
+  start-up time to the end of the first step, and peak resident memory.
+* exact evaluation (masks) against the same evaluation without masks;
+* reading a collection of 10 metrics in one reduction against reading them one by one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SYSTEMS = ["lockstep", "jax_loop", "keras", "tf"]
+LABELS = {"lockstep": "(a) lockstep Trainer.fit", "jax_loop": "(b) hand-written JAX + optax loop",
+          "keras": "(c) Keras 3 fit + DataParallel", "tf": "(d) tf.distribute MirroredStrategy + Keras fit"}
+
+
+def peak_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def make_data(n: int, model: str):
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    x = rng.random((n, 28, 28, 1) if model == "cnn" else (n, 784), dtype=np.float32)
+    y = rng.integers(0, 10, size=n).astype(np.int32)
+    return x, y
+
+
+def keras_model(model: str):
+    import keras
+
+    keras.utils.set_random_seed(0)
+    if model == "cnn":
+        return keras.Sequential([keras.Input((28, 28, 1)), keras.layers.Conv2D(16, 3, activation="relu"),
+                                 keras.layers.MaxPooling2D(2), keras.layers.Conv2D(32, 3, activation="relu"),
+                                 keras.layers.MaxPooling2D(2), keras.layers.Flatten(),
+                                 keras.layers.Dense(10)])
+    return keras.Sequential([keras.Input((784,)), keras.layers.Dense(128, activation="relu"), keras.layers.Dense(10)])
+
+
+class EpochTimer:
+    def __init__(self):
+        self.starts, self.ends, self.first_step = [], [], None
+
+
+def child_fit(system: str, model: str, devices: int, n: int, epochs: int, batch: int) -> dict:
+    t_start = time.perf_counter()
+    if system == "tf":
+        return child_tf(model, devices, n, epochs, batch, t_start)
+    os.environ["KERAS_BACKEND"] = "jax"
+    import lockstep as ls
+
+    ls.simulate_cpu_devices(devices)
+    import jax
+    import numpy as np
+
+    x, y = make_data(n, model)
+    times = EpochTimer()
+    if system == "lockstep":
+        strategy = ls.MirroredStrategy(devices)
+
+        class Timer(ls.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                times.starts.append(time.perf_counter())
+
+            def on_train_batch_end(self, batch_i, logs=None):
+                if times.first_step is None:
+                    jax.block_until_ready(self.trainer._params)
+                    times.first_step = time.perf_counter() - t_start
+
+            def on_epoch_end(self, epoch, logs=None):
+                times.ends.append(time.perf_counter())
+
+        with strategy.scope():
+            km = keras_model(model)
+        trainer = ls.Trainer(km, optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
+                             metrics=["accuracy"])
+        assert trainer.strategy.num_replicas_in_sync == devices
+        trainer.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=0, callbacks=[Timer()])
+    elif system == "jax_loop":
+        # what a JAX user writes for data parallelism: shard_map over the devices, a pmean of the
+        # gradients, optax; batches sharded on the host side, dispatch bounded
+        import jax.numpy as jnp
+        import optax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        km = keras_model(model)
+        mesh = jax.make_mesh((devices,), ("batch",), devices=jax.devices()[:devices],
+                             axis_types=(jax.sharding.AxisType.Auto,))
+        rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
+        tv = jax.device_put([v.value for v in km.trainable_variables], rep)
+        ntv = jax.device_put([v.value for v in km.non_trainable_variables], rep)
+        tx = optax.adam(1e-3, eps=1e-7)
+        opt = jax.device_put(tx.init(tv), rep)
+
+        def local_step(tv, ntv, opt, xb, yb):
+            global_rows = xb.shape[0] * devices
+
+            def loss_fn(tv):
+                logits, _ = km.stateless_call(tv, ntv, xb, training=True)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, yb).sum() / global_rows, logits
+            # gradients of the replicated parameters come back summed over devices: the global mean
+            (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
+            updates, opt = tx.update(grads, opt, tv)
+            correct = jax.lax.psum(jnp.sum(logits.argmax(-1) == yb), "batch")
+            return optax.apply_updates(tv, updates), opt, jax.lax.psum(loss, "batch"), correct
+
+        step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(), P("batch"), P("batch")),
+                                     out_specs=(P(), P(), P(), P())))
+
+        from collections import deque
+
+        in_flight: deque = deque()
+        for epoch in range(epochs):
+            times.starts.append(time.perf_counter())
+            order = np.random.default_rng([0, epoch]).permutation(n)
+            correct = []
+            for i, lo in enumerate(range(0, n, batch)):
+                idx = order[lo:lo + batch]
+                if len(idx) % devices:  # the short last batch: keep a multiple of the device count
+                    idx = idx[: len(idx) - len(idx) % devices]
+                xb, yb = jax.device_put((x[idx], y[idx]), split)
+                tv, opt, loss, c = step(tv, ntv, opt, xb, yb)
+                correct.append(c)
+                if times.first_step is None:
+                    jax.block_until_ready(tv)
+                    times.first_step = time.perf_counter() - t_start
+                in_flight.append(loss)  # bounded dispatch (DESIGN.md): at most 8 steps in flight
+                if len(in_flight) > 8:
+                    in_flight.popleft().block_until_ready()
+            int(sum(int(v) for v in correct))
+            times.ends.append(time.perf_counter())
+    elif system == "keras":
+        import keras
+
+        keras.distribution.set_distribution(keras.distribution.DataParallel(devices=jax.devices()[:devices]))
+        km = keras_model(model)
+        km.compile(optimizer=keras.optimizers.Adam(1e-3),
+                   loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+
+        class KTimer(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                times.starts.append(time.perf_counter())
+
+            def on_train_batch_end(self, batch_i, logs=None):
+                if times.first_step is None:
+                    times.first_step = time.perf_counter() - t_start
+
+            def on_epoch_end(self, epoch, logs=None):
+                times.ends.append(time.perf_counter())
+
+        usable = n - n % devices
+        km.fit(x[:usable], y[:usable], batch_size=batch, epochs=epochs, shuffle=True, verbose=0,
+               callbacks=[KTimer()])
+    later = sum(e - s for s, e in zip(times.starts[1:], times.ends[1:]))
+    return {"samples_per_s": n * (epochs - 1) / later, "startup_s": times.first_step, "peak_mb": peak_mb()}
+
+
+def child_tf(model, devices, n, epochs, batch, t_start):
+    os.environ["TF_CPP_MIN_LOG_LEVEL"] = "2"
+    import tensorflow as tf  # noqa: F401  (optional: only when installed)
+
+    tf.config.set_logical_device_configuration(
+        tf.config.list_physical_devices("CPU")[0], [tf.config.LogicalDeviceConfiguration()] * devices)
+    os.environ["KERAS_BACKEND"] = "tensorflow"
+    import keras
+
+    strategy = tf.distribute.MirroredStrategy([f"/cpu:{i}" for i in range(devices)])
+    x, y = make_data(n, model)
+    times = EpochTimer()
+
+    class KTimer(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            times.starts.append(time.perf_counter())
+
+        def on_train_batch_end(self, batch_i, logs=None):
+            if times.first_step is None:
+                times.first_step = time.perf_counter() - t_start
+
+        def on_epoch_end(self, epoch, logs=None):
+            times.ends.append(time.perf_counter())
+
+    with strategy.scope():
+        km = keras_model(model)
+        km.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                   metrics=["accuracy"])
+    km.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, callbacks=[KTimer()])
+    later = sum(e - s for s, e in zip(times.starts[1:], times.ends[1:]))
+    return {"samples_per_s": n * (epochs - 1) / later, "startup_s": times.first_step, "peak_mb": peak_mb()}
+
+
+def child_eval(devices: int, n: int, batch: int, repeats: int) -> dict:
+    """Exact (masked) evaluation against the same compiled evaluation without masks."""
+    os.environ["KERAS_BACKEND"] = "jax"
+    import lockstep as ls
+
+    ls.simulate_cpu_devices(devices)
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    x, y = make_data(n, "mlp")
+    strategy = ls.MirroredStrategy(devices)
+    km = keras_model("mlp")
+    trainer = ls.Trainer(km, loss="sparse_categorical_crossentropy_from_logits", metrics=["accuracy"],
+                         strategy=strategy)
+    trainer.evaluate(x[:batch], y[:batch], batch_size=batch)
+    params = trainer._params
+
+    def unmasked_step(params, state, batch_):
+        xb, yb = batch_
+        logits = km.stateless_call(params["trainable"], params["non_trainable"], xb)[0]
+        loss = ls.losses.sparse_categorical_crossentropy(yb, logits, from_logits=True)
+        return {"loss": state["loss"] + jnp.sum(loss), "count": state["count"] + loss.shape[0],
+                "correct": state["correct"] + jnp.sum(logits.argmax(-1) == yb)}
+
+    def unmasked():
+        state = strategy.experimental_distribute_values_from_function(
+            lambda ctx: {"loss": np.float32(0), "count": np.float32(0), "correct": np.int32(0)})
+        usable = n - n % batch  # no masks: the short last batch cannot be split exactly, so it is dropped
+        for batch_ in strategy.experimental_distribute_dataset(ls.data.batches((x[:usable], y[:usable]), batch)):
+            state = strategy.run(unmasked_step, args=(params, state, batch_))
+        return jax.tree.map(lambda v: float(np.sum(np.asarray(v._array))), state)
+
+    def masked():
+        return trainer.evaluate(x, y, batch_size=batch)
+
+    out = {}
+    for name, fn in (("unmasked", unmasked), ("masked", masked)):
+        fn()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        out[name] = (time.perf_counter() - t) / repeats
+    return out
+
+
+def child_metrics(devices: int, repeats: int) -> dict:
+    """Reading 10 metrics' per-replica state: one reduction for all against one per metric."""
+    import lockstep as ls
+
+    ls.simulate_cpu_devices(devices)
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    y = rng.integers(0, 10, size=4096)
+    p = rng.dirichlet(np.ones(10), size=4096).astype(np.float32)
+    onehot = np.eye(10, dtype=np.float32)[y]
+    m = ls.metrics
+    metrics = [m.CategoricalAccuracy(), m.TopKCategoricalAccuracy(k=3), m.Precision(), m.Recall(),
+               m.F1Score(average="macro"), m.F1Score(average="micro", name="f1_micro"), m.AUC(),
+               m.AUC(curve="PR", name="pr_auc"), m.MeanSquaredError(), m.MeanAbsoluteError()]
+    c = m.MetricCollection(metrics)
+    c.build(onehot.shape, p.shape)
+    s = ls.MirroredStrategy(devices)
+    state = c.init()
+    for batch in s.experimental_distribute_dataset(ls.data.batches((onehot, p), 512)):
+        state = s.run(lambda st, b: c.update(st, b[0], b[1]), args=(state, batch))
+
+    def together():
+        return {k: float(np.asarray(v).ravel()[0]) for k, v in c.compute(state).items()}
+
+    def one_by_one():
+        return {k: float(np.asarray(mm.compute(state[k])).ravel()[0]) for k, mm in c.metrics.items()}
+
+    out = {}
+    for name, fn in (("one_by_one", one_by_one), ("together", together)):
+        fn()
+        t = time.perf_counter()
+        for _ in range(repeats):
+            fn()
+        out[name] = (time.perf_counter() - t) / repeats
+    return out
+
+
+def run_child(args: list[str], timeout: int = 1800) -> dict | str:
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
+    proc = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return f"failed: {tail[0][:160]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def machine() -> str:
+    import jax
+
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    return (f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}, JAX {jax.__version__}, "
+            f"{platform.system()} {platform.release()}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help="fewer samples and epochs (a smoke run)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
+    parser.add_argument("--models", default="mlp,cnn")
+    parser.add_argument("--devices", default="1,4")
+    args = parser.parse_args()
+    if args.child:
+        kind, *rest = args.child
+        if kind == "fit":
+            system, model, devices, n, epochs, batch = rest
+            result = child_fit(system, model, int(devices), int(n), int(epochs), int(batch))
+        elif kind == "eval":
+            result = child_eval(int(rest[0]), int(rest[1]), int(rest[2]), int(rest[3]))
+        else:
+            result = child_metrics(int(rest[0]), int(rest[1]))
+        print(json.dumps(result))
+        return 0
+
+    n, epochs = (4000, 2) if args.quick else (20000, 3)
+    batch = 256
+    try:
+        import importlib.util
+        have_tf = importlib.util.find_spec("tensorflow") is not None
+    except ValueError:
+        have_tf = False
+    lines = ["# Benchmarks", "", f"Machine: {machine()}.", "",
+             f"Command: `make bench` (`python benchmarks/bench.py{' --quick' if args.quick else ''}`); every row ran in "
+             "its own child process of one run, on simulated CPU devices that share the machine's cores "
+             "(so more devices is slower here: compare systems within one device count).", ""]
+    results: dict = {}
+    for model in args.models.split(","):
+        for devices in [int(d) for d in args.devices.split(",")]:
+            for system in SYSTEMS:
+                if system == "tf" and not have_tf:
+                    results[(model, devices, system)] = "not run: TensorFlow is not installed (optional extra)"
+                    continue
+                results[(model, devices, system)] = run_child(["fit", system, model, str(devices), str(n),
+                                                               str(epochs), str(batch)])
+                print(model, devices, system, results[(model, devices, system)], flush=True)
+    lines += [f"## fit: {n} samples, global batch {batch}, {epochs} epochs (epochs 2+ timed)", "",
+              "| model | devices | system | samples/s | ratio to (b) | start-up to first step (s) | peak memory (MB) |",
+              "|---|---|---|---|---|---|---|"]
+    for (model, devices, system), r in results.items():
+        ref = results.get((model, devices, "jax_loop"))
+        if isinstance(r, dict):
+            ratio = f"{r['samples_per_s'] / ref['samples_per_s']:.2f}" if isinstance(ref, dict) else "-"
+            lines.append(f"| {model} | {devices} | {LABELS[system]} | {r['samples_per_s']:,.0f} | {ratio} | "
+                         f"{r['startup_s']:.2f} | {r['peak_mb']:,.0f} |")
+        else:
+            lines.append(f"| {model} | {devices} | {LABELS[system]} | {r} | | | |")
+    lines += ["", "## exact evaluation: masks against no masks", "",
+              "| devices | samples | batch | unmasked (s) | masked, exact (s) | ratio |", "|---|---|---|---|---|---|"]
+    for devices in [int(d) for d in args.devices.split(",")]:
+        r = run_child(["eval", str(devices), str(n + 13), str(batch), "5"])
+        print("eval", devices, r, flush=True)
+        if isinstance(r, dict):
+            lines.append(f"| {devices} | {n + 13} | {batch} | {r['unmasked']:.4f} | {r['masked']:.4f} | "
+                         f"{r['masked'] / r['unmasked']:.2f} |")
+    lines += ["", "(The unmasked evaluation drops the short last batch — it cannot be split exactly without "
+              "masks — so it also does slightly less work.)", "",
+              "## reading 10 metrics", "", "| devices | one by one (ms) | one reduction for all (ms) | speed-up |",
+              "|---|---|---|---|"]
+    for devices in [int(d) for d in args.devices.split(",")]:
+        r = run_child(["metrics", str(devices), "20"])
+        print("metrics", devices, r, flush=True)
+        if isinstance(r, dict):
+            lines.append(f"| {devices} | {1000 * r['one_by_one']:.2f} | {1000 * r['together']:.2f} | "
+                         f"{r['one_by_one'] / r['together']:.1f}x |")
+    with open(args.out, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
