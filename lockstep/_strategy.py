@@ -107,6 +107,7 @@ class Strategy:
         self._split = NamedSharding(self._mesh, P(AXIS))
         self._runs: dict[Any, _RunEntry] = {}
         self._helpers: dict[Any, Callable[..., Any]] = {}
+        self._counts: dict[int, jax.Array] = {}
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._lock = threading.Lock()
 
@@ -169,6 +170,15 @@ class Strategy:
     # --- placement ---------------------------------------------------------------------
     def _put_replicated(self, x: Any) -> jax.Array:
         return jax.device_put(x, self._replicated)
+
+    def _count_array(self, n: int) -> jax.Array:
+        """A step's real sample count as a replicated scalar (cached: full batches repeat it)."""
+        arr = self._counts.get(n)
+        if arr is None:
+            if len(self._counts) > 64:
+                self._counts.clear()
+            arr = self._counts[n] = self._put_replicated(np.float32(n))
+        return arr
 
     @property
     def _local_replica_ids(self) -> list[int]:
@@ -370,7 +380,7 @@ class Strategy:
                 kinds.append("static")
                 statics.append(leaf)
         batch_leaves = [] if batch is None else list(batch._leaves)
-        mask = [] if batch is None else [batch._mask]
+        mask = [] if batch is None else [batch._mask, batch._count]
         try:
             static_key = tuple(statics)
             hash(static_key)
@@ -430,7 +440,7 @@ class Strategy:
                 else:
                     rebuilt.append(next(s_it))
             args, kwargs = jax.tree.unflatten(treedef, rebuilt)
-            ctx = ReplicaContext(self, m[0] if has_batch else None)
+            ctx = ReplicaContext(self, m[0], m[1]) if has_batch else ReplicaContext(self, None)
             with replica_context(ctx):
                 out = fn(*args, **kwargs)
             out_leaves, entry.out_tree = jax.tree.flatten(out)
@@ -443,7 +453,7 @@ class Strategy:
                 return tuple(o[None] for o in out_leaves)
             return tuple(o if mirrored else o[None] for o, mirrored in zip(out_leaves, flags))
 
-        in_specs = ([P(AXIS)] * len(batch_leaves), [P(AXIS)] * len(mask),
+        in_specs = ([P(AXIS)] * len(batch_leaves), [P(AXIS), P()][:len(mask)],
                     [P(AXIS) if k == "per_replica" else P() for k in kinds if k in ("per_replica", "replicated")])
         probe = jax.shard_map(functools.partial(body, None), mesh=self._mesh, in_specs=in_specs,
                               out_specs=P(AXIS))

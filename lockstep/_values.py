@@ -96,15 +96,18 @@ class DistributedBatch:
     (padding included); the mask is on `get_replica_context().mask`.
     """
 
-    __slots__ = ("_leaves", "_treedef", "_mask", "_step", "_strategy")
+    __slots__ = ("_leaves", "_treedef", "_mask", "_count", "_step", "_strategy")
 
     def __init__(self, leaves: list[jax.Array], treedef: Any, mask: jax.Array, step: StepInfo,
-                 strategy: "Strategy"):
+                 strategy: "Strategy", count: jax.Array | None = None):
         self._leaves = leaves
         self._treedef = treedef
         self._mask = mask
         self._step = step
         self._strategy = strategy
+        # the step's real sample count over all replicas, known on the host: a replicated scalar,
+        # so losses need no collective to find it
+        self._count = count if count is not None else strategy._count_array(step.num_real)
 
     @property
     def data(self) -> Any:
@@ -160,9 +163,10 @@ class ReplicaContext:
     Read it with `lockstep.get_replica_context()`; outside `run` that returns `None`.
     """
 
-    def __init__(self, strategy: "Strategy", mask: jax.Array | None):
+    def __init__(self, strategy: "Strategy", mask: jax.Array | None, global_count: jax.Array | None = None):
         self._strategy = strategy
         self._mask = mask
+        self._global_count = global_count
 
     @property
     def strategy(self) -> "Strategy":
@@ -182,6 +186,14 @@ class ReplicaContext:
         """This replica's per-sample mask (1.0 real, 0.0 padding) of the distributed batch in
         `run`'s arguments; `None` when `run` got no distributed batch."""
         return self._mask
+
+    def global_count(self) -> jax.Array | None:
+        """The real number of samples of the step's distributed batch over all replicas."""
+        if self._mask is None:
+            return None
+        if self._global_count is not None:
+            return self._global_count
+        return jax.lax.psum(jnp.sum(self._mask), AXIS)
 
     def _local_count(self) -> jax.Array | None:
         return None if self._mask is None else jnp.sum(self._mask)

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._values import AXIS, get_replica_context
+from ._values import get_replica_context
 
 EPSILON = 1e-7  # Keras' backend epsilon, used to clip probabilities
 
@@ -150,7 +150,7 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
     if global_batch_size is not None:
         denom = jnp.asarray(global_batch_size, loss.dtype)
     elif mask is not None:
-        denom = jax.lax.psum(jnp.sum(mask), AXIS).astype(loss.dtype)
+        denom = ctx.global_count().astype(loss.dtype)
     else:
         denom = jnp.asarray(loss.shape[0] * ctx.num_replicas_in_sync, loss.dtype)
     return jnp.sum(loss) / denom
