@@ -108,6 +108,7 @@ class Strategy:
         self._runs: dict[Any, _RunEntry] = {}
         self._helpers: dict[Any, Callable[..., Any]] = {}
         self._counts: dict[int, jax.Array] = {}
+        self._masks: dict[Any, jax.Array] = {}
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._lock = threading.Lock()
 
@@ -212,10 +213,15 @@ class Strategy:
             local = [x[:hi] for x in leaves]
         else:
             local = [np.take(x, idx, axis=0) for x in leaves]
-        mask = (np.arange(lo, hi) < n).astype(np.float32)
-        placed = self._place_split([*local, mask], size)
+        key = (lo, hi, n, size)
+        mask = self._masks.get(key)  # full batches repeat one mask: place it once
+        if mask is None:
+            if len(self._masks) > 64:
+                self._masks.clear()
+            mask = self._masks[key] = self._place_split([(np.arange(lo, hi) < n).astype(np.float32)], size)[0]
+        placed = self._place_split(local, size)
         step = StepInfo.contiguous(r, b, n)
-        return DistributedBatch(placed[:-1], treedef, placed[-1], step, self)
+        return DistributedBatch(placed, treedef, mask, step, self)
 
     def _replicas_per_process(self) -> list[int]:
         counts = collections.Counter(d.process_index for d in self._devices)
@@ -587,9 +593,10 @@ def _batch_length(leaves: list[np.ndarray]) -> int:
 
 
 def _signature(x: Any) -> Any:
-    if isinstance(x, (jax.Array, np.ndarray, np.generic)):
-        return (x.shape, str(x.dtype))
-    return (type(x),)
+    try:
+        return (x.shape, x.dtype)  # arrays (dtype objects hash fast; str() of them does not)
+    except AttributeError:
+        return (type(x),)
 
 
 def _to_numpy(x: Any) -> np.ndarray:

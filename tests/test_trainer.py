@@ -14,14 +14,8 @@ from sklearn.metrics import accuracy_score, f1_score
 
 import lockstep as ls
 
-N = 1003
-
-
-def data(n=N, seed=0):
-    rng = np.random.default_rng(seed)
-    x = rng.normal(size=(n, 8)).astype(np.float32)
-    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.int32) + (x[:, 2] > 1).astype(np.int32)
-    return x, y
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+from common import N, data  # noqa: E402  (the data the multi-worker tests use too)
 
 
 def keras_mlp(seed=0):

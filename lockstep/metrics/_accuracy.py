@@ -7,15 +7,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._base import same_rank
 from ._reduction import MeanMetricWrapper
-
-
-def _same_rank(y_true: jax.Array, y_pred: jax.Array) -> tuple[jax.Array, jax.Array]:
-    if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
-        y_true = y_true[..., 0]
-    elif y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
-        y_pred = y_pred[..., 0]
-    return y_true, y_pred
 
 
 def _sparse_labels(y_true: jax.Array, y_pred: jax.Array) -> jax.Array:
@@ -26,12 +19,12 @@ def _sparse_labels(y_true: jax.Array, y_pred: jax.Array) -> jax.Array:
 
 
 def accuracy(y_true: Any, y_pred: Any) -> jax.Array:
-    y_true, y_pred = _same_rank(jnp.asarray(y_true), jnp.asarray(y_pred))
+    y_true, y_pred = same_rank(y_true, y_pred)
     return (y_true == y_pred).astype(jnp.float32)
 
 
 def binary_accuracy(y_true: Any, y_pred: Any, threshold: float = 0.5) -> jax.Array:
-    y_true, y_pred = _same_rank(jnp.asarray(y_true), jnp.asarray(y_pred))
+    y_true, y_pred = same_rank(y_true, y_pred)
     return (y_true == (y_pred > threshold).astype(y_true.dtype)).astype(jnp.float32)
 
 

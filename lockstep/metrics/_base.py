@@ -336,6 +336,17 @@ def divide_no_nan(a: Any, b: Any) -> jax.Array:
     return jnp.where(b == 0, jnp.zeros_like(a / safe), a / safe)
 
 
+def same_rank(y_true: Any, y_pred: Any, dtype: Any = None) -> tuple[jax.Array, jax.Array]:
+    """`y_true` and `y_pred` with a trailing axis of size 1 squeezed from the one of higher rank."""
+    y_true = jnp.asarray(y_true) if dtype is None else jnp.asarray(y_true, dtype)
+    y_pred = jnp.asarray(y_pred) if dtype is None else jnp.asarray(y_pred, dtype)
+    if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
+        y_true = y_true[..., 0]
+    elif y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
+        y_pred = y_pred[..., 0]
+    return y_true, y_pred
+
+
 def expand_weight(weight: jax.Array | None, like: jax.Array) -> jax.Array:
     """Per-sample weights broadcast to `like`'s shape (ones when `weight` is None)."""
     if weight is None:

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import Metric, State, divide_no_nan, expand_weight
+from ._base import Metric, State, divide_no_nan, expand_weight, same_rank
 
 EPSILON = 1e-7
 NEG_INF = -1e10
@@ -45,12 +45,7 @@ def confusion_counts(y_true: Any, y_pred: Any, weight: jax.Array | None, thresho
                      top_k: int | None = None, class_id: int | None = None,
                      per_label: bool = False) -> dict[str, jax.Array]:
     """Weighted tp / fp / tn / fn at each threshold (prediction positive when `y_pred > t`)."""
-    y_pred = jnp.asarray(y_pred, jnp.float32)
-    y_true = jnp.asarray(y_true, jnp.float32)
-    if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
-        y_true = y_true[..., 0]
-    elif y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
-        y_pred = y_pred[..., 0]
+    y_true, y_pred = same_rank(y_true, y_pred, jnp.float32)
     if y_true.shape != y_pred.shape:
         raise ValueError(f"`y_true` and `y_pred` must have the same shape, got {y_true.shape} and {y_pred.shape}.")
     w = expand_weight(weight, y_true)

@@ -7,18 +7,12 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._base import Metric, State, divide_no_nan
+from ._base import Metric, State, divide_no_nan, same_rank
 from ._reduction import MeanMetricWrapper
 
 
 def _pair(y_true: Any, y_pred: Any) -> tuple[jax.Array, jax.Array]:
-    y_pred = jnp.asarray(y_pred, jnp.float32)
-    y_true = jnp.asarray(y_true, jnp.float32)
-    if y_true.ndim == y_pred.ndim + 1 and y_true.shape[-1] == 1:
-        y_true = y_true[..., 0]
-    elif y_pred.ndim == y_true.ndim + 1 and y_pred.shape[-1] == 1:
-        y_pred = y_pred[..., 0]
-    return y_true, y_pred
+    return same_rank(y_true, y_pred, jnp.float32)
 
 
 def squared_error(y_true: Any, y_pred: Any) -> jax.Array:
