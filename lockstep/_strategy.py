@@ -7,6 +7,7 @@ import contextlib
 import functools
 import math
 import os
+import queue
 import sys
 import threading
 import weakref
@@ -644,6 +645,48 @@ def _concat_replicas(stacked: jax.Array, *, axis: int) -> jax.Array:
     return jnp.concatenate(list(stacked), axis=axis)
 
 
+#: Global batches prepared (sliced, padded, placed on the devices) ahead of the step that uses
+#: them, in a background thread, so host work overlaps device work. 0 turns it off.
+PREFETCH = int(os.environ.get("LOCKSTEP_PREFETCH", "2"))
+
+_DONE = object()
+
+
+def _prefetch(source: Iterator[Any], depth: int) -> Iterator[Any]:
+    """Runs `source` in a background thread, `depth` items ahead; errors surface in the consumer."""
+    items: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for item in source:
+                while not stop.is_set():
+                    try:
+                        items.put((True, item), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+                if stop.is_set():
+                    return
+            items.put((True, _DONE))
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            items.put((False, e))
+
+    thread = threading.Thread(target=produce, name="lockstep-prefetch", daemon=True)
+    thread.start()
+    try:
+        while True:
+            ok, item = items.get()
+            if not ok:
+                raise item
+            if item is _DONE:
+                return
+            yield item
+    finally:
+        stop.set()
+        thread.join(timeout=5.0)
+
+
 class DistributedDataset:
     """An iterable of `DistributedBatch`es.
 
@@ -664,6 +707,12 @@ class DistributedDataset:
         if self._per_worker:
             yield from self._strategy._distribute_local_batches(self._dataset)
             return
+        batches = self._distributed()
+        if jax.process_count() == 1 and PREFETCH > 0:
+            batches = _prefetch(batches, PREFETCH)
+        yield from batches
+
+    def _distributed(self) -> Iterator[DistributedBatch]:
         padded = self._padded_size
         for batch in self._dataset:
             dist = self._strategy._distribute_batch(batch, padded)

@@ -312,3 +312,24 @@ def test_bad_device_arguments():
 def test_combinations_are_swept():
     # guard against the sweep above silently shrinking
     assert len(list(itertools.product(REPLICAS, SIZES))) == 30
+
+
+def test_prefetching_keeps_order_stops_early_and_surfaces_errors():
+    s = ls.MirroredStrategy(2)
+    x = np.arange(40, dtype=np.float32)
+    got = [np.asarray(s.gather(s.run(lambda b: b, args=(b,))))
+           for b in s.experimental_distribute_dataset(ls.data.batches(x, 6))]
+    np.testing.assert_array_equal(np.concatenate(got), x)
+    it = iter(s.experimental_distribute_dataset(ls.data.batches(x, 4)))
+    next(it)
+    it.close()  # a consumer that stops early stops the producer
+
+    def broken():
+        yield np.ones(4, np.float32)
+        raise RuntimeError("pipeline broke at batch 2")
+
+    with pytest.raises(RuntimeError, match="batch 2"):
+        for _ in s.experimental_distribute_dataset(broken()):
+            pass
+    with pytest.raises(ValueError, match="same leading"):
+        list(s.experimental_distribute_dataset([(np.ones(4), np.ones(3))]))
