@@ -39,7 +39,8 @@ from ._values import (
 #: (DESIGN.md: more than ~32 collective steps in flight wedge XLA on a multi-device CPU).
 MAX_STEPS_IN_FLIGHT = int(os.environ.get("LOCKSTEP_MAX_STEPS_IN_FLIGHT", "8"))
 
-_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic, int, float, bool, complex)
+# traced arguments; Python scalars (flags such as `training=True`) are static, as in tf.distribute
+_ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 
 
 class InputContext:
@@ -342,7 +343,9 @@ class Strategy:
 
         Arguments may hold: a `DistributedBatch` (each replica gets its rows; the mask is on
         `get_replica_context().mask`), `PerReplica` values (each replica gets its own), and
-        anything else array-like, which every replica gets whole. Other leaves are static.
+        arrays (NumPy, JAX), which every replica gets whole. Other leaves — Python scalars such as
+        a `training=True` flag, strings — are static, as in `tf.distribute`: a new value compiles
+        a new step.
         Outputs come back in `fn`'s structure: `Mirrored` leaves where the value is the same on
         every replica by construction, `PerReplica` leaves otherwise.
 
