@@ -323,8 +323,7 @@ class Strategy:
         if not callable(value_fn):
             raise TypeError(f"`value_fn` must be callable, got {type(value_fn).__name__}.")
         n = self.num_replicas_in_sync
-        local_ids = [i for i, d in enumerate(self._devices) if d.process_index == jax.process_index()]
-        per = [value_fn(ValueContext(i, n)) for i in local_ids]
+        per = [value_fn(ValueContext(i, n)) for i in self._local_replica_ids]
         leaves0, treedef = jax.tree.flatten(per[0])
         columns = [jax.tree.leaves(p) for p in per]
         out = []
@@ -531,8 +530,8 @@ class Strategy:
             return (arr.max(0) if op is ReduceOp.MAX else arr.min(0)) if axis == 0 else arr
         if axis == 0 and stacked.ndim < 2:
             raise ValueError("`axis=0` needs per-replica values with a batch axis, got scalars per replica.")
-        weights = np.ones(r, np.float32) if step is None else step.counts.astype(np.float32)
         if axis is None:
+            weights = np.ones(r, np.float32) if step is None else step.counts.astype(np.float32)
             return self._call(_reduce_replicas, stacked, weights, op=op)
         rows = stacked.shape[1]
         if step is not None and rows == step.per_replica:

@@ -133,6 +133,16 @@ def is_distributed(x: Any) -> bool:
     return isinstance(x, (PerReplica, Mirrored, DistributedBatch))
 
 
+def raw(v: Any) -> Any:
+    """The global array behind a `PerReplica` / `Mirrored` value; anything else as it is."""
+    return v._array if isinstance(v, (PerReplica, Mirrored)) else v
+
+
+def raw_tree(tree: Any) -> Any:
+    """`tree` with every `PerReplica` / `Mirrored` leaf replaced by its global array."""
+    return jax.tree.map(raw, tree, is_leaf=lambda v: isinstance(v, (PerReplica, Mirrored)))
+
+
 def _varies(x: Any) -> bool:
     """Whether a traced value inside `shard_map` may differ between replicas."""
     aval = jax.typeof(x)

@@ -37,6 +37,12 @@ def sparse_categorical_accuracy(y_true: Any, y_pred: Any) -> jax.Array:
     return (_sparse_labels(y_true, y_pred) == jnp.argmax(y_pred, -1)).astype(jnp.float32)
 
 
+def _check_k(k: Any) -> int:
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"`k` must be a positive integer, got k={k!r}.")
+    return k
+
+
 def _in_top_k(labels: jax.Array, y_pred: jax.Array, k: int) -> jax.Array:
     top = jax.lax.top_k(y_pred, k)[1]
     return jnp.any(top == labels[..., None], axis=-1).astype(jnp.float32)
@@ -105,9 +111,7 @@ class TopKCategoricalAccuracy(MeanMetricWrapper):
     direction = "up"
 
     def __init__(self, k: int = 5, name: str = "top_k_categorical_accuracy", dtype: Any = "float32"):
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"`k` must be a positive integer, got k={k!r}.")
-        super().__init__(top_k_categorical_accuracy, name=name, dtype=dtype, k=k)
+        super().__init__(top_k_categorical_accuracy, name=name, dtype=dtype, k=_check_k(k))
         self.k = k
 
 
@@ -117,7 +121,5 @@ class SparseTopKCategoricalAccuracy(MeanMetricWrapper):
     direction = "up"
 
     def __init__(self, k: int = 5, name: str = "sparse_top_k_categorical_accuracy", dtype: Any = "float32"):
-        if not isinstance(k, int) or k < 1:
-            raise ValueError(f"`k` must be a positive integer, got k={k!r}.")
-        super().__init__(sparse_top_k_categorical_accuracy, name=name, dtype=dtype, k=k)
+        super().__init__(sparse_top_k_categorical_accuracy, name=name, dtype=dtype, k=_check_k(k))
         self.k = k

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import UsageError
-from .._values import AXIS, Mirrored, PerReplica, _highest, _lowest, _to_varying, get_replica_context
+from .._values import AXIS, Mirrored, PerReplica, _highest, _lowest, _to_varying, get_replica_context, raw
 
 REDUCTIONS = ("sum", "max", "min", "cat")
 
@@ -121,14 +121,14 @@ def sync_state(state: State, specs: Mapping[str, StateSpec]) -> State:
     if get_replica_context() is not None:
         return _sync_in_replica(state, specs)
     per = {k: v for k, v in state.items() if isinstance(v, PerReplica)}
-    out = {k: (v._array if isinstance(v, Mirrored) else v) for k, v in state.items() if k not in per}
+    out = {k: raw(v) for k, v in state.items() if k not in per}
     if per:
         strategies = {v._strategy for v in per.values()}
         if len(strategies) > 1:
             raise ValueError("`state` mixes per-replica values of several strategies.")
         reductions = tuple(sorted((k, specs[k].reduction) for k in per))
         synced = strategies.pop().run(_sync_per_replica, args=(reductions, per))
-        out.update({k: v._array if isinstance(v, (Mirrored, PerReplica)) else v for k, v in synced.items()})
+        out.update({k: raw(v) for k, v in synced.items()})
         for k, reduction in reductions:  # an all-gather comes back per replica, identical: take one copy
             if reduction == "cat" and isinstance(synced[k], PerReplica):
                 out[k] = synced[k]._strategy.experimental_local_results(synced[k])[0]

@@ -113,12 +113,3 @@ def make_predict_step(apply: Apply) -> Callable[..., Any]:
         return apply(params, x, False)[0]
 
     return predict_step
-
-
-def make_read_logs(metrics: MetricCollection) -> Callable[[dict[str, Any]], dict[str, Any]]:
-    """Reads every running value with one reduction of all states (meant for `strategy.run`)."""
-
-    def read_logs(state: dict[str, Any]) -> dict[str, Any]:
-        return metrics.compute(state)
-
-    return read_logs

@@ -16,7 +16,7 @@ import optax
 
 from .. import losses as _losses
 from .._strategy import DistributedDataset, Strategy, get_strategy
-from .._values import Mirrored, PerReplica
+from .._values import Mirrored, PerReplica, raw, raw_tree
 from ..callbacks import BackupAndRestore, Callback, CallbackList, History, ProgbarLogger
 from ..callbacks._callback import is_chief
 from ..checkpoint import atomic_path, load_tree, save_tree
@@ -26,7 +26,7 @@ from ..metrics import Mean, Metric, MetricCollection
 from ..metrics import get as get_metric
 from ._model import adapt
 from ._optimizers import find_hyperparams, get_optimizer
-from ._steps import make_eval_step, make_predict_step, make_read_logs, make_train_step, unpack
+from ._steps import make_eval_step, make_predict_step, make_train_step, unpack
 
 
 class _LazyLogs(Mapping[str, Any]):
@@ -52,12 +52,11 @@ class _LazyLogs(Mapping[str, Any]):
 
 
 def _host(tree: Any) -> Any:
-    return jax.tree.map(lambda v: np.asarray(v._array if isinstance(v, (Mirrored, PerReplica)) else v), tree,
-                        is_leaf=lambda v: isinstance(v, (Mirrored, PerReplica)))
+    return jax.tree.map(np.asarray, raw_tree(tree))
 
 
 def _to_python(v: Any) -> Any:
-    a = np.asarray(v._array if isinstance(v, Mirrored) else v)
+    a = np.asarray(raw(v))
     return float(a) if a.ndim == 0 else a
 
 
@@ -184,7 +183,6 @@ class Trainer:
                                          self.strategy.num_replicas_in_sync),
                 "eval": make_eval_step(apply, self._loss_fn, self._loss_tracker, self._metrics),
                 "predict": make_predict_step(apply),
-                "read": make_read_logs(self._all),
             }
 
     def get_metric(self, name: str) -> Metric | None:
@@ -251,7 +249,7 @@ class Trainer:
         return data if isinstance(data, DistributedDataset) else self.strategy.experimental_distribute_dataset(data)
 
     def _read(self, state: Any) -> dict[str, Any]:
-        values = self.strategy.run(self._steps["read"], args=(state,))
+        values = self._all.compute(state)  # one compiled program: all states reduced, all values computed
         return {k: _to_python(values[k]) for k in self._all.metrics}  # Keras' order: loss first
 
     def _fresh_state(self) -> Any:
@@ -381,7 +379,7 @@ class Trainer:
         for name, tree in (("params", self._params), ("opt_state", self._opt_state), ("metrics", metric_state)):
             leaves = jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, (Mirrored, PerReplica)))
             for i, v in enumerate(leaves):
-                out[f"{name}/{i:05d}"] = v._array if isinstance(v, (Mirrored, PerReplica)) else jnp.asarray(v)
+                out[f"{name}/{i:05d}"] = jnp.asarray(raw(v))
         return out
 
     def _load_state_arrays(self, arrays: dict[str, Any]) -> Any:
