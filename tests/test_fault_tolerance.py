@@ -87,7 +87,8 @@ def test_sigterm_makes_every_worker_save_at_the_same_step_exit_83_and_resume_exa
     out = "".join(lines) + rest
     assert launcher.returncode == 0, out[-3000:] + err[-3000:]
     saved = [line for line in out.splitlines() if "preempted: backup saved at step" in line]
-    assert len(saved) == 2 and len({line.split("step ")[1] for line in saved}) == 1, saved  # the same step
+    assert len(saved) == 2 and len({line.split("step ")[1] for line in saved}) == 1, \
+        (saved, out[-3000:], err[-3000:])  # the same step
     assert "rank 1 exited with code 83 (preempted; backup saved)" in err or \
         "rank 0 exited with code 83 (preempted; backup saved)" in err
     weights, hist = result(tmp_path)
@@ -152,3 +153,41 @@ def test_killing_the_saving_process_20_times_never_leaves_a_partial_checkpoint(t
         store.close()
         seen.append(step)
     assert seen == sorted(seen) and seen[-1] >= 20  # progress across kills
+
+
+class _TermAt(ls.callbacks.Callback):
+    """Sends SIGTERM to this process as global step `at` begins."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at, self.count = at, 0
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.count += 1
+        if self.count == self.at:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+@pytest.mark.parametrize("at", [13, 15])  # 15 is also a periodic backup step: that backup is not written twice
+def test_preemption_in_one_process_saves_once_exits_83_and_resumes_exactly(tmp_path, at):
+    x, y = common.data()
+    kwargs = dict(batch_size=64, epochs=2, seed=3, verbose=0)
+    ref = common.trainer(ls.MirroredStrategy(1))
+    ref_hist = ref.fit(x, y, **kwargs)
+
+    t = common.trainer(ls.MirroredStrategy(1))
+    backup = ls.callbacks.BackupAndRestore(tmp_path, save_freq=5, delete_checkpoint=False)
+    with pytest.raises(SystemExit) as exc:
+        t.fit(x, y, callbacks=[backup, _TermAt(at)], **kwargs)
+    assert exc.value.code == ls.callbacks.PREEMPTED_EXIT_CODE
+    store = ls.checkpoint.TrainingCheckpointer(tmp_path)
+    assert store.latest_step() == at
+    store.close()
+
+    t = common.trainer(ls.MirroredStrategy(1))
+    backup = ls.callbacks.BackupAndRestore(tmp_path, save_freq=5)
+    hist = t.fit(x, y, callbacks=[backup], **kwargs)
+    assert backup.restored_from == at
+    for a, b in zip(jax.tree.leaves(t.get_weights()), jax.tree.leaves(ref.get_weights())):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert hist.history == ref_hist.history

@@ -87,16 +87,29 @@ class BackupAndRestore(Callback):
         self._old_handler: Any = None
         self._others: list[Callback] = []
         self.restored_from: int | None = None
+        self._saved_step: int | None = None
 
     # --- wiring ----------------------------------------------------------------------------
     def attach(self, callbacks: list[Callback]) -> None:
         """The callbacks whose state goes into each backup (the trainer calls this)."""
         self._others = [cb for cb in callbacks if cb is not self]
 
+    def _keyed(self) -> dict[str, Callback]:
+        """The other callbacks by class name and rank among that class (``"EarlyStopping.0"``), so a
+        restart whose callback list differs restores each saved state into the matching callback."""
+        seen: dict[str, int] = {}
+        out = {}
+        for cb in self._others:
+            name = type(cb).__name__
+            out[f"{name}.{seen.get(name, 0)}"] = cb
+            seen[name] = seen.get(name, 0) + 1
+        return out
+
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         from ..checkpoint import TrainingCheckpointer
 
         self._store = TrainingCheckpointer(self.backup_dir)
+        self._saved_step = None
         self._preempted.clear()
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
             self._old_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self._preempted.set())
@@ -117,10 +130,11 @@ class BackupAndRestore(Callback):
         t = self.trainer
         epoch, step, metric_state = t._progress
         arrays = t._state_arrays(metric_state)
-        callbacks = [_split_state(cb.get_state(), f"callbacks/{i}/", arrays) for i, cb in enumerate(self._others)]
+        callbacks = {key: _split_state(cb.get_state(), f"callbacks/{key}/", arrays) for key, cb in self._keyed().items()}
         meta = {"epoch": epoch, "step": step, "global_step": t._global_step, "seed": t._fit_seed,
                 "history": t.history.get_state() if t.history is not None else None, "callbacks": callbacks}
         self._store.save(t._global_step, arrays, meta)
+        self._saved_step = t._global_step
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if self.save_freq != "epoch" and self.trainer is not None and self.trainer._global_step % int(self.save_freq) == 0:
@@ -139,8 +153,13 @@ class BackupAndRestore(Callback):
         return bool(multihost_utils.reached_preemption_sync_point(global_step))
 
     def save_and_exit(self) -> None:
-        """Saves a backup at the agreed step and ends the process with `PREEMPTED_EXIT_CODE`."""
-        self._save()
+        """Saves a backup at the agreed step and ends the process with `PREEMPTED_EXIT_CODE`.
+
+        When the agreed step is also a periodic backup step, that backup was written moments ago
+        (a checkpoint step is written once).
+        """
+        if self.trainer is None or self._saved_step != self.trainer._global_step:
+            self._save()
         print(f"lockstep: preempted: backup saved at step {self.trainer._global_step if self.trainer else '?'}; "
               f"exiting with code {PREEMPTED_EXIT_CODE}.", flush=True)
         raise SystemExit(PREEMPTED_EXIT_CODE)
@@ -160,8 +179,9 @@ class BackupAndRestore(Callback):
         arrays, meta = self._store.restore(step, shardings, default_sharding=t.strategy._replicated)
         metric_state = t._load_state_arrays(arrays)
         host = {k: np.asarray(v) for k, v in arrays.items() if k.startswith("callbacks/")}
-        for cb, state in zip(self._others, meta["callbacks"]):
-            cb.set_state(_join_state(state, host))
+        for key, cb in self._keyed().items():
+            if key in meta["callbacks"]:  # a callback new since the backup keeps its fresh state
+                cb.set_state(_join_state(meta["callbacks"][key], host))
         if t.history is not None and meta.get("history") is not None:
             t.history.set_state(meta["history"])
         t._global_step = int(meta["global_step"])
