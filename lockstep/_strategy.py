@@ -110,7 +110,7 @@ class Strategy:
         self._runs: dict[Any, _RunEntry] = {}
         self._helpers: dict[Any, Callable[..., Any]] = {}
         self._counts: dict[int, jax.Array] = {}
-        self._masks: dict[Any, jax.Array] = {}
+        self._masks: dict[Any, tuple[jax.Array, StepInfo]] = {}
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._lock = threading.Lock()
 
@@ -216,14 +216,13 @@ class Strategy:
         else:
             local = [np.take(x, idx, axis=0) for x in leaves]
         key = (lo, hi, n, size)
-        mask = self._masks.get(key)  # full batches repeat one mask: place it once
-        if mask is None:
+        layout = self._masks.get(key)  # full batches repeat one mask and layout: build and place them once
+        if layout is None:
             if len(self._masks) > 64:
                 self._masks.clear()
-            mask = self._masks[key] = self._place_split([(np.arange(lo, hi) < n).astype(np.float32)], size)[0]
-        placed = self._place_split(local, size)
-        step = StepInfo.contiguous(r, b, n)
-        return DistributedBatch(placed, treedef, mask, step, self)
+            mask = self._place_split([(np.arange(lo, hi) < n).astype(np.float32)], size)[0]
+            layout = self._masks[key] = (mask, StepInfo.contiguous(r, b, n))
+        return DistributedBatch(self._place_split(local, size), treedef, layout[0], layout[1], self)
 
     def _replicas_per_process(self) -> list[int]:
         counts = collections.Counter(d.process_index for d in self._devices)
@@ -362,7 +361,7 @@ class Strategy:
         kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise TypeError(f"`kwargs` must be a dict or None, got {type(kwargs).__name__}.")
-        leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_distributed)
+        leaves, treedef = jax.tree.flatten((tuple(args), kwargs))  # distributed values are pytree leaves
         kinds: list[str] = []
         dyn: list[Any] = []
         statics: list[Any] = []
@@ -648,8 +647,16 @@ def _concat_replicas(stacked: jax.Array, *, axis: int) -> jax.Array:
 
 
 #: Global batches prepared (sliced, padded, placed on the devices) ahead of the step that uses
-#: them, in a background thread, so host work overlaps device work. 0 turns it off.
-PREFETCH = int(os.environ.get("LOCKSTEP_PREFETCH", "2"))
+#: them, in a background thread, so host work overlaps device work. 0 turns it off; unset, it is
+#: 2 on accelerators and 0 on CPU devices, where the "device" work runs on the same cores and a
+#: second Python thread only contends for them (and for the GIL).
+PREFETCH = os.environ.get("LOCKSTEP_PREFETCH")
+
+
+def _prefetch_depth(devices: list[jax.Device]) -> int:
+    if PREFETCH is not None:
+        return int(PREFETCH)
+    return 0 if all(d.platform == "cpu" for d in devices) else 2
 
 _DONE = object()
 
@@ -710,8 +717,9 @@ class DistributedDataset:
             yield from self._strategy._distribute_local_batches(self._dataset)
             return
         batches = self._distributed()
-        if jax.process_count() == 1 and PREFETCH > 0:
-            batches = _prefetch(batches, PREFETCH)
+        depth = _prefetch_depth(self._strategy._devices)
+        if jax.process_count() == 1 and depth > 0:
+            batches = _prefetch(batches, depth)
         yield from batches
 
     def _distributed(self) -> Iterator[DistributedBatch]:

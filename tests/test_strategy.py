@@ -1,6 +1,7 @@
 """Strategies, `run` / `reduce` / `gather`, the replica context: checked against NumPy."""
 
 import itertools
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -314,15 +315,24 @@ def test_combinations_are_swept():
     assert len(list(itertools.product(REPLICAS, SIZES))) == 30
 
 
-def test_prefetching_keeps_order_stops_early_and_surfaces_errors():
+def test_prefetching_keeps_order_stops_early_and_surfaces_errors(monkeypatch):
+    from lockstep import _strategy
+
     s = ls.MirroredStrategy(2)
+    assert _strategy._prefetch_depth(s._devices) == (
+        0 if _strategy.PREFETCH is None else int(_strategy.PREFETCH))  # CPU devices: no prefetch thread by default
+    monkeypatch.setattr(_strategy, "PREFETCH", "2")
     x = np.arange(40, dtype=np.float32)
-    got = [np.asarray(s.gather(s.run(lambda b: b, args=(b,))))
-           for b in s.experimental_distribute_dataset(ls.data.batches(x, 6))]
+    got, threads = [], set()
+    for b in s.experimental_distribute_dataset(ls.data.batches(x, 6)):
+        threads.update(t.name for t in threading.enumerate())
+        got.append(np.asarray(s.gather(s.run(lambda b: b, args=(b,)))))
+    assert "lockstep-prefetch" in threads
     np.testing.assert_array_equal(np.concatenate(got), x)
     it = iter(s.experimental_distribute_dataset(ls.data.batches(x, 4)))
     next(it)
     it.close()  # a consumer that stops early stops the producer
+    assert not any(t.name == "lockstep-prefetch" for t in threading.enumerate())
 
     def broken():
         yield np.ones(4, np.float32)
