@@ -344,7 +344,7 @@ def main() -> int:
         return 0
 
     n = 4000 if args.quick else 20000
-    model_epochs = {"mlp": 2 if args.quick else 5, "cnn": 2 if args.quick else 3}
+    model_epochs = {"mlp": 2 if args.quick else 12, "cnn": 2 if args.quick else 3}
     batch = 256
     try:
         import importlib.util

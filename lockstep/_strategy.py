@@ -208,12 +208,11 @@ class Strategy:
         b = size // r
         ids = self._local_replica_ids
         lo, hi = ids[0] * b, (ids[-1] + 1) * b  # a process's replicas are contiguous in the mesh
-        # padding repeats the first row: padding stays valid input (labels in range, no log(0))
-        idx = np.arange(lo, hi)
-        idx = np.where(idx < n, idx, 0)
         if lo == 0 and hi <= n:
             local = [x[:hi] for x in leaves]
-        else:
+        else:  # padding repeats the first row: padding stays valid input (labels in range, no log(0))
+            idx = np.arange(lo, hi)
+            idx = np.where(idx < n, idx, 0)
             local = [np.take(x, idx, axis=0) for x in leaves]
         key = (lo, hi, n, size)
         layout = self._masks.get(key)  # full batches repeat one mask and layout: build and place them once

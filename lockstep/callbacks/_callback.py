@@ -78,10 +78,14 @@ class CallbackList:
     def __getattr__(self, name: str) -> Any:
         if name not in _HOOKS:
             raise AttributeError(name)
+        # the hooks some callback overrides, bound once (a hook runs every step: keep it cheap)
+        bound = [getattr(cb, name) for cb in self.callbacks
+                 if getattr(type(cb), name) is not getattr(Callback, name) or name in vars(cb)]
 
         def call(*args: Any, **kwargs: Any) -> None:
-            for cb in self.callbacks:
-                getattr(cb, name)(*args, **kwargs)
+            for hook in bound:
+                hook(*args, **kwargs)
+        setattr(self, name, call)  # later lookups find the attribute and skip __getattr__
         return call
 
     def needs_batch_logs(self) -> bool:
