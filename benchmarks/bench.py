@@ -10,10 +10,11 @@ own), all from this one parent, on the same device count and the same global bat
   256, on 1 and 4 simulated CPU devices: (a) lockstep.Trainer.fit, (b) a hand-written jitted
   JAX + optax data-parallel loop (the practical limit), (c) Keras 3 fit with
   keras.distribution.DataParallel on JAX, (d) tf.distribute.MirroredStrategy with Keras fit
-  when TensorFlow is importable. Reported: samples/s of the median epoch after the first, the ratio to (b),
-  start-up time to the end of the first step, and peak resident memory. The systems run in
-  interleaved rounds (--rounds, default 3): each ratio is taken within a round, and the table
-  gives medians and the range of the ratio, since a shared machine's speed drifts.
+  when TensorFlow is importable. Reported: samples/s of the median epoch after the first, the
+  ratio to (b), the ratio of CPU time per epoch, start-up time to the end of the first step, and
+  peak resident memory. The systems run in interleaved rounds (--rounds, default 5), each in a
+  rotated order; each ratio is taken within a round, and the table gives medians and the range
+  of the ratio, since a shared machine's speed drifts.
 * exact evaluation (masks) against the same evaluation without masks;
 * reading a collection of 10 metrics in one reduction against reading them one by one.
 """
@@ -62,22 +63,30 @@ def keras_model(model: str):
 
 
 class EpochTimer:
+    """Epoch boundaries in wall time and in this process's CPU time (all its threads)."""
+
     def __init__(self):
         self.starts, self.ends, self.first_step = [], [], None
+
+    def begin(self):
+        self.starts.append((time.perf_counter(), time.process_time()))
+
+    def end(self):
+        self.ends.append((time.perf_counter(), time.process_time()))
 
 
 def keras_timer(keras, times: EpochTimer, t_start: float):
     """A Keras callback that records epoch boundaries and the time to the first step's end."""
     class KTimer(keras.callbacks.Callback):
         def on_epoch_begin(self, epoch, logs=None):
-            times.starts.append(time.perf_counter())
+            times.begin()
 
         def on_train_batch_end(self, batch_i, logs=None):
             if times.first_step is None:
                 times.first_step = time.perf_counter() - t_start
 
         def on_epoch_end(self, epoch, logs=None):
-            times.ends.append(time.perf_counter())
+            times.end()
     return KTimer()
 
 
@@ -99,7 +108,7 @@ def child_fit(system: str, model: str, devices: int, n: int, epochs: int, batch:
 
         class Timer(ls.callbacks.Callback):
             def on_epoch_begin(self, epoch, logs=None):
-                times.starts.append(time.perf_counter())
+                times.begin()
 
             def on_train_batch_end(self, batch_i, logs=None):
                 if times.first_step is None:
@@ -107,7 +116,7 @@ def child_fit(system: str, model: str, devices: int, n: int, epochs: int, batch:
                     times.first_step = time.perf_counter() - t_start
 
             def on_epoch_end(self, epoch, logs=None):
-                times.ends.append(time.perf_counter())
+                times.end()
 
         with strategy.scope():
             km = keras_model(model)
@@ -150,7 +159,7 @@ def child_fit(system: str, model: str, devices: int, n: int, epochs: int, batch:
 
         in_flight: deque = deque()
         for epoch in range(epochs):
-            times.starts.append(time.perf_counter())
+            times.begin()
             order = np.random.default_rng([0, epoch]).permutation(n)
             correct = []
             for i, lo in enumerate(range(0, n, batch)):
@@ -167,7 +176,7 @@ def child_fit(system: str, model: str, devices: int, n: int, epochs: int, batch:
                 if len(in_flight) > 8:
                     in_flight.popleft().block_until_ready()
             int(sum(int(v) for v in correct))
-            times.ends.append(time.perf_counter())
+            times.end()
     elif system == "keras":
         import keras
 
@@ -183,10 +192,15 @@ def child_fit(system: str, model: str, devices: int, n: int, epochs: int, batch:
 
 
 def summary(times: EpochTimer, n: int) -> dict:
-    """Samples/s of the median epoch after the first (which compiles), start-up time, peak memory."""
-    durations = [e - s for s, e in zip(times.starts[1:], times.ends[1:])]
-    return {"samples_per_s": n / statistics.median(durations), "startup_s": times.first_step, "peak_mb": peak_mb(),
-            "epochs_timed": len(durations)}
+    """Samples/s of the median epoch after the first (which compiles), start-up time, peak memory.
+
+    Also the median CPU seconds per epoch: the work done, which a shared machine's slow spells
+    (other tenants, stolen cycles) disturb less than wall time.
+    """
+    walls = [e[0] - s[0] for s, e in zip(times.starts[1:], times.ends[1:])]
+    cpus = [e[1] - s[1] for s, e in zip(times.starts[1:], times.ends[1:])]
+    return {"samples_per_s": n / statistics.median(walls), "cpu_s_per_epoch": statistics.median(cpus),
+            "startup_s": times.first_step, "peak_mb": peak_mb(), "epochs_timed": len(walls)}
 
 
 def child_tf(model, devices, n, epochs, batch, t_start):
@@ -329,7 +343,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "RESULTS.md"))
     parser.add_argument("--models", default="mlp,cnn")
     parser.add_argument("--devices", default="1,4")
-    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the fit rows (default 3)")
+    parser.add_argument("--rounds", type=int, default=5, help="interleaved rounds of the fit rows (default 5)")
     args = parser.parse_args()
     if args.child:
         kind, *rest = args.child
@@ -361,7 +375,7 @@ def main() -> int:
             # rounds interleave the systems, so a slow spell of a shared machine hits them alike;
             # each ratio to (b) is taken within one round, then the median over rounds is reported
             for rnd in range(args.rounds):
-                for system in SYSTEMS:
+                for system in SYSTEMS[rnd % len(SYSTEMS):] + SYSTEMS[:rnd % len(SYSTEMS)]:  # rotated order
                     runs = results.setdefault((model, devices, system), [])
                     if system == "tf" and not have_tf:
                         if not runs:
@@ -373,22 +387,25 @@ def main() -> int:
     lines += [f"## fit: {n} samples, global batch {batch}; {model_epochs['mlp']} epochs (MLP) and "
               f"{model_epochs['cnn']} (CNN); samples/s of the median epoch after the first; "
               f"{args.rounds} interleaved rounds, medians", "",
-              "| model | devices | system | samples/s | ratio to (b) (range over rounds) | start-up to first step (s) "
-              "| peak memory (MB) |",
-              "|---|---|---|---|---|---|---|"]
+              "| model | devices | system | samples/s | ratio to (b) (range over rounds) | CPU-time ratio to (b) "
+              "| start-up to first step (s) | peak memory (MB) |",
+              "|---|---|---|---|---|---|---|---|"]
     for (model, devices, system), runs in results.items():
         refs = results.get((model, devices, "jax_loop"), [])
         ok = [r for r in runs if isinstance(r, dict)]
         if not ok:
-            lines.append(f"| {model} | {devices} | {LABELS[system]} | {runs[0] if runs else 'not run'} | | | |")
+            lines.append(f"| {model} | {devices} | {LABELS[system]} | {runs[0] if runs else 'not run'} | | | | |")
             continue
-        ratios = [r["samples_per_s"] / ref["samples_per_s"] for r, ref in zip(runs, refs)
-                  if isinstance(r, dict) and isinstance(ref, dict)]
+        pairs = [(r, ref) for r, ref in zip(runs, refs) if isinstance(r, dict) and isinstance(ref, dict)]
+        ratios = [r["samples_per_s"] / ref["samples_per_s"] for r, ref in pairs]
         ratio = (f"{statistics.median(ratios):.2f} ({min(ratios):.2f}-{max(ratios):.2f})" if ratios else "-")
+        # > 1 means less CPU time per epoch than (b): the work done, steadier than wall time here
+        cpu = [ref["cpu_s_per_epoch"] / r["cpu_s_per_epoch"] for r, ref in pairs]
+        cpu_ratio = f"{statistics.median(cpu):.2f}" if cpu else "-"
         failed = len(runs) - len(ok)
         lines.append(f"| {model} | {devices} | {LABELS[system]} | "
                      f"{statistics.median(r['samples_per_s'] for r in ok):,.0f}{f' ({failed} failed)' if failed else ''} | "
-                     f"{ratio} | {statistics.median(r['startup_s'] for r in ok):.2f} | "
+                     f"{ratio} | {cpu_ratio} | {statistics.median(r['startup_s'] for r in ok):.2f} | "
                      f"{statistics.median(r['peak_mb'] for r in ok):,.0f} |")
     lines += ["", "## exact evaluation: masks against no masks", "",
               "| devices | samples | batch | unmasked (s) | masked, exact (s) | ratio | Trainer.evaluate (s) |",

@@ -62,7 +62,8 @@ class BackupAndRestore(Callback):
     weights, ModelCheckpoint's best value, ReduceLROnPlateau's counters). On `fit`, an existing
     backup is restored and training continues from that exact step, so the finished run equals
     an uninterrupted one. Writes go through orbax-checkpoint (atomic: a crash leaves the last
-    complete backup).
+    complete backup). Callback states are matched by class and order among callbacks of that
+    class, so a restart may add or drop callbacks; a new one starts fresh.
 
     On SIGTERM (preemption) every worker finishes its current step, all agree on one step (JAX's
     preemption sync point across workers), save a backup there, and exit with
