@@ -407,6 +407,8 @@ def main() -> int:
                      f"{statistics.median(r['samples_per_s'] for r in ok):,.0f}{f' ({failed} failed)' if failed else ''} | "
                      f"{ratio} | {cpu_ratio} | {statistics.median(r['startup_s'] for r in ok):.2f} | "
                      f"{statistics.median(r['peak_mb'] for r in ok):,.0f} |")
+    lines += ["", "CPU-time ratio: (b)'s CPU seconds per epoch (all threads of the process) over the system's; "
+              "above 1 means less work than (b). It is steadier than wall time on a shared machine."]
     lines += ["", "## exact evaluation: masks against no masks", "",
               "| devices | samples | batch | unmasked (s) | masked, exact (s) | ratio | Trainer.evaluate (s) |",
               "|---|---|---|---|---|---|---|"]
