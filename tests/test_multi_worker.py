@@ -38,16 +38,7 @@ def references():
     s = ls.MirroredStrategy(1)
     x, y = common.data()
     t = common.trainer(s)
-    ev = t.evaluate(x, y, batch_size=64)
-    pred = t.predict(x, batch_size=64)
-    init = t.get_weights()
-    hist = t.fit(x, y, batch_size=64, epochs=2, seed=1, verbose=0)
-    return {"x": x, "y": y, "ev": ev, "pred": pred, "init": init, "fit": t.get_weights(),
-            "loss": hist.history["loss"], "trainer": t}
-
-
-def flat(tree):
-    return np.concatenate([np.ravel(v) for v in jax.tree.leaves(tree)])
+    return {"x": x, "y": y, "trainer": t, **common.basic_run(t, x, y)}
 
 
 @pytest.mark.parametrize("nproc,devices", [(2, 1), (3, 1), (2, 2), (3, 2)])
@@ -59,7 +50,7 @@ def test_workers_evaluate_predict_fit_and_stop_exactly_like_one_process(nproc, d
     logits = references["pred"]
     for res in results:
         assert int(res["replicas"]) == nproc * devices
-        np.testing.assert_array_equal(res["init"], flat(references["init"]))  # same start on every worker
+        np.testing.assert_array_equal(res["init"], references["init"])  # same start on every worker
         # evaluate on 1003 samples: exact counts, float32-rounding loss, against scikit-learn
         loss, acc, f1 = res["ev"]
         assert np.float32(acc) == np.float32(accuracy_score(y, logits.argmax(1)))
@@ -69,7 +60,7 @@ def test_workers_evaluate_predict_fit_and_stop_exactly_like_one_process(nproc, d
         assert res["pred"].shape == (1003, 3)
         np.testing.assert_allclose(res["pred"], logits, rtol=1e-5, atol=1e-6)
         # fit: the single-process weights and losses
-        np.testing.assert_allclose(res["fit"], flat(references["fit"]), rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(res["fit"], references["fit"], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(res["loss"], references["loss"], rtol=1e-5)
     # uneven per-worker pipelines (5 batches on worker 0, 3 on the others): exact over the union
     parts = [common.uneven_batches(w, nproc) for w in range(nproc)]

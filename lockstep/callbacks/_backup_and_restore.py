@@ -127,8 +127,12 @@ class BackupAndRestore(Callback):
 
     # --- saving ------------------------------------------------------------------------------
     def _save(self) -> None:
+        """Backs up the state at the current step; a step already backed up is not written again
+        (a preemption agreed at a periodic backup step: orbax writes each step once)."""
         assert self.trainer is not None and self._store is not None
         t = self.trainer
+        if self._saved_step == t._global_step:
+            return
         epoch, step, metric_state = t._progress
         arrays = t._state_arrays(metric_state)
         callbacks = {key: _split_state(cb.get_state(), f"callbacks/{key}/", arrays) for key, cb in self._keyed().items()}
@@ -154,13 +158,8 @@ class BackupAndRestore(Callback):
         return bool(multihost_utils.reached_preemption_sync_point(global_step))
 
     def save_and_exit(self) -> None:
-        """Saves a backup at the agreed step and ends the process with `PREEMPTED_EXIT_CODE`.
-
-        When the agreed step is also a periodic backup step, that backup was written moments ago
-        (a checkpoint step is written once).
-        """
-        if self.trainer is None or self._saved_step != self.trainer._global_step:
-            self._save()
+        """Saves a backup at the agreed step and ends the process with `PREEMPTED_EXIT_CODE`."""
+        self._save()
         print(f"lockstep: preempted: backup saved at step {self.trainer._global_step if self.trainer else '?'}; "
               f"exiting with code {PREEMPTED_EXIT_CODE}.", flush=True)
         raise SystemExit(PREEMPTED_EXIT_CODE)

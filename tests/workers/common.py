@@ -29,6 +29,20 @@ def trainer(strategy):
                       metrics=["accuracy", ls.metrics.F1Score(average="macro")], strategy=strategy)
 
 
+def flat(tree):
+    """Every leaf of `tree`, raveled into one vector."""
+    return np.concatenate([np.ravel(v) for v in jax.tree.leaves(tree)])
+
+
+def basic_run(t, x, y):
+    """The job both sides run: evaluate, predict, then fit from the same start."""
+    ev = t.evaluate(x, y, batch_size=64)
+    pred = t.predict(x, batch_size=64)
+    init = t.get_weights()
+    hist = t.fit(x, y, batch_size=64, epochs=2, seed=1, verbose=0)
+    return {"ev": ev, "pred": pred, "init": flat(init), "fit": flat(t.get_weights()), "loss": hist.history["loss"]}
+
+
 def uneven_batches(worker, num_workers):
     """Worker 0 has 5 batches of 40, the others 3 batches of 30 (distinct samples)."""
     x, y = data(400, seed=7)

@@ -17,7 +17,6 @@ import lockstep as ls  # noqa: E402
 
 strategy = ls.MultiWorkerMirroredStrategy()
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import common  # noqa: E402
@@ -55,7 +54,7 @@ if mode == "es":
 hist = t.fit(x, y, batch_size=64, epochs=epochs, seed=3, verbose=0, callbacks=callbacks, **kwargs)
 if rank == 0:
     np.savez(os.path.join(out_dir, "final.npz"),
-             weights=np.concatenate([np.ravel(v) for v in jax.tree.leaves(t.get_weights())]))
+             weights=common.flat(t.get_weights()))
     with open(os.path.join(out_dir, "history.json"), "w") as f:
         json.dump({"epoch": hist.epoch, "history": {k: [float(v) for v in vs] for k, vs in hist.history.items()},
                    "restored_from": callbacks[0].restored_from}, f)

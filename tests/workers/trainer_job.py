@@ -10,7 +10,6 @@ import lockstep as ls  # noqa: E402
 
 strategy = ls.MultiWorkerMirroredStrategy()
 
-import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 import common  # noqa: E402
@@ -19,11 +18,8 @@ out_dir = sys.argv[1]
 rank, workers = strategy.cluster_resolver.task_id, strategy.num_workers
 x, y = common.data()
 t = common.trainer(strategy)
-ev = t.evaluate(x, y, batch_size=64)
-pred = t.predict(x, batch_size=64)
-init_weights = t.get_weights()
-hist = t.fit(x, y, batch_size=64, epochs=2, seed=1, verbose=0)
-fit_weights = t.get_weights()
+run = common.basic_run(t, x, y)
+ev = run["ev"]
 
 uneven = t.evaluate(strategy.distribute_datasets_from_function(lambda ctx: common.uneven_batches(
     ctx.input_pipeline_id, ctx.num_input_pipelines)))
@@ -36,10 +32,8 @@ es_hist = es_t.fit(x, y, batch_size=64, epochs=12, seed=2, verbose=0, callbacks=
                        lambda ctx: [(vx[i:i + 32], vy[i:i + 32]) for i in range(0, len(vx), 32)]))
 
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"),
-         ev=np.array([ev["loss"], ev["accuracy"], ev["f1_score"]]), pred=pred,
-         init=np.concatenate([np.ravel(v) for v in jax.tree.leaves(init_weights)]),
-         fit=np.concatenate([np.ravel(v) for v in jax.tree.leaves(fit_weights)]),
-         loss=np.array(hist.history["loss"]),
+         ev=np.array([ev["loss"], ev["accuracy"], ev["f1_score"]]), pred=run["pred"], init=run["init"],
+         fit=run["fit"], loss=np.array(run["loss"]),
          uneven=np.array([uneven["loss"], uneven["accuracy"], uneven["f1_score"]]),
          es_epochs=np.array(es_hist.epoch), es_val=np.array(es_hist.history["val_loss"]),
          replicas=strategy.num_replicas_in_sync)
