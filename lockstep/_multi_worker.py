@@ -28,10 +28,9 @@ from typing import Any
 import jax
 
 from ._errors import UsageError
+from ._exit_codes import LOST_WORKER_EXIT_CODE
 from ._strategy import Strategy
 
-#: Exit code of a worker that lost a peer (dead, frozen or unreachable).
-LOST_WORKER_EXIT_CODE = 75
 DEFAULT_FAILURE_TIMEOUT = 20.0
 _BEAT_INTERVAL = 1.0
 

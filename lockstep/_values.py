@@ -1,4 +1,9 @@
-"""Distributed values (`PerReplica`, `Mirrored`, `DistributedBatch`) and the replica context."""
+"""Distributed values (`PerReplica`, `Mirrored`, `DistributedBatch`) and the replica context.
+
+These wrappers exist only at the `tf.distribute`-style boundary (`strategy.run`, `reduce`,
+`gather`, distributed datasets). Inside lockstep, compiled steps take and return plain global
+arrays; `unwrap` is the one way from a wrapper to its array.
+"""
 
 from __future__ import annotations
 
@@ -9,37 +14,13 @@ from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
+from ._cross_replica import AXIS, all_gather, all_reduce
+from ._layout import StepInfo
 from ._reduce import ReduceOp
 
 if TYPE_CHECKING:
     from ._strategy import Strategy
-
-AXIS = "replica"
-
-
-class StepInfo:
-    """Host-side facts of one distributed batch: which rows of each replica are real.
-
-    Known on the host when the batch is built (on every worker), so trimming padding never
-    waits on a device. Replica `r` holds `counts[r]` real rows, then padding.
-    """
-
-    __slots__ = ("num_replicas", "per_replica", "num_real", "counts", "row_mask")
-
-    def __init__(self, num_replicas: int, per_replica: int, counts: np.ndarray):
-        self.num_replicas = num_replicas
-        self.per_replica = per_replica
-        self.counts = np.asarray(counts, np.int64)  # (R,)
-        self.num_real = int(self.counts.sum())
-        self.row_mask = np.arange(per_replica)[None, :] < self.counts[:, None]  # (R, b) bool
-
-    @classmethod
-    def contiguous(cls, num_replicas: int, per_replica: int, num_real: int) -> "StepInfo":
-        """A global batch of `num_real` rows laid out replica after replica, padding at the end."""
-        starts = np.arange(num_replicas) * per_replica
-        return cls(num_replicas, per_replica, np.clip(num_real - starts, 0, per_replica))
 
 
 class PerReplica:
@@ -81,7 +62,9 @@ class Mirrored:
         """The value once per local replica, as in `tf.distribute`."""
         return self._strategy.experimental_local_results(self)
 
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+    def __array__(self, dtype: Any = None, copy: Any = None) -> Any:
+        import numpy as np
+
         out = np.asarray(self._array)
         return out.astype(dtype) if dtype is not None else out
 
@@ -94,20 +77,26 @@ class DistributedBatch:
 
     Inside `strategy.run` the function receives `data`'s structure with each replica's rows
     (padding included); the mask is on `get_replica_context().mask`.
+
+    Args:
+      leaves: the padded global arrays, split over replicas.
+      treedef: the structure the dataset yielded.
+      mask: (padded rows,) float32, 1.0 for real rows, split like the leaves.
+      step: the host-side layout of the batch.
+      strategy: the strategy whose devices hold it.
+      count: the step's real sample count, a replicated float32 scalar (losses divide by it).
     """
 
     __slots__ = ("_leaves", "_treedef", "_mask", "_count", "_step", "_strategy")
 
     def __init__(self, leaves: list[jax.Array], treedef: Any, mask: jax.Array, step: StepInfo,
-                 strategy: "Strategy", count: jax.Array | None = None):
+                 strategy: "Strategy", count: jax.Array):
         self._leaves = leaves
         self._treedef = treedef
         self._mask = mask
         self._step = step
         self._strategy = strategy
-        # the step's real sample count over all replicas, known on the host: a replicated scalar,
-        # so losses need no collective to find it
-        self._count = count if count is not None else strategy._count_array(step.num_real)
+        self._count = count
 
     @property
     def data(self) -> Any:
@@ -120,51 +109,45 @@ class DistributedBatch:
         return self._mask
 
     @property
+    def count(self) -> jax.Array:
+        """The real number of samples, a replicated float32 scalar."""
+        return self._count
+
+    @property
+    def step(self) -> StepInfo:
+        """The batch's layout: real rows per replica."""
+        return self._step
+
+    @property
     def num_real(self) -> int:
         """Number of real (not padding) samples in this global batch."""
         return self._step.num_real
 
     def __repr__(self) -> str:
-        return (f"DistributedBatch(num_real={self.num_real}, padded={self._step.per_replica * self._step.num_replicas}, "
+        return (f"DistributedBatch(num_real={self.num_real}, padded={self._step.padded_size}, "
                 f"replicas={self._step.num_replicas})")
 
 
 def is_distributed(x: Any) -> bool:
+    """Whether `x` is a `PerReplica`, `Mirrored` or `DistributedBatch`."""
     return isinstance(x, (PerReplica, Mirrored, DistributedBatch))
 
 
-def raw(v: Any) -> Any:
-    """The global array behind a `PerReplica` / `Mirrored` value; anything else as it is."""
-    return v._array if isinstance(v, (PerReplica, Mirrored)) else v
+def strategy_of(v: PerReplica | Mirrored | DistributedBatch) -> "Strategy":
+    """The strategy that made a distributed value."""
+    return v._strategy
 
 
-def raw_tree(tree: Any) -> Any:
-    """`tree` with every `PerReplica` / `Mirrored` leaf replaced by its global array."""
-    return jax.tree.map(raw, tree, is_leaf=lambda v: isinstance(v, (PerReplica, Mirrored)))
+def step_of(v: PerReplica) -> StepInfo | None:
+    """The layout of the batch a per-replica value was computed from (None if none)."""
+    return v._step
 
 
-def _varies(x: Any) -> bool:
-    """Whether a traced value inside `shard_map` may differ between replicas."""
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return AXIS in mat.varying
-    vma = getattr(aval, "vma", None)  # older JAX spelling
-    return True if vma is None else AXIS in vma
-
-
-def _to_varying(x: jax.Array) -> jax.Array:
-    return jax.lax.pcast(x, AXIS, to="varying") if not _varies(x) else x
-
-
-def _lowest(dtype: Any) -> Any:
-    dtype = jnp.dtype(dtype)
-    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
-
-
-def _highest(dtype: Any) -> Any:
-    dtype = jnp.dtype(dtype)
-    return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
+def unwrap(tree: Any) -> Any:
+    """`tree` with every `PerReplica` / `Mirrored` leaf replaced by its global array (a
+    per-replica value's leading axis is the replica); a single value works too."""
+    return jax.tree.map(lambda v: v._array if isinstance(v, (PerReplica, Mirrored)) else v, tree,
+                        is_leaf=lambda v: isinstance(v, (PerReplica, Mirrored)))
 
 
 class ReplicaContext:
@@ -205,9 +188,6 @@ class ReplicaContext:
             return self._global_count
         return jax.lax.psum(jnp.sum(self._mask), AXIS)
 
-    def _local_count(self) -> jax.Array | None:
-        return None if self._mask is None else jnp.sum(self._mask)
-
     def all_reduce(self, op: ReduceOp | str, value: Any) -> Any:
         """Combines `value` (a pytree) across replicas; every replica gets the result.
 
@@ -217,30 +197,12 @@ class ReplicaContext:
         (model parameters passed to `run`) already come back summed over replicas.
         """
         op = ReduceOp.from_value(op)
-        count = self._local_count()
-        return jax.tree.map(lambda v: _all_reduce_leaf(op, jnp.asarray(v), count), value)
+        count = None if self._mask is None else jnp.sum(self._mask)
+        return jax.tree.map(lambda v: all_reduce(op, jnp.asarray(v), count), value)
 
     def all_gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenates every replica's `value` along `axis` (padding rows included, shapes being static)."""
-        return jax.tree.map(
-            lambda v: jax.lax.all_gather(_to_varying(jnp.asarray(v)), AXIS, axis=axis, tiled=True), value
-        )
-
-
-def _all_reduce_leaf(op: ReduceOp, v: jax.Array, count: jax.Array | None) -> jax.Array:
-    if op is ReduceOp.SUM:
-        return jax.lax.psum(v, AXIS)
-    if op is ReduceOp.MAX:
-        return jax.lax.pmax(v, AXIS)
-    if op is ReduceOp.MIN:
-        return jax.lax.pmin(v, AXIS)
-    if count is None:
-        return jax.lax.pmean(v, AXIS)
-    # MEAN: weighted by real samples; a replica holding only padding (weight 0) is left out,
-    # so its value (often NaN, a mean over nothing) cannot leak in.
-    w = count.astype(jnp.result_type(v, jnp.float32))
-    total = jax.lax.psum(jnp.where(count > 0, v * w, jnp.zeros_like(v * w)), AXIS)
-    return total / jax.lax.psum(w, AXIS)
+        return jax.tree.map(lambda v: all_gather(jnp.asarray(v), axis), value)
 
 
 _LOCAL = threading.local()
@@ -259,6 +221,7 @@ def get_replica_context() -> ReplicaContext | None:
 
 @contextlib.contextmanager
 def replica_context(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
+    """Makes `ctx` the one `get_replica_context()` returns while a replica's function is traced."""
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []

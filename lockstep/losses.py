@@ -126,31 +126,50 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
     >>> float(ls.compute_average_loss(np.array([1.0, 2.0, 3.0])))
     2.0
     """
+    ctx = get_replica_context()
+    if ctx is None:
+        loss = _weighted_loss(per_example_loss, sample_weight, global_batch_size)
+        denom = loss.shape[0] if global_batch_size is None else global_batch_size
+        return jnp.sum(loss) / denom
+    if ctx.mask is None:  # a replica without a distributed batch: every row is real
+        loss = _weighted_loss(per_example_loss, sample_weight, global_batch_size)
+        count = jnp.asarray(loss.shape[0] * ctx.num_replicas_in_sync, loss.dtype)
+        return masked_average_loss(loss, jnp.ones(loss.shape[:1], loss.dtype), count, None, global_batch_size)
+    return masked_average_loss(per_example_loss, ctx.mask, ctx.global_count(), sample_weight, global_batch_size)
+
+
+def _weighted_loss(per_example_loss: Any, sample_weight: Any, global_batch_size: Any) -> jax.Array:
     loss = jnp.asarray(per_example_loss)
     if loss.ndim == 0:
         raise ValueError(f"`per_example_loss` must have a batch axis, got a scalar of shape {loss.shape}.")
+    if global_batch_size is not None and (isinstance(global_batch_size, bool) or global_batch_size <= 0):
+        raise ValueError(f"`global_batch_size` must be a positive integer, got {global_batch_size!r}.")
     if sample_weight is not None:
         loss = loss * jnp.broadcast_to(jnp.asarray(sample_weight, loss.dtype).reshape(
             jnp.shape(sample_weight) + (1,) * (loss.ndim - jnp.ndim(sample_weight))), loss.shape)
-    if global_batch_size is not None and (isinstance(global_batch_size, bool) or global_batch_size <= 0):
-        raise ValueError(f"`global_batch_size` must be a positive integer, got {global_batch_size!r}.")
-    ctx = get_replica_context()
-    if ctx is None:
-        denom = loss.shape[0] if global_batch_size is None else global_batch_size
-        return jnp.sum(loss) / denom
-    mask = ctx.mask
-    if mask is not None:
-        if mask.shape[0] != loss.shape[0]:
-            raise ValueError(
-                f"`per_example_loss` has {loss.shape[0]} rows but this replica's batch has "
-                f"{mask.shape[0]}; pass one loss per sample of the distributed batch."
-            )
-        m = mask.reshape(mask.shape + (1,) * (loss.ndim - 1)) > 0
-        loss = jnp.where(m, loss, jnp.zeros_like(loss))
-    if global_batch_size is not None:
-        denom = jnp.asarray(global_batch_size, loss.dtype)
-    elif mask is not None:
-        denom = ctx.global_count().astype(loss.dtype)
-    else:
-        denom = jnp.asarray(loss.shape[0] * ctx.num_replicas_in_sync, loss.dtype)
+    return loss
+
+
+def masked_average_loss(per_example_loss: Any, mask: jax.Array, count: jax.Array, sample_weight: Any = None,
+                        global_batch_size: int | None = None) -> jax.Array:
+    """One replica's share of the step's loss: the sum of its real rows' (weighted) losses divided
+    by the step's real sample `count` over all replicas (or by `global_batch_size`).
+
+    The core of `compute_average_loss`, with the mask and count given explicitly (the `Trainer`'s
+    compiled steps pass them); summed over replicas it is the mean loss of the real samples.
+
+    >>> import lockstep as ls, numpy as np
+    >>> float(ls.losses.masked_average_loss(np.array([1.0, 2.0, 9.0]), np.array([1.0, 1.0, 0.0]), 4.0))
+    0.75
+    """
+    loss = _weighted_loss(per_example_loss, sample_weight, global_batch_size)
+    mask = jnp.asarray(mask)
+    if mask.shape[0] != loss.shape[0]:
+        raise ValueError(
+            f"`per_example_loss` has {loss.shape[0]} rows but this replica's batch has "
+            f"{mask.shape[0]}; pass one loss per sample of the distributed batch."
+        )
+    m = mask.reshape(mask.shape + (1,) * (loss.ndim - 1)) > 0
+    loss = jnp.where(m, loss, jnp.zeros_like(loss))
+    denom = jnp.asarray(count if global_batch_size is None else global_batch_size, loss.dtype)
     return jnp.sum(loss) / denom

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import lockstep as ls
-from lockstep._strategy import MAX_STEPS_IN_FLIGHT
+from lockstep._run import MAX_STEPS_IN_FLIGHT
 
 REPLICAS = [1, 2, 3, 4, 8]
 SIZES = [1, 7, 63, 64, 65, 1003]
@@ -184,10 +184,10 @@ def test_per_replica_state_carries_across_runs_without_recompiling():
         total = s.run(accumulate, args=(total, batch))
         assert isinstance(total, ls.PerReplica)
     assert float(s.reduce("SUM", total)) == x.sum()
-    entries = [k for k in s._runs if k[0] is accumulate]
+    counts = s.extended.compile_counts(accumulate)
     # first call (replicated initial value) and later calls (per-replica) are two signatures
-    assert len(entries) == 2
-    assert all(s._runs[k].call._cache_size() == 1 for k in entries)
+    assert len(counts) == 2
+    assert all(c == 1 for c in counts)
 
 
 def test_mirrored_local_results_repeat_the_value_per_replica():
@@ -207,7 +207,7 @@ def test_many_steps_with_collectives_keep_dispatch_bounded():
     step = lambda w, b: w + ls.get_replica_context().all_reduce("SUM", jnp.sum(b))  # noqa: E731
     for _ in range(200):  # far beyond the ~32 steps in flight that wedge XLA's CPU collectives
         w = s.run(step, args=(w, batch))
-        assert len(s._in_flight) <= MAX_STEPS_IN_FLIGHT
+        assert s.extended.steps_in_flight <= MAX_STEPS_IN_FLIGHT
     assert float(np.asarray(w)) == 200 * 8.0
 
 
@@ -316,12 +316,12 @@ def test_combinations_are_swept():
 
 
 def test_prefetching_keeps_order_stops_early_and_surfaces_errors(monkeypatch):
-    from lockstep import _strategy
+    from lockstep import _datasets
 
     s = ls.MirroredStrategy(2)
-    assert _strategy._prefetch_depth(s._devices) == (
-        0 if _strategy.PREFETCH is None else int(_strategy.PREFETCH))  # CPU devices: no prefetch thread by default
-    monkeypatch.setattr(_strategy, "PREFETCH", "2")
+    assert _datasets._prefetch_depth(s.devices) == (
+        0 if _datasets.PREFETCH is None else int(_datasets.PREFETCH))  # CPU devices: no prefetch thread by default
+    monkeypatch.setattr(_datasets, "PREFETCH", "2")
     x = np.arange(40, dtype=np.float32)
     got, threads = [], set()
     for b in s.experimental_distribute_dataset(ls.data.batches(x, 6)):

@@ -1,9 +1,8 @@
 """Callbacks with Keras' hook and argument names; every decision comes from global values."""
 
-from ._backup_and_restore import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
+from .._exit_codes import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from ._backup_and_restore import BackupAndRestore as BackupAndRestore
 from ._callback import Callback as Callback
-from ._callback import CallbackList as CallbackList
 from ._csv_logger import CSVLogger as CSVLogger
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._early_stopping import EarlyStoppingState as EarlyStoppingState
@@ -21,7 +20,6 @@ __all__ = [
     "BackupAndRestore",
     "CSVLogger",
     "Callback",
-    "CallbackList",
     "EarlyStopping",
     "EarlyStoppingState",
     "History",

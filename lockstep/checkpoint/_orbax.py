@@ -97,6 +97,3 @@ class TrainingCheckpointer:
         self._manager.close()
 
 
-def shardings_of(arrays: dict[str, Any]) -> dict[str, Any]:
-    """Each array's sharding, to restore a checkpoint in place of `arrays`."""
-    return {k: v.sharding for k, v in arrays.items() if hasattr(v, "sharding")}

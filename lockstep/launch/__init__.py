@@ -1,6 +1,5 @@
-"""`lockstep launch`: a local multi-process launcher."""
+"""`lockstep launch`: a local multi-process launcher (imports no JAX)."""
 
-from ._launcher import free_port as free_port
 from ._launcher import launch as launch
 
-__all__ = ["free_port", "launch"]
+__all__ = ["launch"]

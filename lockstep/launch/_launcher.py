@@ -14,8 +14,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import IO
 
-from .._multi_worker import LOST_WORKER_EXIT_CODE
-from ..callbacks._backup_and_restore import PREEMPTED_EXIT_CODE
+from .._exit_codes import LOST_WORKER_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 _PR_SET_PDEATHSIG = 1
 _PRINT_LOCK = threading.Lock()  # one whole line at a time from the workers' reader threads

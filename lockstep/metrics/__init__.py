@@ -7,9 +7,7 @@ from ._accuracy import SparseCategoricalAccuracy as SparseCategoricalAccuracy
 from ._accuracy import SparseTopKCategoricalAccuracy as SparseTopKCategoricalAccuracy
 from ._accuracy import TopKCategoricalAccuracy as TopKCategoricalAccuracy
 from ._base import Metric as Metric
-from ._base import StateSpec as StateSpec
 from ._base import divide_no_nan as divide_no_nan
-from ._base import sync_state as sync_state
 from ._collection import MetricCollection as MetricCollection
 from ._confusion import AUC as AUC
 from ._confusion import Precision as Precision
@@ -50,10 +48,8 @@ __all__ = [
     "RootMeanSquaredError",
     "SparseCategoricalAccuracy",
     "SparseTopKCategoricalAccuracy",
-    "StateSpec",
     "Sum",
     "TopKCategoricalAccuracy",
     "divide_no_nan",
     "get",
-    "sync_state",
 ]

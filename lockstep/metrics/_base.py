@@ -28,8 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .._cross_replica import all_gather, highest, lowest
 from .._errors import UsageError
-from .._values import AXIS, Mirrored, PerReplica, _highest, _lowest, _to_varying, get_replica_context, raw
+from .._values import Mirrored, PerReplica, get_replica_context, strategy_of, unwrap
 
 REDUCTIONS = ("sum", "max", "min", "cat")
 
@@ -63,76 +64,49 @@ def _is_concrete(x: Any) -> bool:
     return not isinstance(x, jax.core.Tracer)
 
 
-def _sync_in_replica(state: State, specs: Mapping[str, StateSpec]) -> State:
-    """All-reduces state inside `run`: one collective per kind of reduction, all fields together."""
+def sync_in_replica(state: State, specs: Mapping[str, StateSpec], arg: str = "state") -> State:
+    """Reduces metric state across replicas, inside a replica (`strategy.run`): one all-reduce per
+    kind of reduction with every field of that kind together; `cat` fields are all-gathered."""
+    if set(state) != set(specs):
+        raise ValueError(f"`{arg}` must have the fields {sorted(specs)}, got {sorted(state)}.")
+    if get_replica_context() is None:
+        raise UsageError("metric state is synced across replicas inside `strategy.run`; outside it, "
+                         "read per-replica state with `compute` (or `MetricCollection.compute`).")
     out = dict(state)
     for reduction, collective in (("sum", jax.lax.psum), ("max", jax.lax.pmax), ("min", jax.lax.pmin)):
         names = [k for k in state if specs[k].reduction == reduction]
         if names:
-            reduced = collective([state[k] for k in names], AXIS)
+            reduced = collective([state[k] for k in names], "replica")
             out.update(zip(names, reduced))
     for k in (k for k in state if specs[k].reduction == "cat"):
-        out[k] = jax.lax.all_gather(_to_varying(state[k]), AXIS, axis=0, tiled=True)
+        out[k] = all_gather(state[k], axis=0)
     return out
-
-
-def _sync_per_replica(reductions: tuple[tuple[str, str], ...], state: State) -> State:
-    """Runs inside `strategy.run`: the in-replica sync, for state given as `PerReplica` values."""
-    specs = {k: StateSpec((), None, reduction, 0) for k, reduction in reductions}
-    return _sync_in_replica(state, specs)
 
 
 def per_replica_strategy(state: Any) -> Any:
     """The strategy of the `PerReplica` leaves of `state`, outside `run`; None otherwise."""
     if get_replica_context() is not None:
         return None
-    found = {v._strategy for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, PerReplica))
+    found = {strategy_of(v) for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, PerReplica))
              if isinstance(v, PerReplica)}
     if len(found) > 1:
         raise ValueError("`state` mixes per-replica values of several strategies.")
     return found.pop() if found else None
 
 
-def read_mirrored(tree: Any) -> Any:
-    """Arrays from `run`'s outputs: a mirrored value as it is, a per-replica one from its first replica."""
-    def one(v: Any) -> Any:
-        if isinstance(v, Mirrored):
-            return v._array
-        if isinstance(v, PerReplica):  # identical on every replica (say, after an all-gather)
-            return v._strategy.experimental_local_results(v)[0]
-        return v
-    return jax.tree.map(one, tree, is_leaf=lambda v: isinstance(v, (Mirrored, PerReplica)))
+def synced_result(metric: Any, state: Any) -> Any:
+    """Inside a replica: `metric`'s value from its per-replica `state` (sync, then `result_from`).
+    `metric` is a `Metric` or a `MetricCollection`."""
+    return metric.result_from(metric.sync(state))
 
 
-def _compute_of(metric: Any, state: Any) -> Any:
-    return metric.compute(state)
+def compute_per_replica(strategy: Any, metric: Any, state: Any) -> Any:
+    """`synced_result` of `PerReplica` state, as one compiled program on `strategy`; plain arrays back."""
+    out = strategy.run(synced_result, args=(metric, state))
 
-
-def sync_state(state: State, specs: Mapping[str, StateSpec]) -> State:
-    """Reduces per-replica metric state across replicas with each field's declared reduction.
-
-    Inside `strategy.run` this is one all-reduce per kind of reduction, all fields together;
-    outside, on the `PerReplica` state that `run` returned, the same program runs through the
-    state's strategy (so it works across workers too). State that is already global (mirrored,
-    or plain arrays) is returned as it is.
-    """
-    if set(state) != set(specs):
-        raise ValueError(f"`state` must have the fields {sorted(specs)}, got {sorted(state)}.")
-    if get_replica_context() is not None:
-        return _sync_in_replica(state, specs)
-    per = {k: v for k, v in state.items() if isinstance(v, PerReplica)}
-    out = {k: raw(v) for k, v in state.items() if k not in per}
-    if per:
-        strategies = {v._strategy for v in per.values()}
-        if len(strategies) > 1:
-            raise ValueError("`state` mixes per-replica values of several strategies.")
-        reductions = tuple(sorted((k, specs[k].reduction) for k in per))
-        synced = strategies.pop().run(_sync_per_replica, args=(reductions, per))
-        out.update({k: raw(v) for k, v in synced.items()})
-        for k, reduction in reductions:  # an all-gather comes back per replica, identical: take one copy
-            if reduction == "cat" and isinstance(synced[k], PerReplica):
-                out[k] = synced[k]._strategy.experimental_local_results(synced[k])[0]
-    return out
+    def one(v: Any) -> Any:  # a per-replica output is identical on every replica (an all-gather)
+        return strategy.experimental_local_results(v)[0] if isinstance(v, PerReplica) else unwrap(v)
+    return jax.tree.map(one, out, is_leaf=lambda v: isinstance(v, (Mirrored, PerReplica)))
 
 
 class Metric:
@@ -194,7 +168,7 @@ class Metric:
             raise ValueError(f"`reduction` must be one of {REDUCTIONS}, got reduction={reduction!r}.")
         dtype = jnp.dtype(dtype or self.dtype)
         if fill is None:
-            fill = {"sum": 0, "max": _lowest(dtype), "min": _highest(dtype), "cat": 0}[reduction]
+            fill = {"sum": 0, "max": lowest(dtype), "min": highest(dtype), "cat": 0}[reduction]
         self._specs[name] = StateSpec(tuple(int(d) for d in shape), dtype, reduction, fill)
 
     @property
@@ -237,27 +211,42 @@ class Metric:
         """The metric's value from a global (already reduced) state."""
         raise NotImplementedError
 
-    def update(self, state: State, *args: Any, sample_weight: Any = None) -> State:
-        """`state` updated with one batch; inside `run`, padding rows are masked out by themselves."""
+    def update(self, state: State, *args: Any, sample_weight: Any = None, mask: Any = None) -> State:
+        """`state` updated with one batch; rows where `mask` is 0 do not count.
+
+        `mask` defaults to the replica's padding mask inside `strategy.run` (so a custom loop's
+        padding rows are masked out by themselves), and to no mask outside.
+        """
         if not self.built:
             self.build(*(jnp.shape(a) for a in args[:2]))
-        weight = _effective_weight(args, sample_weight)
+        if mask is None:
+            ctx = get_replica_context()
+            mask = None if ctx is None else ctx.mask
+        weight = _effective_weight(args, sample_weight, mask)
         return self.merge(state, self.batch_state(*args, sample_weight=weight))
 
     def merge(self, a: State, b: State) -> State:
         """Combines two states (associative and commutative, up to the order of `cat` rows)."""
         return {k: _combine(a[k], b[k], self._specs[k].reduction) for k in self._specs}
 
-    def compute(self, state: State) -> Any:
-        """The value of (possibly per-replica) `state`: reduced across replicas, then computed.
+    def sync(self, state: State) -> State:
+        """Per-replica `state` reduced across replicas with each field's declared reduction
+        (inside `strategy.run`: one all-reduce per kind of reduction)."""
+        return sync_in_replica(state, self._specs)
 
-        On `PerReplica` state (outside `run`) the reduction and the computation run as one
-        compiled program on the state's strategy; the value is the same on every worker.
+    def compute(self, state: State) -> Any:
+        """The value of `state`: per-replica state is reduced across replicas, then computed.
+
+        Inside `run`: `result_from(sync(state))`. Outside, on the `PerReplica` state that `run`
+        returned, the same runs as one compiled program on the state's strategy (the value is the
+        same on every worker); plain arrays are taken as global state already.
         """
         strategy = per_replica_strategy(state)
         if strategy is not None:
-            return read_mirrored(strategy.run(_compute_of, args=(self, state)))
-        return self.result_from(sync_state(state, self._specs))
+            return compute_per_replica(strategy, self, state)
+        if get_replica_context() is not None:
+            return synced_result(self, state)
+        return self.result_from(state)
 
     # --- eager face (Keras names) ----------------------------------------------------------
     def _update_impl(self, state: State, args: tuple[Any, ...], sample_weight: Any) -> State:
@@ -301,8 +290,8 @@ class Metric:
         return f"{type(self).__name__}(name={self.name!r})"
 
 
-def _effective_weight(args: tuple[Any, ...], sample_weight: Any) -> jax.Array | None:
-    """`sample_weight` times the replica's padding mask (inside `run`), checked against the batch."""
+def _effective_weight(args: tuple[Any, ...], sample_weight: Any, mask: Any) -> jax.Array | None:
+    """`sample_weight` times the per-sample `mask` (padding rows: 0), checked against the batch."""
     n = None
     shapes = [jnp.shape(a) for a in args[:2]]
     if len(shapes) == 2 and shapes[0][:1] and shapes[1][:1] and shapes[0][0] != shapes[1][0]:
@@ -310,8 +299,6 @@ def _effective_weight(args: tuple[Any, ...], sample_weight: Any) -> jax.Array | 
                          f"{shapes[0]} and {shapes[1]}.")
     if shapes and shapes[0]:
         n = shapes[0][0]
-    ctx = get_replica_context()
-    mask = None if ctx is None else ctx.mask
     w = None if sample_weight is None else jnp.asarray(sample_weight, jnp.float32)
     if w is not None and n is not None and w.ndim and w.shape[0] != n:
         raise ValueError(f"`sample_weight` must have one entry per sample ({n}), got shape {w.shape}.")
@@ -319,8 +306,8 @@ def _effective_weight(args: tuple[Any, ...], sample_weight: Any) -> jax.Array | 
         return w
     if n is not None and n != mask.shape[0]:
         raise ValueError(
-            f"inside `strategy.run` a metric update takes this replica's rows of the distributed batch "
-            f"({mask.shape[0]}), got {n} rows."
+            f"a metric update takes one row per entry of the mask (inside `strategy.run`: this replica's "
+            f"rows of the distributed batch, {mask.shape[0]}), got {n} rows."
         )
     if w is None:
         return mask

@@ -9,7 +9,7 @@ import jax
 
 from .._errors import UsageError
 from .._values import get_replica_context
-from ._base import Metric, State, StateSpec, _compute_of, per_replica_strategy, read_mirrored, sync_state
+from ._base import Metric, State, StateSpec, compute_per_replica, per_replica_strategy, sync_in_replica, synced_result
 from ._registry import get as get_metric
 
 
@@ -57,27 +57,33 @@ class MetricCollection:
     def init(self) -> dict[str, State]:
         return {name: m.init() for name, m in self.metrics.items()}
 
-    def update(self, state: dict[str, State], y_true: Any, y_pred: Any, sample_weight: Any = None
-               ) -> dict[str, State]:
-        return {name: m.update(state[name], y_true, y_pred, sample_weight=sample_weight)
+    def update(self, state: dict[str, State], y_true: Any, y_pred: Any, sample_weight: Any = None,
+               mask: Any = None) -> dict[str, State]:
+        """Every metric's state updated with one batch (`mask`: see `Metric.update`)."""
+        return {name: m.update(state[name], y_true, y_pred, sample_weight=sample_weight, mask=mask)
                 for name, m in self.metrics.items()}
 
     def merge(self, a: dict[str, State], b: dict[str, State]) -> dict[str, State]:
         return {name: m.merge(a[name], b[name]) for name, m in self.metrics.items()}
 
     def sync(self, state: dict[str, State]) -> dict[str, State]:
-        """All states of all metrics reduced across replicas together."""
+        """Inside `strategy.run`: all states of all metrics reduced across replicas together."""
         flat = {f"{name}/{k}": v for name, s in state.items() for k, v in s.items()}
-        synced = sync_state(flat, self._specs())
+        synced = sync_in_replica(flat, self._specs())
         return {name: {k: synced[f"{name}/{k}"] for k in m.state_specs} for name, m in self.metrics.items()}
+
+    def result_from(self, state: dict[str, State]) -> dict[str, Any]:
+        """Every metric's value from global (already reduced) state."""
+        return {name: m.result_from(state[name]) for name, m in self.metrics.items()}
 
     def compute(self, state: dict[str, State]) -> dict[str, Any]:
         """Every metric's value; on per-replica state, one compiled program reduces and computes all."""
         strategy = per_replica_strategy(state)
         if strategy is not None:
-            return read_mirrored(strategy.run(_compute_of, args=(self, state)))
-        synced = self.sync(state)
-        return {name: m.result_from(synced[name]) for name, m in self.metrics.items()}
+            return compute_per_replica(strategy, self, state)
+        if get_replica_context() is not None:
+            return synced_result(self, state)
+        return self.result_from(state)
 
     # eager face
     def update_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> None:

@@ -1,8 +1,9 @@
 """Compiled-step factories: small pure functions that `Trainer` wires together.
 
-Each factory returns a function meant for `strategy.run`: it sees one replica's rows of a
-distributed batch, and every padding row is masked out by `compute_average_loss` and the
-metrics' updates.
+Each factory returns a function of plain arrays for `strategy.extended.run_arrays`: it sees
+one replica's rows of a distributed batch (`data`), their mask (1.0 real, 0.0 padding) and the
+step's real sample count, and passes both explicitly to the loss and the metrics, so padding
+rows never count.
 """
 
 from __future__ import annotations
@@ -14,13 +15,19 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from .._cross_replica import all_reduce
 from .._reduce import ReduceOp
-from .._values import get_replica_context
-from ..losses import compute_average_loss
+from ..losses import masked_average_loss
 from ..metrics import Mean, MetricCollection
 
 Apply = Callable[[Any, Any, bool], tuple[Any, Any, jax.Array]]
 LossFn = Callable[[Any, Any], jax.Array]
+
+#: The kinds of the steps' arguments and results (see `lockstep._run`).
+TRAIN_KINDS = ("replicated", "replicated", "per_replica", "rows", "rows", "replicated")
+TRAIN_OUT = ("replicated", "replicated", "per_replica")
+EVAL_KINDS = ("replicated", "per_replica", "rows", "rows", "replicated")
+PREDICT_KINDS = ("replicated", "rows")
 
 
 def unpack(batch: Any) -> tuple[Any, Any, Any]:
@@ -32,7 +39,6 @@ def unpack(batch: Any) -> tuple[Any, Any, Any]:
             return batch[0], batch[1], None
         if len(batch) == 3:
             return batch[0], batch[1], batch[2]
-    if isinstance(batch, (tuple, list)):
         raise ValueError(f"a batch must be (x,), (x, y) or (x, y, sample_weight), got a sequence of {len(batch)}.")
     return batch, None, None
 
@@ -45,26 +51,24 @@ def _weighted(per_example: jax.Array, sample_weight: Any) -> jax.Array:
 
 
 def update_logs(loss_tracker: Mean, metrics: MetricCollection, state: dict[str, Any], y: Any, y_pred: Any,
-                per_example: jax.Array, sample_weight: Any) -> dict[str, Any]:
+                per_example: jax.Array, sample_weight: Any, mask: jax.Array) -> dict[str, Any]:
     """The epoch's running state after one batch: the loss as Keras reports it (Σ w·loss / samples)
-    and every metric; padding rows are masked by the metrics themselves."""
+    and every metric, over the real rows (`mask`)."""
     new = dict(state)
-    new["loss"] = loss_tracker.update(state["loss"], _weighted(per_example, sample_weight))
-    metric_state = metrics.update({k: state[k] for k in metrics.metrics}, y, y_pred,
-                                  sample_weight=sample_weight)
-    new.update(metric_state)
+    new["loss"] = loss_tracker.update(state["loss"], _weighted(per_example, sample_weight), mask=mask)
+    new.update(metrics.update({k: state[k] for k in metrics.metrics}, y, y_pred, sample_weight=sample_weight,
+                              mask=mask))
     return new
 
 
-def _agree_non_trainable(values: Any) -> Any:
+def _agree_non_trainable(values: Any, mask: jax.Array) -> Any:
     """Non-trainable state updated from local data (batch-norm statistics) is averaged over
     replicas (weighted by real samples); integer state (seed counters) is the same everywhere."""
-    ctx = get_replica_context()
+    local = jnp.sum(mask)
 
     def agree(v: jax.Array) -> jax.Array:
-        if jnp.issubdtype(v.dtype, jnp.floating):
-            return ctx.all_reduce(ReduceOp.MEAN, v)
-        return ctx.all_reduce(ReduceOp.MAX, v)
+        op = ReduceOp.MEAN if jnp.issubdtype(v.dtype, jnp.floating) else ReduceOp.MAX
+        return all_reduce(op, v, local)
     return jax.tree.map(agree, values)
 
 
@@ -72,23 +76,24 @@ def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTran
                     loss_tracker: Mean, metrics: MetricCollection, num_replicas: int) -> Callable[..., Any]:
     """One optimisation step on one replica's rows; gradients come back summed over replicas."""
 
-    def train_step(params: dict[str, Any], opt_state: Any, state: dict[str, Any], batch: Any) -> Any:
-        x, y, sw = unpack(batch)
+    def train_step(params: dict[str, Any], opt_state: Any, state: dict[str, Any], data: Any, mask: jax.Array,
+                   count: jax.Array) -> Any:
+        x, y, sw = unpack(data)
 
         def objective(trainable: Any) -> tuple[jax.Array, Any]:
             y_pred, non_trainable, extra = apply({"trainable": trainable, "non_trainable": params["non_trainable"]},
                                                  x, True)
             per_example = loss_fn(y, y_pred)
             # a model's own penalties (regularizers) count once per step: 1/R of them on each replica
-            loss = compute_average_loss(per_example, sample_weight=sw) + extra / num_replicas
+            loss = masked_average_loss(per_example, mask, count, sample_weight=sw) + extra / num_replicas
             return loss, (y_pred, per_example, non_trainable)
 
         (_, (y_pred, per_example, non_trainable)), grads = jax.value_and_grad(objective, has_aux=True)(
             params["trainable"])
         updates, opt_state = optimizer.update(grads, opt_state, params["trainable"])
         trainable = optax.apply_updates(params["trainable"], updates)
-        new_params = {"trainable": trainable, "non_trainable": _agree_non_trainable(non_trainable)}
-        return new_params, opt_state, update_logs(loss_tracker, metrics, state, y, y_pred, per_example, sw)
+        new_params = {"trainable": trainable, "non_trainable": _agree_non_trainable(non_trainable, mask)}
+        return new_params, opt_state, update_logs(loss_tracker, metrics, state, y, y_pred, per_example, sw, mask)
 
     return train_step
 
@@ -97,19 +102,20 @@ def make_eval_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: M
                    ) -> Callable[..., Any]:
     """Loss and metrics of one replica's rows, accumulated into the running state."""
 
-    def eval_step(params: dict[str, Any], state: dict[str, Any], batch: Any) -> dict[str, Any]:
-        x, y, sw = unpack(batch)
+    def eval_step(params: dict[str, Any], state: dict[str, Any], data: Any, mask: jax.Array,
+                  count: jax.Array) -> dict[str, Any]:
+        x, y, sw = unpack(data)
         y_pred, _, _ = apply(params, x, False)
-        return update_logs(loss_tracker, metrics, state, y, y_pred, loss_fn(y, y_pred), sw)
+        return update_logs(loss_tracker, metrics, state, y, y_pred, loss_fn(y, y_pred), sw, mask)
 
     return eval_step
 
 
 def make_predict_step(apply: Apply) -> Callable[..., Any]:
-    """The model's outputs on one replica's rows (padding rows are dropped by `gather`)."""
+    """The model's outputs on one replica's rows (padding rows are dropped afterwards)."""
 
-    def predict_step(params: dict[str, Any], batch: Any) -> Any:
-        x, _, _ = unpack(batch)
+    def predict_step(params: dict[str, Any], data: Any) -> Any:
+        x, _, _ = unpack(data)
         return apply(params, x, False)[0]
 
     return predict_step

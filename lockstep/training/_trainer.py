@@ -3,30 +3,38 @@
 from __future__ import annotations
 
 import inspect
-import itertools
-import math
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .. import _scope
 from .. import losses as _losses
-from .._strategy import DistributedDataset, Strategy, get_strategy
-from .._values import Mirrored, PerReplica, raw, raw_tree
-from ..callbacks import BackupAndRestore, Callback, CallbackList, History, ProgbarLogger
-from ..callbacks._callback import is_chief
+from .._cross_replica import broadcast_from_chief
+from .._strategy import Strategy, get_strategy
+from ..callbacks import Callback, History, ProgbarLogger
+from ..callbacks._callback import CallbackList, is_chief
 from ..checkpoint import atomic_path, load_tree, save_tree
-from ..data import Batches
-from ..data import batches as make_batches
 from ..metrics import Mean, Metric, MetricCollection
 from ..metrics import get as get_metric
+from ..metrics._base import synced_result
+from ._inputs import distribute, epoch_batches, peek, split_validation, to_batches, validation_batches
 from ._model import adapt
 from ._optimizers import find_hyperparams, get_optimizer
-from ._steps import make_eval_step, make_predict_step, make_train_step, unpack
+from ._state import TrainState, callback_key
+from ._steps import (
+    EVAL_KINDS,
+    PREDICT_KINDS,
+    TRAIN_KINDS,
+    TRAIN_OUT,
+    make_eval_step,
+    make_predict_step,
+    make_train_step,
+    unpack,
+)
 
 
 class _LazyLogs(Mapping[str, Any]):
@@ -52,34 +60,27 @@ class _LazyLogs(Mapping[str, Any]):
 
 
 def _host(tree: Any) -> Any:
-    return jax.tree.map(np.asarray, raw_tree(tree))
+    return jax.tree.map(np.asarray, tree)
 
 
 def _to_python(v: Any) -> Any:
-    a = np.asarray(raw(v))
+    a = np.asarray(v)
     return float(a) if a.ndim == 0 else a
-
-
-def _is_arrays(x: Any) -> bool:
-    return isinstance(x, (np.ndarray, jax.Array)) or (
-        isinstance(x, Mapping) and all(isinstance(v, (np.ndarray, jax.Array)) for v in x.values()))
 
 
 def _strategy_for(model: Any) -> Strategy:
     """The active scope's strategy; else, for a Keras model built in a scope, that scope's strategy."""
-    from .._strategy import _RECENT, _SCOPES, strategy_of_devices
-
-    if _SCOPES.stack:
-        return _SCOPES.stack[-1]
+    active = _scope.active()
+    if active is not None:
+        return active
     variables = getattr(model, "variables", None) or []
     if variables:
         sharding = getattr(getattr(variables[0], "value", None), "sharding", None)
-        found = strategy_of_devices(sharding.device_set) if sharding is not None else None
+        found = _scope.strategy_of_devices(sharding.device_set) if sharding is not None else None
         if found is not None:
             return found
     default = get_strategy()
-    recent = [r() for r in _RECENT]
-    if variables and any(st is not None and st.num_replicas_in_sync > 1 for st in recent):
+    if variables and any(st.num_replicas_in_sync > 1 for st in _scope.recent()):
         warnings.warn(
             "this Trainer runs on one device (no strategy given, no scope active, and the model was not built "
             "in a strategy's scope): pass `strategy=`, or create the Trainer inside `strategy.scope()`.",
@@ -97,8 +98,13 @@ def _check_takes_labels(metric: Metric) -> None:
             "(y_true, y_pred); wrap a per-sample function in lockstep.metrics.MeanMetricWrapper instead.")
 
 
-def _num_samples(x: Any) -> int:
-    return int(np.shape(jax.tree.leaves(x)[0])[0])
+def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any) -> None:
+    if not isinstance(epochs, int) or epochs < 0:
+        raise ValueError(f"`epochs` must be a non-negative integer, got epochs={epochs!r}.")
+    if not isinstance(validation_split, (int, float)) or not 0.0 <= validation_split < 1.0:
+        raise ValueError(f"`validation_split` must be in (0, 1) (or 0 for none), got validation_split={validation_split!r}.")
+    if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
+        raise ValueError(f"`steps_per_epoch` must be a positive integer, got steps_per_epoch={steps_per_epoch!r}.")
 
 
 class Trainer:
@@ -107,6 +113,7 @@ class Trainer:
     Every number it reports — losses, metrics, evaluation results, predictions, callback
     decisions — is the number one device would report on the whole data: batches are split
     across replicas with padding masks, and metric *states* are reduced, never metric values.
+    The whole state of a `fit` in progress is one `TrainState` (`train_state` / `restore`).
 
     Args:
       model: a Keras 3 model (JAX backend) or a `lockstep.FunctionalModel`.
@@ -129,6 +136,8 @@ class Trainer:
     ['accuracy', 'loss']
     >>> trainer.predict(x, batch_size=16).shape
     (103, 3)
+    >>> trainer.train_state.epoch, trainer.train_state.global_step   # 7 steps an epoch
+    (3, 21)
     """
 
     def __init__(self, model: Any, optimizer: str | optax.GradientTransformation = "adam",
@@ -139,6 +148,7 @@ class Trainer:
         if not isinstance(self.strategy, Strategy):
             raise TypeError(f"`strategy` must be a lockstep strategy, got {type(strategy).__name__}.")
         self.model = model
+        self._engine = self.strategy.extended
         self._adapter = adapt(model, seed)
         self._optimizer = get_optimizer(optimizer)
         self._loss_fn = _losses.get(loss)
@@ -150,23 +160,22 @@ class Trainer:
             _check_takes_labels(m)
         self._all = MetricCollection([self._loss_tracker, *resolved])
         self._metrics = MetricCollection({k: m for k, m in self._all.metrics.items() if m is not self._loss_tracker})
-        self._params: Any = None
-        self._opt_state: Any = None
         self._steps: dict[str, Callable[..., Any]] = {}
         self.stop_training = False
         self.history: History | None = None
-        self._global_step = 0
-        self._fit_seed = seed
-        self._progress: tuple[int, int, Any] = (0, 0, None)
+        # the training state (see `TrainState`): plain global arrays and counters
+        self._params: Any = None
+        self._opt_state: Any = None
+        self._metric_state: Any = None
+        self._epoch = self._step = self._global_step = self._seed = 0
+        self._callbacks: list[Callback] = []
+        self._pending: TrainState | None = None
 
     # --- building ------------------------------------------------------------------------
     def _place(self, params: Any) -> None:
-        if jax.process_count() > 1:  # every worker starts from worker 0's weights
-            from jax.experimental import multihost_utils
-
-            params = jax.tree.map(np.asarray, multihost_utils.broadcast_one_to_all(params))
-        self._params = jax.device_put(params, self.strategy._replicated)
-        self._opt_state = jax.device_put(self._optimizer.init(self._params["trainable"]), self.strategy._replicated)
+        params = _host(broadcast_from_chief(params))  # every worker starts from worker 0's weights
+        self._params = self._engine.put_replicated(params)
+        self._opt_state = self._engine.put_replicated(self._optimizer.init(self._params["trainable"]))
 
     def _build(self, batch: Any) -> None:
         x, y, _ = unpack(batch)
@@ -193,68 +202,66 @@ class Trainer:
     def metrics_names(self) -> list[str]:
         return list(self._all.metrics)
 
-    # --- data ----------------------------------------------------------------------------
-    def _batches(self, x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool, seed: int,
-                 arg: str = "x") -> Iterable[Any]:
-        if x is None:
-            raise ValueError(f"`{arg}` is required, got None.")
-        if isinstance(x, DistributedDataset):
-            if x._strategy is not self.strategy:
-                raise ValueError(f"`{arg}` is a distributed dataset of another strategy than the trainer's.")
-            if y is not None or sample_weight is not None:
-                raise ValueError(f"when `{arg}` is a distributed dataset, `y` and `sample_weight` must be None.")
-            return x
-        if _is_arrays(x):
-            n = _num_samples(x)
-            arrays: list[Any] = [x]
-            for name, a in (("y", y), ("sample_weight", sample_weight)):
-                if a is None:
-                    if name == "y" and sample_weight is not None:
-                        raise ValueError("`sample_weight` needs `y`.")
-                    continue
-                a = np.asarray(a)
-                if a.ndim == 0 or a.shape[0] != n:
-                    raise ValueError(f"`{arg}` and `{name}` must have the same number of samples: `{arg}` has {n}, "
-                                     f"`{name}` has {a.shape[0] if a.ndim else 'a scalar'}.")
-                arrays.append(a)
-            if batch_size is None:
-                batch_size = 32
-            return make_batches(tuple(arrays), batch_size, shuffle=shuffle, seed=seed)
-        if isinstance(x, (str, bytes)) or not isinstance(x, Iterable):
-            raise TypeError(f"`{arg}` must be arrays or an iterable of batches, got {type(x).__name__}.")
-        if y is not None or sample_weight is not None:
-            raise ValueError(f"when `{arg}` is an iterable of batches, `y` and `sample_weight` must be None "
-                             "(each batch carries them).")
-        return x
-
-    @classmethod
-    def _peek(cls, data: Iterable[Any]) -> tuple[Any, Iterable[Any]]:
-        """The first batch, and `data` with that batch still in it (a one-shot iterator is chained)."""
-        if isinstance(data, DistributedDataset):
-            first, inner = cls._peek(data._dataset)
-            return first, DistributedDataset(data._strategy, inner, data._per_worker)
-        if hasattr(data, "iterate"):
-            first = next(iter(data.iterate(0)), None)  # a lockstep Batches: re-iterable, no epoch consumed
-        elif iter(data) is data:
-            it = iter(data)
-            first = next(it, None)
-            data = itertools.chain([] if first is None else [first], it)
-        else:
-            first = next(iter(data), None)
-        if first is None:
-            raise ValueError("the data yields no batch.")
-        return first, data
-
-    def _distribute(self, data: Iterable[Any]) -> DistributedDataset:
-        return data if isinstance(data, DistributedDataset) else self.strategy.experimental_distribute_dataset(data)
-
     def _read(self, state: Any) -> dict[str, Any]:
-        values = self._all.compute(state)  # one compiled program: all states reduced, all values computed
+        """Loss and metric values of per-replica `state`: one compiled program reduces all states."""
+        values = self._engine.run_to_host(synced_result, (self._all, state), ("replicated", "per_replica"))
         return {k: _to_python(values[k]) for k in self._all.metrics}  # Keras' order: loss first
 
     def _fresh_state(self) -> Any:
-        init = self._all.init()
-        return self.strategy.experimental_distribute_values_from_function(lambda ctx: init)
+        return self._engine.per_replica_copies(self._all.init())
+
+    # --- training state ------------------------------------------------------------------
+    @property
+    def global_step(self) -> int:
+        """Optimizer steps taken by the current (or last) `fit`."""
+        return self._global_step
+
+    @property
+    def train_state(self) -> TrainState:
+        """The whole training state now: weights, optimizer and metric state, position, callbacks.
+
+        Inside `fit` (say, from a callback) it is the state after the last completed step.
+        """
+        self._require_built()
+        return TrainState(params=self._params, opt_state=self._opt_state, metric_state=self._metric_state,
+                          epoch=self._epoch, step=self._step, global_step=self._global_step, seed=self._seed,
+                          callbacks={k: cb.get_state() for k, cb in callback_key(self._callbacks).items()})
+
+    def restore(self, state: TrainState) -> None:
+        """Puts `state` (from `train_state`, or a checkpoint of it) back.
+
+        Weights and optimizer state take effect at once. The position (epoch, step, the epoch's
+        metric state, the seed) and the callbacks' states are taken up by `fit`: by the next one,
+        or, when called from a callback's `on_train_begin` (`BackupAndRestore`), by the current
+        one once every callback has begun — so callbacks that reset there do not undo it.
+
+        Raises:
+          TypeError: `state` is not a `TrainState`.
+          ValueError: its weights do not fit this trainer's model and optimizer.
+        """
+        if not isinstance(state, TrainState):
+            raise TypeError(f"`state` must be a lockstep.TrainState, got {type(state).__name__}.")
+        self._require_built()
+        for name, mine, theirs in (("params", self._params, state.params),
+                                   ("opt_state", self._opt_state, state.opt_state)):
+            if jax.tree.structure(mine) != jax.tree.structure(theirs):
+                raise ValueError(f"`state.{name}` has another structure than this trainer's: "
+                                 f"{jax.tree.structure(theirs)} vs {jax.tree.structure(mine)}.")
+        self._params = self._engine.put_replicated(state.params)
+        self._opt_state = self._engine.put_replicated(state.opt_state)
+        self._pending = state
+
+    def _take_pending(self, callbacks: list[Callback]) -> None:
+        """Applies a pending `restore`'s position and callback states to this `fit`."""
+        state, self._pending = self._pending, None
+        if state is None:
+            return
+        self._epoch, self._step, self._global_step, self._seed = state.epoch, state.step, state.global_step, state.seed
+        if state.step and state.metric_state is not None:  # mid-epoch: the epoch's running metrics go on
+            self._metric_state = self._engine.place_per_replica(state.metric_state)
+        for key, cb in callback_key(callbacks).items():
+            if key in state.callbacks:  # a callback new since the state was taken keeps its fresh state
+                cb.set_state(state.callbacks[key])
 
     # --- fit -------------------------------------------------------------------------------
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
@@ -270,145 +277,85 @@ class Trainer:
         Raises:
           ValueError: `x` and `y` of different lengths, `validation_split` outside [0, 1), ...
         """
-        if not isinstance(epochs, int) or epochs < 0:
-            raise ValueError(f"`epochs` must be a non-negative integer, got epochs={epochs!r}.")
-        if not isinstance(validation_split, (int, float)) or not 0.0 <= validation_split < 1.0:
-            raise ValueError(f"`validation_split` must be in (0, 1) (or 0 for none), got validation_split={validation_split!r}.")
-        if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
-            raise ValueError(f"`steps_per_epoch` must be a positive integer, got steps_per_epoch={steps_per_epoch!r}.")
+        _check_fit_args(epochs, validation_split, steps_per_epoch)
         if validation_split:
             if validation_data is not None:
                 raise ValueError("pass either `validation_split` or `validation_data`, not both.")
-            if not _is_arrays(x):
-                raise ValueError("`validation_split` needs array inputs, not an iterable of batches.")
-            n = _num_samples(x)
-            split = int(n * (1.0 - validation_split))
-            if split < 1 or split >= n:
-                raise ValueError(f"`validation_split={validation_split}` leaves no training or no validation "
-                                 f"sample out of {n}.")
-            cut = lambda a, s: None if a is None else jax.tree.map(lambda v: np.asarray(v)[s], a)  # noqa: E731
-            validation_data = (cut(x, slice(split, None)), cut(y, slice(split, None)),
-                               cut(sample_weight, slice(split, None)))
-            x, y, sample_weight = cut(x, slice(0, split)), cut(y, slice(0, split)), cut(sample_weight, slice(0, split))
-        train = self._batches(x, y, sample_weight, batch_size, shuffle, seed)
-        val = None
-        if validation_data is not None:
-            if (isinstance(validation_data, tuple) and 2 <= len(validation_data) <= 3
-                    and _is_arrays(validation_data[0])):
-                vx, vy, vw = (*validation_data, None)[:3]
-                val = self._batches(vx, vy, vw, validation_batch_size or batch_size, False, 0, "validation_data")
-            else:
-                val = self._batches(validation_data, None, None, None, False, 0, "validation_data")
-        first, train = self._peek(train)
+            x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split)
+        train = to_batches(self.strategy, x, y, sample_weight, batch_size, shuffle, seed)
+        val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size)
+        first, train = peek(train)
         self._build(first)
 
         verbose = 1 if verbose == "auto" else int(verbose)
-        history = History()
         cbs = list(callbacks or [])
         if verbose and is_chief():
             bar = ProgbarLogger(verbose)
             steps = len(train) if hasattr(train, "__len__") else None  # type: ignore[arg-type]
             bar.set_params(epochs, min(steps, steps_per_epoch) if steps and steps_per_epoch else steps or steps_per_epoch)
             cbs.insert(0, bar)
+        history = self.history = History()
         cbs.append(history)
         cblist = CallbackList(cbs, self)
-        self.history = history
-        self.stop_training = False
-        train_step = self._steps["train"]
-
-        backups = [cb for cb in cbs if isinstance(cb, BackupAndRestore)]
-        for cb in backups:
-            cb.attach(cbs)
-        self._global_step = 0
-        self._fit_seed = seed
+        self._callbacks, self.stop_training = cbs, False
+        self._epoch, self._step, self._global_step, self._seed = initial_epoch, 0, 0, seed
+        self._metric_state = self._fresh_state()
         cblist.on_train_begin()
-        # restored after every on_train_begin, which resets callbacks' state
-        resume = backups[0].restore() if backups else None
-        start_epoch, start_step = (resume.epoch, resume.step) if resume else (initial_epoch, 0)
+        self._take_pending(cbs)  # a restore() made before fit or in on_train_begin takes effect here
         logs: dict[str, Any] = {}
-        for epoch in range(start_epoch, epochs):
-            skip = start_step if epoch == start_epoch else 0
-            cblist.on_epoch_begin(epoch)
-            state = resume.metric_state if resume is not None and skip else self._fresh_state()
-            params, opt_state = self._params, self._opt_state
-            step = skip - 1
-            for step, batch in enumerate(self._epoch_batches(train, epoch, skip, steps_per_epoch), start=skip):
-                cblist.on_train_batch_begin(step)
-                params, opt_state, state = self.strategy.run(train_step, args=(params, opt_state, state, batch))
-                self._params, self._opt_state = params, opt_state
-                self._global_step += 1
-                self._progress = (epoch, step + 1, state)
-                cblist.on_train_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
-                if backups and backups[0].preempted(self._global_step):
-                    backups[0].save_and_exit()
+        try:
+            for epoch in range(self._epoch, epochs):
+                logs = self._fit_epoch(epoch, train, val, cblist, steps_per_epoch)
                 if self.stop_training:
                     break
-            if step < 0:
-                raise ValueError(
-                    f"`x` yielded no batch in epoch {epoch + 1}: a one-shot iterator is used up after one pass; "
-                    "pass a re-iterable (a list, lockstep.data.batches, a tf.data dataset) or `steps_per_epoch`.")
-            self._progress = (epoch + 1, 0, state)
-            logs = self._read(state)
-            if val is not None:
-                logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val, cblist).items()})
-            cblist.on_epoch_end(epoch, logs)
-            self.stop_training = self._agree(self.stop_training)
-            if self.stop_training:
-                break
-        cblist.on_train_end(logs)
+            cblist.on_train_end(logs)
+        finally:
+            self._callbacks = []
         self._adapter.sync_to_model(_host(self._params))
         return history
 
-    def _epoch_batches(self, train: Iterable[Any], epoch: int, skip: int, steps: int | None) -> Iterable[Any]:
-        """Epoch `epoch`'s distributed batches from batch `skip` on (at most `steps` in all).
-
-        Array inputs are shuffled from (seed, epoch) alone, so a resumed run sees the same order,
-        and every batch is padded to the full batch size, so one compiled step serves them all.
-        """
-        stop = None if steps is None else max(steps - skip, 0)
-        if isinstance(train, Batches):
-            padded = math.ceil(train.batch_size / self.strategy.num_replicas_in_sync) * self.strategy.num_replicas_in_sync
-            dist = DistributedDataset(self.strategy, train.iterate(epoch, skip), padded_size=padded)
-            return itertools.islice(dist, stop)
-        return itertools.islice(self._distribute(train), skip, None if steps is None else steps)
-
-    # --- training state for backups ----------------------------------------------------------
-    def _state_arrays(self, metric_state: Any) -> dict[str, Any]:
-        """Weights, optimizer state and `metric_state` as one flat dict of global arrays."""
-        out = {}
-        for name, tree in (("params", self._params), ("opt_state", self._opt_state), ("metrics", metric_state)):
-            leaves = jax.tree.leaves(tree, is_leaf=lambda v: isinstance(v, (Mirrored, PerReplica)))
-            for i, v in enumerate(leaves):
-                out[f"{name}/{i:05d}"] = jnp.asarray(raw(v))
-        return out
-
-    def _load_state_arrays(self, arrays: dict[str, Any]) -> Any:
-        """Puts restored weights and optimizer state in place; returns the metric state."""
-        def rebuild(name: str, like: Any, wrap: Callable[[Any], Any]) -> Any:
-            treedef = jax.tree.structure(like, is_leaf=lambda v: isinstance(v, (Mirrored, PerReplica)))
-            return jax.tree.unflatten(treedef, [wrap(arrays[f"{name}/{i:05d}"]) for i in range(treedef.num_leaves)])
-        self._params = rebuild("params", self._params, lambda a: a)
-        self._opt_state = rebuild("opt_state", self._opt_state, lambda a: a)
-        return rebuild("metrics", self._fresh_state(), lambda a: PerReplica(a, self.strategy))
-
-    def _agree(self, flag: bool) -> bool:
-        """Every worker takes process 0's decision (each computed it from the same global values)."""
-        if jax.process_count() == 1:
-            return flag
-        from jax.experimental import multihost_utils
-
-        return bool(multihost_utils.broadcast_one_to_all(np.asarray(flag)))
+    def _fit_epoch(self, epoch: int, train: Iterable[Any], val: Iterable[Any] | None, cblist: CallbackList,
+                   steps_per_epoch: int | None) -> dict[str, Any]:
+        """One epoch (from step `self._step` on, after a resume); returns the epoch's logs."""
+        skip = self._step
+        cblist.on_epoch_begin(epoch)
+        if not skip:
+            self._metric_state = self._fresh_state()
+        ran = False
+        train_step = self._steps["train"]
+        for step, batch in enumerate(epoch_batches(self.strategy, train, epoch, skip, steps_per_epoch), start=skip):
+            ran = True
+            cblist.on_train_batch_begin(step)
+            self._params, self._opt_state, self._metric_state = self._engine.run_arrays(
+                train_step, (self._params, self._opt_state, self._metric_state, batch.data, batch.mask, batch.count),
+                TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count)
+            self._step, self._global_step = step + 1, self._global_step + 1
+            cblist.on_train_batch_end(step, _LazyLogs(lambda s=self._metric_state: self._read(s)))
+            if self.stop_training:
+                break
+        if not ran and not skip:
+            raise ValueError(
+                f"`x` yielded no batch in epoch {epoch + 1}: a one-shot iterator is used up after one pass; "
+                "pass a re-iterable (a list, lockstep.data.batches, a tf.data dataset) or `steps_per_epoch`.")
+        self._epoch, self._step = epoch + 1, 0
+        logs = self._read(self._metric_state)
+        if val is not None:
+            logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val, cblist).items()})
+        cblist.on_epoch_end(epoch, logs)
+        self.stop_training = bool(broadcast_from_chief(np.asarray(self.stop_training)))  # every worker agrees
+        return logs
 
     # --- evaluate / predict --------------------------------------------------------------------
     def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList | None = None) -> dict[str, Any]:
-        first, data = self._peek(data)
+        first, data = peek(data)
         self._build(first)
         state = self._fresh_state()
         step_fn = self._steps["eval"]
         if cblist is not None:
             cblist.on_test_begin()
-        for step, batch in enumerate(self._distribute(data)):
-            state = self.strategy.run(step_fn, args=(self._params, state, batch))
+        for step, batch in enumerate(distribute(self.strategy, data)):
+            state = self._engine.run_arrays(step_fn, (self._params, state, batch.data, batch.mask, batch.count),
+                                            EVAL_KINDS, "per_replica", mask=batch.mask, count=batch.count)
             if cblist is not None:
                 cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
         logs = self._read(state)
@@ -424,7 +371,7 @@ class Trainer:
         Returns:
           ``{"loss": ..., <metric name>: ...}`` (a list in that order if `return_dict` is False).
         """
-        data = self._batches(x, y, sample_weight, batch_size, False, 0)
+        data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
         cblist = CallbackList(list(callbacks or []), self)
         logs = self._evaluate_batches(data, cblist)
         if verbose and is_chief():
@@ -436,15 +383,16 @@ class Trainer:
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0,
                 callbacks: Iterable[Callback] | None = None) -> Any:
         """The model's outputs for every sample: exactly `len(x)` rows, in input order (NumPy)."""
-        data = self._batches(x, None, None, batch_size, False, 0)
-        first, data = self._peek(data)
+        data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
+        first, data = peek(data)
         self._build(first)
         cblist = CallbackList(list(callbacks or []), self)
         cblist.on_predict_begin()
         outputs = []
-        for step, batch in enumerate(self._distribute(data)):
-            out = self.strategy.gather(self.strategy.run(self._steps["predict"], args=(self._params, batch)))
-            outputs.append(jax.tree.map(np.asarray, out))
+        for step, batch in enumerate(distribute(self.strategy, data)):
+            out = self._engine.run_arrays(self._steps["predict"], (self._params, batch.data), PREDICT_KINDS,
+                                          "per_replica", mask=batch.mask, count=batch.count)
+            outputs.append(_host(self._engine.real_rows(out, batch.step)))
             cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})
         cblist.on_predict_end()
         if not outputs:
@@ -468,7 +416,7 @@ class Trainer:
         """Replaces the weights (same structure as `get_weights`); a Keras model is kept in sync."""
         self.get_weights()
         params = self._adapter.set_weights(_host(self._params), weights)
-        self._params = jax.device_put(params, self.strategy._replicated)
+        self._params = self._engine.put_replicated(params)
         self._adapter.sync_to_model(params)
 
     @property
@@ -480,7 +428,7 @@ class Trainer:
     def learning_rate(self, value: float) -> None:
         hp = self._lr_holder()
         old = _host(hp["learning_rate"])
-        hp["learning_rate"] = jax.device_put(np.asarray(value, dtype=np.asarray(old).dtype), self.strategy._replicated)
+        hp["learning_rate"] = self._engine.put_replicated(np.asarray(value, dtype=np.asarray(old).dtype))
 
     def _lr_holder(self) -> dict[str, Any]:
         self._require_built()

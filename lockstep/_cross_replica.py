@@ -1,0 +1,182 @@
+"""Cross-replica reductions: collectives inside a replica, and reductions of per-replica arrays.
+
+Inside `strategy.run` (a `shard_map` over the ``"replica"`` axis) values are combined with
+`all_reduce`; outside, a per-replica value is a global array whose leading axis is the replica
+(shape ``(R, ...)``), reduced by `reduce_stacked` / `gather_stacked` in one compiled program
+whose result is replicated on every device (so every worker can read it). `MEAN` is weighted by
+real samples, so replicas that hold only padding never leak into a result.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ._layout import StepInfo
+from ._reduce import ReduceOp
+
+#: The mesh axis of replicas.
+AXIS = "replica"
+
+
+# --- inside a replica ----------------------------------------------------------------------
+def varies(x: Any) -> bool:
+    """Whether a traced value inside `shard_map` may differ between replicas."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    if mat is not None:
+        return AXIS in mat.varying
+    vma = getattr(aval, "vma", None)  # older JAX spelling
+    return True if vma is None else AXIS in vma
+
+
+def to_varying(x: jax.Array) -> jax.Array:
+    """`x` typed as differing between replicas (a no-op when it already does)."""
+    return jax.lax.pcast(x, AXIS, to="varying") if not varies(x) else x
+
+
+def lowest(dtype: Any) -> Any:
+    """The identity of `max` for `dtype`."""
+    dtype = jnp.dtype(dtype)
+    return -jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).min
+
+
+def highest(dtype: Any) -> Any:
+    """The identity of `min` for `dtype`."""
+    dtype = jnp.dtype(dtype)
+    return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
+
+
+def all_reduce(op: ReduceOp, v: jax.Array, count: jax.Array | None) -> jax.Array:
+    """`v` combined over replicas; `MEAN` weighs each replica by its real-sample `count`
+    (a replica holding only padding, weight 0, is left out so its NaN cannot leak in)."""
+    if op is ReduceOp.SUM:
+        return jax.lax.psum(v, AXIS)
+    if op is ReduceOp.MAX:
+        return jax.lax.pmax(v, AXIS)
+    if op is ReduceOp.MIN:
+        return jax.lax.pmin(v, AXIS)
+    if count is None:
+        return jax.lax.pmean(v, AXIS)
+    w = count.astype(jnp.result_type(v, jnp.float32))
+    total = jax.lax.psum(jnp.where(count > 0, v * w, jnp.zeros_like(v * w)), AXIS)
+    return total / jax.lax.psum(w, AXIS)
+
+
+def all_gather(v: jax.Array, axis: int = 0) -> jax.Array:
+    """Every replica's `v` concatenated along `axis`."""
+    return jax.lax.all_gather(to_varying(v), AXIS, axis=axis, tiled=True)
+
+
+# --- outside: per-replica arrays of shape (R, ...) ------------------------------------------------
+class ReplicatedCall:
+    """Compiles helper programs whose results are replicated on every device of `mesh`."""
+
+    def __init__(self, mesh: Mesh):
+        self._replicated = NamedSharding(mesh, P())
+        self._jitted: dict[Any, Callable[..., Any]] = {}
+
+    def __call__(self, fn: Callable[..., Any], *args: Any, **static: Any) -> Any:
+        key = (fn, tuple(sorted(static)))
+        jitted = self._jitted.get(key)
+        if jitted is None:
+            jitted = self._jitted[key] = jax.jit(fn, static_argnames=tuple(static), out_shardings=self._replicated)
+        return jitted(*args, **static)
+
+
+def reduce_stacked(call: ReplicatedCall, op: ReduceOp, stacked: jax.Array, step: StepInfo | None,
+                   axis: int | None) -> jax.Array:
+    """A per-replica value `stacked` (R, ...) reduced across replicas (and rows, with `axis=0`)."""
+    r = stacked.shape[0]
+    if axis == 0 and stacked.ndim < 2:
+        raise ValueError("`axis=0` needs per-replica values with a batch axis, got scalars per replica.")
+    if axis is None:
+        weights = np.ones(r, np.float32) if step is None else step.counts.astype(np.float32)
+        return call(_reduce_replicas, stacked, weights, op=op)
+    rows = stacked.shape[1]
+    row_mask = step.row_mask if step is not None and rows == step.per_replica else np.ones((r, rows), bool)
+    return call(_reduce_rows, stacked, row_mask, op=op)
+
+
+def reduce_replicated(op: ReduceOp, arr: jax.Array, num_replicas: int, axis: int | None) -> jax.Array:
+    """A value that is the same on every replica, reduced as if each replica held it."""
+    if axis == 0 and arr.ndim == 0:
+        raise ValueError("`axis=0` needs values with a batch axis, got a scalar.")
+    if op is ReduceOp.SUM:
+        return arr.sum(0) * num_replicas if axis == 0 else arr * num_replicas
+    if op is ReduceOp.MEAN:
+        return arr.mean(0) if axis == 0 else arr
+    return (arr.max(0) if op is ReduceOp.MAX else arr.min(0)) if axis == 0 else arr
+
+
+def gather_stacked(call: ReplicatedCall, stacked: jax.Array, step: StepInfo | None, axis: int) -> jax.Array:
+    """A per-replica value concatenated along `axis`; padding rows of batch-aligned values dropped."""
+    if stacked.ndim < 2:
+        raise ValueError("`gather` needs per-replica values with at least one axis, got scalars per replica.")
+    if axis == 0 and step is not None and stacked.shape[1] == step.per_replica:
+        return call(_take_rows, stacked, np.flatnonzero(step.row_mask.reshape(-1)))
+    return call(_concat_replicas, stacked, axis=axis)
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def split_rows(a: jax.Array, r: int) -> jax.Array:
+    """A global batch array (R*b, ...) as per-replica rows (R, b, ...)."""
+    return a.reshape(r, a.shape[0] // r, *a.shape[1:])
+
+
+def _reduce_replicas(stacked: jax.Array, weights: jax.Array, *, op: ReduceOp) -> jax.Array:
+    if op is ReduceOp.SUM:
+        return jnp.sum(stacked, axis=0)
+    if op is ReduceOp.MAX:
+        return jnp.max(stacked, axis=0)
+    if op is ReduceOp.MIN:
+        return jnp.min(stacked, axis=0)
+    w = weights.reshape((-1,) + (1,) * (stacked.ndim - 1)).astype(jnp.result_type(stacked, jnp.float32))
+    return jnp.sum(jnp.where(w > 0, stacked * w, 0), axis=0) / jnp.sum(weights)
+
+
+def _reduce_rows(stacked: jax.Array, row_mask: jax.Array, *, op: ReduceOp) -> jax.Array:
+    m = row_mask.reshape(row_mask.shape + (1,) * (stacked.ndim - 2))
+    if op is ReduceOp.SUM:
+        return jnp.sum(jnp.where(m, stacked, 0), axis=(0, 1))
+    if op is ReduceOp.MEAN:
+        total = jnp.sum(jnp.where(m, stacked, 0).astype(jnp.result_type(stacked, jnp.float32)), axis=(0, 1))
+        return total / jnp.sum(row_mask)
+    if op is ReduceOp.MAX:
+        return jnp.max(jnp.where(m, stacked, lowest(stacked.dtype)), axis=(0, 1))
+    return jnp.min(jnp.where(m, stacked, highest(stacked.dtype)), axis=(0, 1))
+
+
+def _take_rows(stacked: jax.Array, idx: jax.Array) -> jax.Array:
+    flat = stacked.reshape(-1, *stacked.shape[2:])
+    return jnp.take(flat, idx, axis=0)
+
+
+def _concat_replicas(stacked: jax.Array, *, axis: int) -> jax.Array:
+    return jnp.concatenate(list(stacked), axis=axis)
+
+
+# --- across worker processes, on the host ---------------------------------------------------
+def broadcast_from_chief(value: Any) -> Any:
+    """Worker 0's `value` (a pytree of arrays or scalars) on every worker."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return multihost_utils.broadcast_one_to_all(value)
+
+
+def allgather_sizes(n: int) -> np.ndarray:
+    """Every worker's `n`, in worker order (one small collective across workers)."""
+    if jax.process_count() == 1:
+        return np.array([n])
+    from jax.experimental import multihost_utils
+
+    return np.asarray(multihost_utils.process_allgather(np.array([n], np.int64))).reshape(-1)

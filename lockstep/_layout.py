@@ -1,0 +1,101 @@
+"""Batch layout: how a batch's rows are padded, which replica holds which rows, and the mask.
+
+Pure host-side functions (NumPy only, no devices), shared by every input path: global batches
+(`experimental_distribute_dataset`, `fit` on arrays) and per-worker pipelines
+(`distribute_datasets_from_function`). A padded batch repeats its first real row, so padding
+stays valid input (labels in range, no log(0)); the mask says which rows are real.
+
+>>> import numpy as np
+>>> rows, mask = pad_and_mask([np.arange(5.0)], num_real=5, start=4, stop=8)
+>>> rows[0].tolist(), mask.tolist()
+([4.0, 0.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0])
+>>> StepInfo.contiguous(num_replicas=4, per_replica=2, num_real=5).counts.tolist()
+[2, 2, 1, 0]
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+
+class StepInfo:
+    """Host-side facts of one distributed batch: which rows of each replica are real.
+
+    Known on the host when the batch is built (on every worker), so trimming padding never
+    waits on a device. Replica `r` holds `counts[r]` real rows, then padding.
+    """
+
+    __slots__ = ("num_replicas", "per_replica", "num_real", "counts", "row_mask")
+
+    def __init__(self, num_replicas: int, per_replica: int, counts: np.ndarray):
+        self.num_replicas = num_replicas
+        self.per_replica = per_replica
+        self.counts = np.asarray(counts, np.int64)  # (R,)
+        self.num_real = int(self.counts.sum())
+        self.row_mask = np.arange(per_replica)[None, :] < self.counts[:, None]  # (R, b) bool
+
+    @classmethod
+    def contiguous(cls, num_replicas: int, per_replica: int, num_real: int) -> "StepInfo":
+        """A global batch of `num_real` rows laid out replica after replica, padding at the end."""
+        starts = np.arange(num_replicas) * per_replica
+        return cls(num_replicas, per_replica, np.clip(num_real - starts, 0, per_replica))
+
+    @classmethod
+    def of_workers(cls, sizes: np.ndarray, replicas_per_worker: list[int], per_replica: int) -> "StepInfo":
+        """Per-worker batches of `sizes[w]` real rows, each laid out over that worker's replicas."""
+        counts = np.concatenate([np.clip(int(k) - np.arange(r) * per_replica, 0, per_replica)
+                                 for k, r in zip(sizes, replicas_per_worker)])
+        return cls(len(counts), per_replica, counts)
+
+    @property
+    def padded_size(self) -> int:
+        """Rows of the padded global batch (all replicas)."""
+        return self.num_replicas * self.per_replica
+
+
+def padded_per_replica(num_real: int, num_replicas: int, padded_size: int | None = None) -> int:
+    """Rows per replica for a global batch of `num_real` rows, at least `padded_size` in all."""
+    return math.ceil(max(padded_size or 0, num_real) / num_replicas)
+
+
+def pad_and_mask(leaves: list[np.ndarray], num_real: int, start: int, stop: int
+                 ) -> tuple[list[np.ndarray], np.ndarray]:
+    """Rows `start:stop` of `leaves` padded past `num_real` (padding repeats row 0), and their mask.
+
+    Returns:
+      The rows of every leaf, and a float32 mask (1.0 real, 0.0 padding) of `stop - start` rows.
+    """
+    if start == 0 and stop <= num_real:
+        rows = [x[:stop] for x in leaves]
+    else:
+        idx = np.arange(start, stop)
+        rows = [np.take(x, np.where(idx < num_real, idx, 0), axis=0) for x in leaves]
+    return rows, (np.arange(start, stop) < num_real).astype(np.float32)
+
+
+def batch_length(leaves: list[np.ndarray]) -> int:
+    """The common leading dimension of a batch's arrays.
+
+    Raises:
+      ValueError: arrays of different lengths, a scalar, or an empty batch.
+    """
+    lengths = {int(np.shape(x)[0]) if np.ndim(x) else -1 for x in leaves}
+    if len(lengths) != 1 or -1 in lengths:
+        shapes = [np.shape(x) for x in leaves]
+        raise ValueError(f"every array of a batch must have the same leading (batch) dimension, got shapes {shapes}.")
+    n = lengths.pop()
+    if n < 1:
+        raise ValueError("a batch must hold at least one sample, got an empty batch.")
+    return n
+
+
+def to_numpy(x: Any) -> np.ndarray:
+    """A batch leaf as a NumPy array (torch tensors are detached and moved to the CPU)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
+        x = x.detach().cpu()
+    return np.asarray(x)

@@ -1,0 +1,211 @@
+"""The `run` compiler: one replica's function as a compiled `shard_map` program, cached, with a
+bound on the steps in flight.
+
+Arguments are plain arrays, each of one *kind*:
+
+- ``"rows"``: a global batch array split over replicas by rows (each replica sees its rows);
+- ``"per_replica"``: a stacked ``(R, ...)`` array, one entry per replica (each sees its entry);
+- ``"replicated"``: the same value on every replica;
+- anything that is not an array is compiled in (hashable Python values such as `training=True`).
+
+Outputs are plain global arrays too: replicated ones as they are, per-replica ones stacked
+``(R, ...)``. The kinds of the outputs are either declared (`out_kinds`, the trainer's steps) or
+read off the trace (what varies between replicas is per-replica: `strategy.run`).
+"""
+
+from __future__ import annotations
+
+import collections
+import functools
+import os
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
+
+from ._cross_replica import AXIS, to_varying, varies
+from ._values import ReplicaContext, replica_context
+
+#: Most compiled steps lockstep lets run ahead of the host before it waits on the oldest
+#: (DESIGN.md: more than ~32 collective steps in flight wedge XLA on a multi-device CPU).
+MAX_STEPS_IN_FLIGHT = int(os.environ.get("LOCKSTEP_MAX_STEPS_IN_FLIGHT", "8"))
+
+ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+_SPEC = {"rows": P(AXIS), "per_replica": P(AXIS), "replicated": P()}
+
+
+class _Entry:
+    """A compiled program and what it learned when first traced."""
+
+    __slots__ = ("call", "flags", "out_tree")
+
+    def __init__(self) -> None:
+        self.call: Callable[..., Any] | None = None
+        self.flags: tuple[bool, ...] | None = None  # per output leaf: replicated?
+        self.out_tree: Any = None
+
+
+def leaf_kinds(kinds: Any, args: Any) -> list[str]:
+    """One kind per leaf of `args`, from `kinds` (a pytree prefix of `args`); non-arrays are static."""
+    per = jax.tree.map(lambda k, sub: [k] * len(jax.tree.leaves(sub)), kinds, args)
+    flat = [k for group in jax.tree.leaves(per, is_leaf=lambda v: isinstance(v, list)) for k in group]
+    leaves = jax.tree.leaves(args)
+    return [k if isinstance(x, ARRAY_TYPES) else "static" for k, x in zip(flat, leaves)]
+
+
+def signature(x: Any) -> Any:
+    """What a compiled program depends on: shape and dtype (dtype objects hash fast)."""
+    try:
+        return (x.shape, x.dtype)
+    except AttributeError:
+        return (type(x),)
+
+
+class RunCompiler:
+    """Compiles and calls replica functions on `mesh`; `context` makes each call's replica context."""
+
+    def __init__(self, mesh: Mesh, context: Callable[[Any, Any], ReplicaContext]):
+        self._mesh = mesh
+        self._context = context
+        self._entries: dict[Any, _Entry] = {}
+        self._in_flight: collections.deque[jax.Array] = collections.deque()
+        self._lock = threading.Lock()
+
+    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, *, mask: Any = None,
+             count: Any = None, out_kinds: Any = None, with_kwargs: bool = False
+             ) -> tuple[Any, tuple[bool, ...] | None]:
+        """Runs `fn(*args)` on every replica.
+
+        Args:
+          fn: the replica's function.
+          args: its positional arguments (pytrees of arrays and hashable Python values); with
+            `with_kwargs`, the pair ``(positional, keyword)`` and `fn(*positional, **keyword)` runs.
+          kinds: a pytree prefix of `args` naming each argument's kind (see the module doc).
+          mask, count: the step's per-sample mask (split by rows) and real-sample count
+            (replicated scalar), for the replica context (`None`: a context without a batch).
+          out_kinds: a pytree prefix of the outputs naming each one's kind (``"replicated"``
+            or ``"per_replica"``; hashable, such as a tuple of names); `None` reads them off the trace.
+
+        Returns:
+          The outputs (plain global arrays) and, when `out_kinds` is None, a flag per output
+          leaf saying whether it is replicated.
+        """
+        leaves, treedef = jax.tree.flatten(args)
+        lk = leaf_kinds(kinds, args)
+        dyn = [x for x, k in zip(leaves, lk) if k != "static"]
+        statics = tuple(x for x, k in zip(leaves, lk) if k == "static")
+        ctx_arrays = [] if mask is None else [mask, count]
+        try:
+            hash(statics)
+        except TypeError:
+            raise TypeError(
+                f"`args` leaves that are not arrays must be hashable (they are compiled in), "
+                f"got {[type(s).__name__ for s in statics]}.") from None
+        key = (fn, treedef, tuple(lk), statics, tuple(signature(x) for x in dyn), mask is None, out_kinds,
+               with_kwargs)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                if len(self._entries) > 256:
+                    self._entries.clear()
+                entry = self._entries[key] = self._compile(fn, treedef, lk, statics, dyn, ctx_arrays, out_kinds,
+                                                           with_kwargs)
+        assert entry.call is not None
+        out = entry.call(dyn, ctx_arrays)
+        first = jax.tree.leaves(out)[:1]
+        if first:
+            self._track(first[0])
+        if out_kinds is not None:
+            return out, None
+        return jax.tree.unflatten(entry.out_tree, list(out)), entry.flags
+
+    def _track(self, token: jax.Array) -> None:
+        """Bounds the compiled steps in flight (DESIGN.md's CPU deadlock)."""
+        self._in_flight.append(token)
+        while len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
+            self._in_flight.popleft().block_until_ready()
+
+    @property
+    def steps_in_flight(self) -> int:
+        """Programs dispatched whose results the host has not waited for (at most MAX_STEPS_IN_FLIGHT)."""
+        return len(self._in_flight)
+
+    def compile_counts(self, fn: Callable[..., Any] | None = None) -> list[int]:
+        """For each cached program of `fn` (every function if None), how often it compiled."""
+        return [e.call._cache_size() for k, e in self._entries.items()
+                if (fn is None or k[0] is fn) and e.call is not None]
+
+    def _compile(self, fn: Callable[..., Any], treedef: Any, lk: list[str], statics: tuple[Any, ...],
+                 dyn: list[Any], ctx_arrays: list[Any], out_kinds: Any, with_kwargs: bool) -> _Entry:
+        entry = _Entry()
+        dyn_kinds = [k for k in lk if k != "static"]
+
+        def rebuild(d: list[jax.Array]) -> tuple[Any, ...]:
+            d_it, s_it = iter(d), iter(statics)
+            leaves = []
+            for kind in lk:
+                if kind == "static":
+                    leaves.append(next(s_it))
+                else:
+                    x = next(d_it)
+                    leaves.append(x[0] if kind == "per_replica" else x)
+            return jax.tree.unflatten(treedef, leaves)
+
+        def traced(d: list[jax.Array], c: list[jax.Array]) -> Any:
+            ctx = self._context(*c) if c else self._context(None, None)
+            with replica_context(ctx):
+                if with_kwargs:
+                    positional, keyword = rebuild(d)
+                    return fn(*positional, **keyword)
+                return fn(*rebuild(d))
+
+        def declared(d: list[jax.Array], c: list[jax.Array]) -> Any:
+            out = traced(d, c)
+            entry.out_tree = jax.tree.structure(out)
+            return jax.tree.map(lambda k, sub: jax.tree.map(functools.partial(_as_kind, k), sub), out_kinds, out)
+
+        def inferred(flags: tuple[bool, ...] | None, d: list[jax.Array], c: list[jax.Array]) -> tuple[Any, ...]:
+            out_leaves, entry.out_tree = jax.tree.flatten(traced(d, c))
+            try:
+                out_leaves = [jnp.asarray(o) for o in out_leaves]
+            except TypeError as e:
+                raise TypeError(f"`fn` must return a pytree of arrays; {e}") from None
+            if flags is None:
+                entry.flags = tuple(not varies(o) for o in out_leaves)
+                return tuple(o[None] for o in out_leaves)
+            return tuple(o if mirrored else o[None] for o, mirrored in zip(out_leaves, flags))
+
+        in_specs = ([_SPEC[k] for k in dyn_kinds], [P(AXIS), P()][:len(ctx_arrays)])
+        if out_kinds is not None:
+            out_specs = jax.tree.map(lambda k: _SPEC[k], out_kinds)
+            entry.call = jax.jit(jax.shard_map(declared, mesh=self._mesh, in_specs=in_specs, out_specs=out_specs))
+            return entry
+        probe = jax.shard_map(functools.partial(inferred, None), mesh=self._mesh, in_specs=in_specs,
+                              out_specs=P(AXIS))
+        jax.eval_shape(probe, dyn, ctx_arrays)
+        flags = entry.flags
+        assert flags is not None
+        out_specs = tuple(P() if m else P(AXIS) for m in flags)
+        entry.call = jax.jit(jax.shard_map(functools.partial(inferred, flags), mesh=self._mesh,
+                                           in_specs=in_specs, out_specs=out_specs))
+        return entry
+
+
+def _as_kind(kind: str, x: Any) -> jax.Array:
+    """An output leaf shaped for its declared kind (per-replica values get a leading replica axis)."""
+    x = jnp.asarray(x)
+    if kind == "per_replica":
+        return to_varying(x)[None]
+    if kind != "replicated":
+        raise ValueError(f"an output kind must be 'replicated' or 'per_replica', got {kind!r}.")
+    if varies(x):
+        raise ValueError(
+            f"a step output declared replicated differs between replicas (shape {x.shape}, dtype {x.dtype}): "
+            "combine it across replicas (an all-reduce) before returning it.")
+    return x
+

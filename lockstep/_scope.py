@@ -1,0 +1,79 @@
+"""Scopes: which strategy is active, which were entered lately, and Keras' distribution inside them.
+
+A Keras 3 model built inside `strategy.scope()` gets its variables replicated on the strategy's
+devices because Keras' own `DataParallel` distribution is set for the duration of the scope.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import threading
+import weakref
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ._strategy import Strategy
+
+
+class _Scopes(threading.local):
+    def __init__(self) -> None:
+        self.stack: list[Strategy] = []
+
+
+_SCOPES = _Scopes()
+_RECENT: list[weakref.ReferenceType[Strategy]] = []
+_NO_KERAS = object()
+
+
+@contextlib.contextmanager
+def entered(strategy: "Strategy") -> Iterator["Strategy"]:
+    """Makes `strategy` the active one (and Keras' distribution data-parallel over its devices)."""
+    _SCOPES.stack.append(strategy)
+    _RECENT.append(weakref.ref(strategy))
+    del _RECENT[:-16]
+    previous = _enter_keras_distribution(strategy.devices)
+    try:
+        yield strategy
+    finally:
+        _SCOPES.stack.pop()
+        _exit_keras_distribution(previous)
+
+
+def active() -> "Strategy | None":
+    """The strategy of the innermost active scope in this thread, else None."""
+    return _SCOPES.stack[-1] if _SCOPES.stack else None
+
+
+def recent() -> list["Strategy"]:
+    """Strategies whose scope was entered lately (newest last) and that are still alive."""
+    return [s for s in (ref() for ref in _RECENT) if s is not None]
+
+
+def strategy_of_devices(devices: Iterable[Any]) -> "Strategy | None":
+    """The most recently entered scope's strategy whose devices are exactly `devices`."""
+    wanted = set(devices)
+    for strategy in reversed(recent()):
+        if set(strategy.devices) == wanted:
+            return strategy
+    return None
+
+
+def _enter_keras_distribution(devices: Iterable[Any]) -> Any:
+    """Sets Keras' distribution to data parallelism over `devices` (only when Keras, on the JAX
+    backend, is imported or asked for); returns the previous one."""
+    keras = sys.modules.get("keras")
+    if keras is None and os.environ.get("KERAS_BACKEND") == "jax":
+        import keras  # the user asked for Keras on JAX: models may be built inside this scope
+    if keras is None or keras.backend.backend() != "jax":
+        return _NO_KERAS
+    previous = keras.distribution.distribution()
+    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=list(devices)))
+    return previous
+
+
+def _exit_keras_distribution(previous: Any) -> None:
+    if previous is not _NO_KERAS:
+        sys.modules["keras"].distribution.set_distribution(previous)

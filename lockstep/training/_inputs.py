@@ -1,0 +1,125 @@
+"""What `fit` / `evaluate` / `predict` accept as data, turned into global batches and epochs."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from .._datasets import DistributedDataset
+from .._layout import padded_per_replica
+from ..data import Batches
+from ..data import batches as make_batches
+
+if TYPE_CHECKING:
+    from .._strategy import Strategy
+
+
+def is_arrays(x: Any) -> bool:
+    """Whether `x` is an array or a dict of arrays (as opposed to an iterable of batches)."""
+    return isinstance(x, (np.ndarray, jax.Array)) or (
+        isinstance(x, Mapping) and all(isinstance(v, (np.ndarray, jax.Array)) for v in x.values()))
+
+
+def num_samples(x: Any) -> int:
+    return int(np.shape(jax.tree.leaves(x)[0])[0])
+
+
+def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool,
+               seed: int, arg: str = "x") -> Iterable[Any]:
+    """Global batches of `x` (arrays with `y` / `sample_weight`, an iterable of batches, or a
+    distributed dataset of `strategy`)."""
+    if x is None:
+        raise ValueError(f"`{arg}` is required, got None.")
+    if isinstance(x, DistributedDataset):
+        if x.strategy is not strategy:
+            raise ValueError(f"`{arg}` is a distributed dataset of another strategy than the trainer's.")
+        if y is not None or sample_weight is not None:
+            raise ValueError(f"when `{arg}` is a distributed dataset, `y` and `sample_weight` must be None.")
+        return x
+    if is_arrays(x):
+        n = num_samples(x)
+        arrays: list[Any] = [x]
+        for name, a in (("y", y), ("sample_weight", sample_weight)):
+            if a is None:
+                if name == "y" and sample_weight is not None:
+                    raise ValueError("`sample_weight` needs `y`.")
+                continue
+            a = np.asarray(a)
+            if a.ndim == 0 or a.shape[0] != n:
+                raise ValueError(f"`{arg}` and `{name}` must have the same number of samples: `{arg}` has {n}, "
+                                 f"`{name}` has {a.shape[0] if a.ndim else 'a scalar'}.")
+            arrays.append(a)
+        return make_batches(tuple(arrays), 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
+    if isinstance(x, (str, bytes)) or not isinstance(x, Iterable):
+        raise TypeError(f"`{arg}` must be arrays or an iterable of batches, got {type(x).__name__}.")
+    if y is not None or sample_weight is not None:
+        raise ValueError(f"when `{arg}` is an iterable of batches, `y` and `sample_weight` must be None "
+                         "(each batch carries them).")
+    return x
+
+
+def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float) -> tuple[Any, Any, Any, Any]:
+    """(x, y, sample_weight, validation_data): the last `validation_split` of the arrays held out."""
+    if not is_arrays(x):
+        raise ValueError("`validation_split` needs array inputs, not an iterable of batches.")
+    n = num_samples(x)
+    split = int(n * (1.0 - validation_split))
+    if split < 1 or split >= n:
+        raise ValueError(f"`validation_split={validation_split}` leaves no training or no validation "
+                         f"sample out of {n}.")
+
+    def cut(a: Any, s: slice) -> Any:
+        return None if a is None else jax.tree.map(lambda v: np.asarray(v)[s], a)
+    head, tail = slice(0, split), slice(split, None)
+    return cut(x, head), cut(y, head), cut(sample_weight, head), (cut(x, tail), cut(y, tail), cut(sample_weight, tail))
+
+
+def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: int | None) -> Iterable[Any] | None:
+    """Global batches of `validation_data`: ``(x, y)`` / ``(x, y, sample_weight)`` arrays or batches."""
+    if validation_data is None:
+        return None
+    if isinstance(validation_data, tuple) and 2 <= len(validation_data) <= 3 and is_arrays(validation_data[0]):
+        vx, vy, vw = (*validation_data, None)[:3]
+        return to_batches(strategy, vx, vy, vw, batch_size, False, 0, "validation_data")
+    return to_batches(strategy, validation_data, None, None, None, False, 0, "validation_data")
+
+
+def peek(data: Iterable[Any]) -> tuple[Any, Iterable[Any]]:
+    """The first batch, and `data` with that batch still in it (a one-shot iterator is chained)."""
+    if isinstance(data, DistributedDataset):
+        first, inner = peek(data.source)
+        return first, data.with_source(inner)
+    if isinstance(data, Batches):
+        first = next(iter(data.iterate(0)), None)  # re-iterable: no epoch consumed
+    elif iter(data) is data:
+        it = iter(data)
+        first = next(it, None)
+        data = itertools.chain([] if first is None else [first], it)
+    else:
+        first = next(iter(data), None)
+    if first is None:
+        raise ValueError("the data yields no batch.")
+    return first, data
+
+
+def distribute(strategy: "Strategy", data: Iterable[Any]) -> DistributedDataset:
+    return data if isinstance(data, DistributedDataset) else strategy.experimental_distribute_dataset(data)
+
+
+def epoch_batches(strategy: "Strategy", train: Iterable[Any], epoch: int, skip: int, steps: int | None
+                  ) -> Iterable[Any]:
+    """Epoch `epoch`'s distributed batches from batch `skip` on (at most `steps` in all).
+
+    Array inputs are shuffled from (seed, epoch) alone, so a resumed run sees the same order,
+    and every batch is padded to the full batch size, so one compiled step serves them all.
+    """
+    stop = None if steps is None else max(steps - skip, 0)
+    if isinstance(train, Batches):
+        r = strategy.num_replicas_in_sync
+        padded = padded_per_replica(train.batch_size, r) * r
+        return itertools.islice(DistributedDataset(strategy, train.iterate(epoch, skip), padded_size=padded), stop)
+    return itertools.islice(distribute(strategy, train), skip, None if steps is None else steps)

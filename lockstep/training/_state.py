@@ -1,0 +1,66 @@
+"""`TrainState`: the whole state of a `fit` in progress, one pytree of plain arrays and numbers."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a `fit` needs to continue exactly where it was: read it with
+    `trainer.train_state`, put it back with `trainer.restore(state)`.
+
+    Checkpoints (`BackupAndRestore`) save this pytree and nothing else, so a new piece of state
+    cannot be forgotten by backups.
+
+    Attributes:
+      params: ``{"trainable": ..., "non_trainable": ...}``, arrays replicated on every device.
+      opt_state: the optax optimizer state, replicated.
+      metric_state: the running loss and metric states of the epoch in progress, one entry per
+        replica (global arrays whose leading axis is the replica), or None outside `fit`.
+      epoch: epochs completed.
+      step: batches completed in the epoch in progress.
+      global_step: optimizer steps taken in this `fit` (over all epochs).
+      seed: the seed of `fit`'s shuffling (the order of an epoch derives from seed and epoch).
+      callbacks: each callback's `get_state()`, keyed by class name and rank among callbacks of
+        that class (``"EarlyStopping.0"``).
+
+    >>> import lockstep as ls
+    >>> s = ls.TrainState(params={"trainable": [], "non_trainable": []}, opt_state=(), metric_state=None,
+    ...                   epoch=2, step=5, global_step=25, seed=0, callbacks={})
+    >>> (s.epoch, s.step, s.global_step)
+    (2, 5, 25)
+    """
+
+    params: Any
+    opt_state: Any
+    metric_state: Any
+    epoch: int
+    step: int
+    global_step: int
+    seed: int
+    callbacks: dict[str, dict[str, Any]]
+
+    def replace(self, **changes: Any) -> "TrainState":
+        """A copy with `changes` applied."""
+        return dataclasses.replace(self, **changes)
+
+
+jax.tree_util.register_dataclass(
+    TrainState, data_fields=["params", "opt_state", "metric_state", "callbacks"],
+    meta_fields=["epoch", "step", "global_step", "seed"])
+
+
+def callback_key(callbacks: list[Any]) -> dict[str, Any]:
+    """Callbacks keyed by class name and rank among that class (``"EarlyStopping.0"``), so a
+    restart whose callback list differs restores each saved state into the matching callback."""
+    seen: dict[str, int] = {}
+    out = {}
+    for cb in callbacks:
+        name = type(cb).__name__
+        out[f"{name}.{seen.get(name, 0)}"] = cb
+        seen[name] = seen.get(name, 0) + 1
+    return out
