@@ -41,7 +41,7 @@ _EXPORTS: dict[str, str] = {
     "TrainState": ".training",
     "Trainer": ".training",
 }
-_SUBMODULES = ("callbacks", "checkpoint", "data", "launch", "losses", "metrics")
+_SUBMODULES = ("callbacks", "checkpoint", "data", "launch", "losses", "metrics", "training")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
@@ -68,6 +68,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from . import launch as launch
     from . import losses as losses
     from . import metrics as metrics
+    from . import training as training
     from ._datasets import DistributedDataset as DistributedDataset
     from ._datasets import InputContext as InputContext
     from ._devices import simulate_cpu_devices as simulate_cpu_devices

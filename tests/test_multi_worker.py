@@ -15,11 +15,11 @@ import pytest
 from sklearn.metrics import accuracy_score, f1_score
 
 import lockstep as ls
-from lockstep.launch import free_port
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
+from common import free_port  # noqa: E402
 
 LAUNCH_TIMEOUT = 240
 

@@ -46,10 +46,11 @@ class History(Callback):
         Raises:
           ValueError: nothing recorded yet, or `keys` names a missing entry.
         """
-        import matplotlib
+        from .._optional import require
 
+        matplotlib = require("matplotlib", "plot", "`History.plot`")
         matplotlib.use("Agg", force=False)
-        import matplotlib.pyplot as plt
+        plt = require("matplotlib.pyplot", "plot", "`History.plot`")
 
         from ..checkpoint import atomic_path
 

@@ -29,9 +29,10 @@ class TensorBoard(Callback):
 
     def _writer(self, kind: str) -> Any:
         if kind not in self._writers:
-            from tensorboardX import SummaryWriter
+            from .._optional import require
 
-            self._writers[kind] = SummaryWriter(os.path.join(self.log_dir, kind))
+            tensorboardx = require("tensorboardX", "tensorboard", "the `TensorBoard` callback")
+            self._writers[kind] = tensorboardx.SummaryWriter(os.path.join(self.log_dir, kind))
         return self._writers[kind]
 
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import optax
 
 # name -> (optax factory, Keras' default learning rate, Keras-like defaults)
@@ -48,3 +49,23 @@ def find_hyperparams(opt_state: Any) -> dict[str, Any] | None:
         if isinstance(node, (tuple, list)):
             stack.extend(node)
     return None
+
+
+def _hyperparams(opt_state: Any) -> dict[str, Any]:
+    hp = find_hyperparams(opt_state)
+    if hp is None:
+        raise ValueError("the optimizer does not expose its learning rate: use a name such as 'adam', or build "
+                         "it with `optax.inject_hyperparams`.")
+    return hp
+
+
+def learning_rate_of(opt_state: Any) -> Any:
+    """The learning rate held in `opt_state` (an `inject_hyperparams` state)."""
+    return _hyperparams(opt_state)["learning_rate"]
+
+
+def set_learning_rate(opt_state: Any, value: float, place: Any) -> None:
+    """Sets the learning rate inside `opt_state` in place (same dtype, placed by `place`), so the
+    compiled step is reused."""
+    hp = _hyperparams(opt_state)
+    hp["learning_rate"] = place(np.asarray(value, dtype=np.asarray(hp["learning_rate"]).dtype))

@@ -64,3 +64,48 @@ def callback_key(callbacks: list[Any]) -> dict[str, Any]:
         out[f"{name}.{seen.get(name, 0)}"] = cb
         seen[name] = seen.get(name, 0) + 1
     return out
+
+
+class LiveState:
+    """A `Trainer`'s training state as it runs: plain global arrays placed by `engine`
+    (`strategy.extended`) and the position counters; `snapshot` / `restore` convert to and from
+    `TrainState`."""
+
+    def __init__(self, engine: Any):
+        self._engine = engine
+        self.params: Any = None
+        self.opt_state: Any = None
+        self.metric_state: Any = None
+        self.epoch = self.step = self.global_step = self.seed = 0
+        self.callbacks: list[Any] = []
+        self._pending: TrainState | None = None
+
+    def snapshot(self) -> TrainState:
+        return TrainState(params=self.params, opt_state=self.opt_state, metric_state=self.metric_state,
+                          epoch=self.epoch, step=self.step, global_step=self.global_step, seed=self.seed,
+                          callbacks={k: cb.get_state() for k, cb in callback_key(self.callbacks).items()})
+
+    def restore(self, state: TrainState) -> None:
+        """Weights and optimizer state at once; the rest when `take_pending` is called."""
+        if not isinstance(state, TrainState):
+            raise TypeError(f"`state` must be a lockstep.TrainState, got {type(state).__name__}.")
+        for name, mine, theirs in (("params", self.params, state.params),
+                                   ("opt_state", self.opt_state, state.opt_state)):
+            if jax.tree.structure(mine) != jax.tree.structure(theirs):
+                raise ValueError(f"`state.{name}` has another structure than this trainer's: "
+                                 f"{jax.tree.structure(theirs)} vs {jax.tree.structure(mine)}.")
+        self.params = self._engine.put_replicated(state.params)
+        self.opt_state = self._engine.put_replicated(state.opt_state)
+        self._pending = state
+
+    def take_pending(self, callbacks: list[Any]) -> None:
+        """Applies a pending `restore`'s position, metric state and callback states."""
+        state, self._pending = self._pending, None
+        if state is None:
+            return
+        self.epoch, self.step, self.global_step, self.seed = state.epoch, state.step, state.global_step, state.seed
+        if state.step and state.metric_state is not None:  # mid-epoch: the epoch's running metrics go on
+            self.metric_state = self._engine.place_per_replica(state.metric_state)
+        for key, cb in callback_key(callbacks).items():
+            if key in state.callbacks:  # a callback new since the state was taken keeps its fresh state
+                cb.set_state(state.callbacks[key])

@@ -119,3 +119,11 @@ def make_predict_step(apply: Apply) -> Callable[..., Any]:
         return apply(params, x, False)[0]
 
     return predict_step
+
+
+def make_steps(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransformation, loss_tracker: Mean,
+               metrics: MetricCollection, num_replicas: int) -> dict[str, Callable[..., Any]]:
+    """The train, eval and predict steps of one model, loss, optimizer and metrics."""
+    return {"train": make_train_step(apply, loss_fn, optimizer, loss_tracker, metrics, num_replicas),
+            "eval": make_eval_step(apply, loss_fn, loss_tracker, metrics),
+            "predict": make_predict_step(apply)}

@@ -23,16 +23,14 @@ from ..metrics import get as get_metric
 from ..metrics._base import synced_result
 from ._inputs import distribute, epoch_batches, peek, split_validation, to_batches, validation_batches
 from ._model import adapt
-from ._optimizers import find_hyperparams, get_optimizer
-from ._state import TrainState, callback_key
+from ._optimizers import get_optimizer, learning_rate_of, set_learning_rate
+from ._state import LiveState, TrainState
 from ._steps import (
     EVAL_KINDS,
     PREDICT_KINDS,
     TRAIN_KINDS,
     TRAIN_OUT,
-    make_eval_step,
-    make_predict_step,
-    make_train_step,
+    make_steps,
     unpack,
 )
 
@@ -88,6 +86,19 @@ def _strategy_for(model: Any) -> Strategy:
     return default
 
 
+def _metric_collections(metrics: Any) -> tuple[Mean, MetricCollection, MetricCollection]:
+    """(loss tracker, the metrics, all of them with the loss first) from `Trainer`'s `metrics`."""
+    if metrics is not None and (isinstance(metrics, (str, Metric)) or not isinstance(metrics, Iterable)):
+        raise TypeError(f"`metrics` must be a list of metrics or names, got {metrics!r}.")
+    loss_tracker = Mean(name="loss")
+    resolved = [get_metric(m) for m in (metrics or [])]
+    for m in resolved:
+        _check_takes_labels(m)
+    everything = MetricCollection([loss_tracker, *resolved])
+    others = MetricCollection({k: m for k, m in everything.metrics.items() if m is not loss_tracker})
+    return loss_tracker, others, everything
+
+
 def _check_takes_labels(metric: Metric) -> None:
     params = inspect.signature(metric.batch_state).parameters.values()
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
@@ -96,6 +107,17 @@ def _check_takes_labels(metric: Metric) -> None:
         raise TypeError(
             f"`metrics` holds {type(metric).__name__} `{metric.name}`, which takes `values`, not "
             "(y_true, y_pred); wrap a per-sample function in lockstep.metrics.MeanMetricWrapper instead.")
+
+
+def _with_progress_bar(cbs: list[Callback], verbose: int | str, train: Iterable[Any], epochs: int,
+                       steps_per_epoch: int | None) -> list[Callback]:
+    """`cbs` with a progress bar first when `verbose` asks for one (on the chief only)."""
+    if (1 if verbose == "auto" else int(verbose)) and is_chief():
+        bar = ProgbarLogger(1 if verbose == "auto" else int(verbose))
+        steps = len(train) if hasattr(train, "__len__") else None  # type: ignore[arg-type]
+        bar.set_params(epochs, min(steps, steps_per_epoch) if steps and steps_per_epoch else steps or steps_per_epoch)
+        cbs.insert(0, bar)
+    return cbs
 
 
 def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any) -> None:
@@ -152,47 +174,29 @@ class Trainer:
         self._adapter = adapt(model, seed)
         self._optimizer = get_optimizer(optimizer)
         self._loss_fn = _losses.get(loss)
-        if metrics is not None and (isinstance(metrics, (str, Metric)) or not isinstance(metrics, Iterable)):
-            raise TypeError(f"`metrics` must be a list of metrics or names, got {metrics!r}.")
-        self._loss_tracker = Mean(name="loss")
-        resolved = [get_metric(m) for m in (metrics or [])]
-        for m in resolved:
-            _check_takes_labels(m)
-        self._all = MetricCollection([self._loss_tracker, *resolved])
-        self._metrics = MetricCollection({k: m for k, m in self._all.metrics.items() if m is not self._loss_tracker})
+        self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._steps: dict[str, Callable[..., Any]] = {}
         self.stop_training = False
         self.history: History | None = None
-        # the training state (see `TrainState`): plain global arrays and counters
-        self._params: Any = None
-        self._opt_state: Any = None
-        self._metric_state: Any = None
-        self._epoch = self._step = self._global_step = self._seed = 0
-        self._callbacks: list[Callback] = []
-        self._pending: TrainState | None = None
+        self._live = LiveState(self._engine)  # the training state: plain global arrays and counters
 
     # --- building ------------------------------------------------------------------------
     def _place(self, params: Any) -> None:
         params = _host(broadcast_from_chief(params))  # every worker starts from worker 0's weights
-        self._params = self._engine.put_replicated(params)
-        self._opt_state = self._engine.put_replicated(self._optimizer.init(self._params["trainable"]))
+        self._live.params = self._engine.put_replicated(params)
+        self._live.opt_state = self._engine.put_replicated(self._optimizer.init(self._live.params["trainable"]))
 
     def _build(self, batch: Any) -> None:
         x, y, _ = unpack(batch)
         x = jax.tree.map(np.asarray, x)
-        if self._params is None:
+        if self._live.params is None:
             self._place(self._adapter.build(x))
         if y is not None and not self._all.built:
-            y_pred = jax.eval_shape(lambda p, x: self._adapter.apply(p, x, False)[0], self._params, x)
+            y_pred = jax.eval_shape(lambda p, x: self._adapter.apply(p, x, False)[0], self._live.params, x)
             self._all.build(np.shape(y), y_pred.shape)
         if not self._steps:
-            apply = self._adapter.apply
-            self._steps = {
-                "train": make_train_step(apply, self._loss_fn, self._optimizer, self._loss_tracker, self._metrics,
-                                         self.strategy.num_replicas_in_sync),
-                "eval": make_eval_step(apply, self._loss_fn, self._loss_tracker, self._metrics),
-                "predict": make_predict_step(apply),
-            }
+            self._steps = make_steps(self._adapter.apply, self._loss_fn, self._optimizer, self._loss_tracker,
+                                     self._metrics, self.strategy.num_replicas_in_sync)
 
     def get_metric(self, name: str) -> Metric | None:
         """The metric logged under `name` (``"loss"`` included), or None."""
@@ -214,7 +218,7 @@ class Trainer:
     @property
     def global_step(self) -> int:
         """Optimizer steps taken by the current (or last) `fit`."""
-        return self._global_step
+        return self._live.global_step
 
     @property
     def train_state(self) -> TrainState:
@@ -223,9 +227,7 @@ class Trainer:
         Inside `fit` (say, from a callback) it is the state after the last completed step.
         """
         self._require_built()
-        return TrainState(params=self._params, opt_state=self._opt_state, metric_state=self._metric_state,
-                          epoch=self._epoch, step=self._step, global_step=self._global_step, seed=self._seed,
-                          callbacks={k: cb.get_state() for k, cb in callback_key(self._callbacks).items()})
+        return self._live.snapshot()
 
     def restore(self, state: TrainState) -> None:
         """Puts `state` (from `train_state`, or a checkpoint of it) back.
@@ -239,29 +241,8 @@ class Trainer:
           TypeError: `state` is not a `TrainState`.
           ValueError: its weights do not fit this trainer's model and optimizer.
         """
-        if not isinstance(state, TrainState):
-            raise TypeError(f"`state` must be a lockstep.TrainState, got {type(state).__name__}.")
         self._require_built()
-        for name, mine, theirs in (("params", self._params, state.params),
-                                   ("opt_state", self._opt_state, state.opt_state)):
-            if jax.tree.structure(mine) != jax.tree.structure(theirs):
-                raise ValueError(f"`state.{name}` has another structure than this trainer's: "
-                                 f"{jax.tree.structure(theirs)} vs {jax.tree.structure(mine)}.")
-        self._params = self._engine.put_replicated(state.params)
-        self._opt_state = self._engine.put_replicated(state.opt_state)
-        self._pending = state
-
-    def _take_pending(self, callbacks: list[Callback]) -> None:
-        """Applies a pending `restore`'s position and callback states to this `fit`."""
-        state, self._pending = self._pending, None
-        if state is None:
-            return
-        self._epoch, self._step, self._global_step, self._seed = state.epoch, state.step, state.global_step, state.seed
-        if state.step and state.metric_state is not None:  # mid-epoch: the epoch's running metrics go on
-            self._metric_state = self._engine.place_per_replica(state.metric_state)
-        for key, cb in callback_key(callbacks).items():
-            if key in state.callbacks:  # a callback new since the state was taken keeps its fresh state
-                cb.set_state(state.callbacks[key])
+        self._live.restore(state)
 
     # --- fit -------------------------------------------------------------------------------
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
@@ -287,58 +268,53 @@ class Trainer:
         first, train = peek(train)
         self._build(first)
 
-        verbose = 1 if verbose == "auto" else int(verbose)
-        cbs = list(callbacks or [])
-        if verbose and is_chief():
-            bar = ProgbarLogger(verbose)
-            steps = len(train) if hasattr(train, "__len__") else None  # type: ignore[arg-type]
-            bar.set_params(epochs, min(steps, steps_per_epoch) if steps and steps_per_epoch else steps or steps_per_epoch)
-            cbs.insert(0, bar)
+        cbs = _with_progress_bar(list(callbacks or []), verbose, train, epochs, steps_per_epoch)
         history = self.history = History()
         cbs.append(history)
         cblist = CallbackList(cbs, self)
-        self._callbacks, self.stop_training = cbs, False
-        self._epoch, self._step, self._global_step, self._seed = initial_epoch, 0, 0, seed
-        self._metric_state = self._fresh_state()
+        self._live.callbacks, self.stop_training = cbs, False
+        self._live.epoch, self._live.step, self._live.global_step, self._live.seed = initial_epoch, 0, 0, seed
+        self._live.metric_state = self._fresh_state()
         cblist.on_train_begin()
-        self._take_pending(cbs)  # a restore() made before fit or in on_train_begin takes effect here
+        self._live.take_pending(cbs)  # a restore() made before fit or in on_train_begin takes effect here
         logs: dict[str, Any] = {}
         try:
-            for epoch in range(self._epoch, epochs):
+            for epoch in range(self._live.epoch, epochs):
                 logs = self._fit_epoch(epoch, train, val, cblist, steps_per_epoch)
                 if self.stop_training:
                     break
             cblist.on_train_end(logs)
         finally:
-            self._callbacks = []
-        self._adapter.sync_to_model(_host(self._params))
+            self._live.callbacks = []
+        self._adapter.sync_to_model(_host(self._live.params))
         return history
 
     def _fit_epoch(self, epoch: int, train: Iterable[Any], val: Iterable[Any] | None, cblist: CallbackList,
                    steps_per_epoch: int | None) -> dict[str, Any]:
-        """One epoch (from step `self._step` on, after a resume); returns the epoch's logs."""
-        skip = self._step
+        """One epoch (from step `self._live.step` on, after a resume); returns the epoch's logs."""
+        skip = self._live.step
         cblist.on_epoch_begin(epoch)
         if not skip:
-            self._metric_state = self._fresh_state()
+            self._live.metric_state = self._fresh_state()
         ran = False
         train_step = self._steps["train"]
         for step, batch in enumerate(epoch_batches(self.strategy, train, epoch, skip, steps_per_epoch), start=skip):
             ran = True
             cblist.on_train_batch_begin(step)
-            self._params, self._opt_state, self._metric_state = self._engine.run_arrays(
-                train_step, (self._params, self._opt_state, self._metric_state, batch.data, batch.mask, batch.count),
+            live = self._live
+            live.params, live.opt_state, live.metric_state = self._engine.run_arrays(
+                train_step, (live.params, live.opt_state, live.metric_state, batch.data, batch.mask, batch.count),
                 TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count)
-            self._step, self._global_step = step + 1, self._global_step + 1
-            cblist.on_train_batch_end(step, _LazyLogs(lambda s=self._metric_state: self._read(s)))
+            self._live.step, self._live.global_step = step + 1, self._live.global_step + 1
+            cblist.on_train_batch_end(step, _LazyLogs(lambda s=self._live.metric_state: self._read(s)))
             if self.stop_training:
                 break
         if not ran and not skip:
             raise ValueError(
                 f"`x` yielded no batch in epoch {epoch + 1}: a one-shot iterator is used up after one pass; "
                 "pass a re-iterable (a list, lockstep.data.batches, a tf.data dataset) or `steps_per_epoch`.")
-        self._epoch, self._step = epoch + 1, 0
-        logs = self._read(self._metric_state)
+        self._live.epoch, self._live.step = epoch + 1, 0
+        logs = self._read(self._live.metric_state)
         if val is not None:
             logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val, cblist).items()})
         cblist.on_epoch_end(epoch, logs)
@@ -346,21 +322,18 @@ class Trainer:
         return logs
 
     # --- evaluate / predict --------------------------------------------------------------------
-    def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList | None = None) -> dict[str, Any]:
+    def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList) -> dict[str, Any]:
         first, data = peek(data)
         self._build(first)
         state = self._fresh_state()
-        step_fn = self._steps["eval"]
-        if cblist is not None:
-            cblist.on_test_begin()
+        cblist.on_test_begin()
         for step, batch in enumerate(distribute(self.strategy, data)):
-            state = self._engine.run_arrays(step_fn, (self._params, state, batch.data, batch.mask, batch.count),
+            state = self._engine.run_arrays(self._steps["eval"], (self._live.params, state, batch.data, batch.mask,
+                                                                  batch.count),
                                             EVAL_KINDS, "per_replica", mask=batch.mask, count=batch.count)
-            if cblist is not None:
-                cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
+            cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
         logs = self._read(state)
-        if cblist is not None:
-            cblist.on_test_end(logs)
+        cblist.on_test_end(logs)
         return logs
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, sample_weight: Any = None,
@@ -390,7 +363,7 @@ class Trainer:
         cblist.on_predict_begin()
         outputs = []
         for step, batch in enumerate(distribute(self.strategy, data)):
-            out = self._engine.run_arrays(self._steps["predict"], (self._params, batch.data), PREDICT_KINDS,
+            out = self._engine.run_arrays(self._steps["predict"], (self._live.params, batch.data), PREDICT_KINDS,
                                           "per_replica", mask=batch.mask, count=batch.count)
             outputs.append(_host(self._engine.real_rows(out, batch.step)))
             cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})
@@ -401,42 +374,34 @@ class Trainer:
 
     # --- weights -----------------------------------------------------------------------------
     def _require_built(self) -> None:
-        if self._params is None:
+        if self._live.params is None:
             raise ValueError("the model has no weights yet: call `fit`, `evaluate` or `predict` first, or build "
                              "the Keras model.")
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
-        if self._params is None and self._adapter.ready():
+        if self._live.params is None and self._adapter.ready():
             self._place(self._adapter.build(None))
         self._require_built()
-        return self._adapter.get_weights(_host(self._params))
+        return self._adapter.get_weights(_host(self._live.params))
 
     def set_weights(self, weights: Any) -> None:
         """Replaces the weights (same structure as `get_weights`); a Keras model is kept in sync."""
         self.get_weights()
-        params = self._adapter.set_weights(_host(self._params), weights)
-        self._params = self._engine.put_replicated(params)
+        params = self._adapter.set_weights(_host(self._live.params), weights)
+        self._live.params = self._engine.put_replicated(params)
         self._adapter.sync_to_model(params)
 
     @property
     def learning_rate(self) -> float:
         """The optimizer's current learning rate (named optimizers, or optax.inject_hyperparams)."""
-        return float(np.asarray(_host(self._lr_holder()["learning_rate"])))
+        self._require_built()
+        return float(np.asarray(learning_rate_of(self._live.opt_state)))
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
-        hp = self._lr_holder()
-        old = _host(hp["learning_rate"])
-        hp["learning_rate"] = self._engine.put_replicated(np.asarray(value, dtype=np.asarray(old).dtype))
-
-    def _lr_holder(self) -> dict[str, Any]:
         self._require_built()
-        hp = find_hyperparams(self._opt_state)
-        if hp is None:
-            raise ValueError("the optimizer does not expose its learning rate: use a name such as 'adam', or build "
-                             "it with `optax.inject_hyperparams`.")
-        return hp
+        set_learning_rate(self._live.opt_state, value, self._engine.put_replicated)
 
     def save_weights(self, path: str) -> None:
         """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
@@ -448,7 +413,7 @@ class Trainer:
         try:
             weights, _ = load_tree(path, like)
         except ValueError:
-            tree, _ = load_tree(path, {"weights": like, "opt_state": _host(self._opt_state)})
+            tree, _ = load_tree(path, {"weights": like, "opt_state": _host(self._live.opt_state)})
             weights = tree["weights"]
         self.set_weights(weights)
 
@@ -457,9 +422,9 @@ class Trainer:
         `.keras` path; else weights, optimizer state and epoch (`.npz` layout)."""
         self._require_built()
         if path.endswith(".keras") and hasattr(self.model, "save"):
-            self._adapter.sync_to_model(_host(self._params))
+            self._adapter.sync_to_model(_host(self._live.params))
             with atomic_path(path) as tmp:
                 self.model.save(tmp)
             return
         extra = {} if epoch is None else {"epoch": epoch}
-        save_tree(path, {"weights": self.get_weights(), "opt_state": _host(self._opt_state)}, **extra)
+        save_tree(path, {"weights": self.get_weights(), "opt_state": _host(self._live.opt_state)}, **extra)

@@ -1,5 +1,7 @@
 """Data, model and settings shared by the multi-worker job and the single-process references."""
 
+import socket
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -7,6 +9,13 @@ import numpy as np
 import lockstep as ls
 
 N = 1003
+
+
+def free_port():
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def data(n=N, seed=0):

@@ -1,0 +1,113 @@
+"""The package's shape: sizes, no import cycles, a launcher without JAX, a public API without internals."""
+
+import ast
+import importlib
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+import lockstep as ls
+
+PACKAGE = pathlib.Path(ls.__file__).resolve().parent
+MODULES = sorted(PACKAGE.rglob("*.py"))
+
+
+def _name(path: pathlib.Path) -> str:
+    parts = ["lockstep", *path.relative_to(PACKAGE).with_suffix("").parts]
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _is_type_checking(node: ast.If) -> bool:
+    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
+
+
+def _module_level_imports(path: pathlib.Path) -> set[str]:
+    """Modules of the package that `path` imports when it is imported (not inside functions or
+    `if TYPE_CHECKING:`)."""
+    name = _name(path)
+    package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
+    found: set[str] = set()
+
+    def visit(body: list[ast.stmt]) -> None:
+        for node in body:
+            if isinstance(node, ast.If) and not _is_type_checking(node):
+                visit(node.body + node.orelse)
+            elif isinstance(node, ast.Try):
+                visit(node.body)
+            elif isinstance(node, ast.Import):
+                found.update(a.name for a in node.names if a.name.startswith("lockstep"))
+            elif isinstance(node, ast.ImportFrom):
+                if node.level:
+                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                    mod = f"{base}.{node.module}" if node.module else base
+                else:
+                    mod = node.module or ""
+                if not mod.startswith("lockstep"):
+                    continue
+                for alias in node.names:  # `from . import x` imports the submodule x
+                    sub = f"{mod}.{alias.name}"
+                    found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists()
+                              or (PACKAGE.parent / sub.replace(".", "/")).is_dir() else mod)
+    visit(ast.parse(path.read_text()).body)
+    found.discard(name)
+    return found
+
+
+def test_no_module_class_or_function_is_oversized():
+    too_big = []
+    for path in MODULES:
+        text = path.read_text()
+        lines = text.count("\n")
+        if lines > 500:
+            too_big.append(f"{_name(path)}: module of {lines} lines")
+        for node in ast.walk(ast.parse(text)):
+            size = (node.end_lineno or node.lineno) - node.lineno + 1 if hasattr(node, "lineno") else 0
+            if isinstance(node, ast.ClassDef) and size > 300:
+                too_big.append(f"{_name(path)}.{node.name}: class of {size} lines")
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and size > 80:
+                too_big.append(f"{_name(path)}.{node.name}: function of {size} lines")
+    assert not too_big, too_big
+
+
+def test_no_import_cycle_between_modules_of_the_package():
+    graph = {_name(p): _module_level_imports(p) for p in MODULES}
+    # importing a submodule imports its parent packages first: that is not a cycle
+    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
+    cycles = []
+    state: dict[str, int] = {}
+
+    def walk(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
+            elif d not in state:
+                walk(d, path + [d])
+        state[m] = 2
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [m])
+    assert not cycles, cycles
+
+
+def test_the_launcher_imports_no_jax():
+    code = "import sys, lockstep.launch, lockstep.cli; print(sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'optax', 'keras')))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
+
+
+@pytest.mark.parametrize("internal", ["DistributedBatch", "sync_state", "StateSpec", "CallbackList", "free_port",
+                                      "shardings_of"])
+def test_the_public_api_holds_no_internals(internal):
+    for module in (ls, ls.metrics, ls.callbacks, ls.checkpoint, ls.launch):
+        assert internal not in getattr(module, "__all__", []), (module.__name__, internal)
+        assert not hasattr(module, internal), (module.__name__, internal)
+
+
+def test_every_public_name_resolves():
+    for module in (ls, ls.metrics, ls.callbacks, ls.checkpoint, ls.launch, ls.data, ls.training):
+        for name in module.__all__:
+            assert getattr(module, name) is not None, (module.__name__, name)
+    assert importlib.import_module("lockstep").Trainer is ls.training.Trainer
