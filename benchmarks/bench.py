@@ -112,7 +112,7 @@ def child_fit(system: str, model: str, devices: int, n: int, epochs: int, batch:
 
             def on_train_batch_end(self, batch_i, logs=None):
                 if times.first_step is None:
-                    jax.block_until_ready(self.trainer._params)
+                    jax.block_until_ready(self.trainer.train_state.params)
                     times.first_step = time.perf_counter() - t_start
 
             def on_epoch_end(self, epoch, logs=None):
@@ -240,7 +240,7 @@ def child_eval(devices: int, n: int, batch: int, repeats: int) -> dict:
     trainer = ls.Trainer(km, loss="sparse_categorical_crossentropy_from_logits", metrics=["accuracy"],
                          strategy=strategy)
     trainer.evaluate(x[:batch], y[:batch], batch_size=batch)
-    params = trainer._params
+    params = trainer.train_state.params
 
     def step(params, state, batch_, masked):
         xb, yb = batch_
@@ -258,7 +258,7 @@ def child_eval(devices: int, n: int, batch: int, repeats: int) -> dict:
         usable = n if masked else n - n % batch
         for batch_ in strategy.experimental_distribute_dataset(ls.data.batches((x[:usable], y[:usable]), batch)):
             state = strategy.run(step, args=(params, state, batch_, masked))
-        return jax.tree.map(lambda v: float(np.sum(np.asarray(v._array))), state)
+        return {k: float(strategy.reduce("SUM", v)) for k, v in state.items()}
 
     import statistics
 

@@ -9,9 +9,12 @@ On each of two machines (or twice on one, with different ids)::
     LOCKSTEP_COORDINATOR_ADDRESS=10.0.0.1:29500 LOCKSTEP_NUM_PROCESSES=2 LOCKSTEP_PROCESS_ID=0 python train.py
     LOCKSTEP_COORDINATOR_ADDRESS=10.0.0.1:29500 LOCKSTEP_NUM_PROCESSES=2 LOCKSTEP_PROCESS_ID=1 python train.py
 
-No hangs: the runtime's heartbeat and collective time-outs are set from `failure_timeout`
-(default `LOCKSTEP_FAILURE_TIMEOUT`, else 20 s), and a watchdog thread makes a worker whose peer
-died or froze exit with `LOST_WORKER_EXIT_CODE` and a one-line message naming that peer.
+No hangs: a watchdog thread makes a worker whose peer died or froze exit with
+`LOST_WORKER_EXIT_CODE` and a one-line message naming that peer, half the failure timeout
+(`failure_timeout`, default `LOCKSTEP_FAILURE_TIMEOUT`, else 20 s) after the peer's last
+heartbeat. The runtime's own heartbeat and collective time-outs are backstops, set to twice the
+failure timeout, so that the watchdog's named exit wins the race: when they fire, they abort the
+process (SIGABRT) without saying which peer was lost.
 """
 
 from __future__ import annotations
@@ -32,6 +35,10 @@ from ._exit_codes import LOST_WORKER_EXIT_CODE
 from ._strategy import Strategy
 
 DEFAULT_FAILURE_TIMEOUT = 20.0
+# a peer silent for _WATCHDOG x failure_timeout is declared lost by the watchdog (named exit);
+# the runtime's own time-outs, which abort without naming anyone, are _BACKSTOP x failure_timeout
+_WATCHDOG = 0.5
+_BACKSTOP = 2.0
 _BEAT_INTERVAL = 1.0
 
 
@@ -243,7 +250,7 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
         raise UsageError(
             "MultiWorkerMirroredStrategy must be created before any JAX computation (JAX has already started "
             "its backend): create the strategy first thing in the script, after `simulate_cpu_devices` if any.")
-    timeout = max(1, int(round(failure_timeout)))
+    timeout = max(1, int(round(_BACKSTOP * failure_timeout)))  # the watchdog (WATCHDOG x) fires first
     flag = f"--xla_cpu_collective_timeout_seconds={timeout}"
     if "xla_cpu_collective_timeout_seconds" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + flag).strip()
@@ -286,7 +293,7 @@ class MultiWorkerMirroredStrategy(Strategy):
         super().__init__(jax.devices())
         if fresh and resolver.num_processes > 1:
             # the watchdog names a silent peer before the runtime's own heartbeat aborts this process
-            _Watchdog(resolver.process_id, resolver.num_processes, 0.7 * failure_timeout).start()
+            _Watchdog(resolver.process_id, resolver.num_processes, _WATCHDOG * failure_timeout).start()
 
     @property
     def num_workers(self) -> int:

@@ -77,7 +77,7 @@ class RunCompiler:
         self._lock = threading.Lock()
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, *, mask: Any = None,
-             count: Any = None, out_kinds: Any = None, with_kwargs: bool = False
+             count: Any = None, out_kinds: Any = None, with_kwargs: bool = False, check_vma: bool = True
              ) -> tuple[Any, tuple[bool, ...] | None]:
         """Runs `fn(*args)` on every replica.
 
@@ -90,6 +90,10 @@ class RunCompiler:
             (replicated scalar), for the replica context (`None`: a context without a batch).
           out_kinds: a pytree prefix of the outputs naming each one's kind (``"replicated"``
             or ``"per_replica"``; hashable, such as a tuple of names); `None` reads them off the trace.
+          check_vma: trace with `shard_map`'s replication typing (JAX's default). With `False`
+            (declared `out_kinds` only), a `lax.scan` whose carry starts replicated and becomes
+            per-replica traces (every Keras recurrent layer), but gradients with respect to
+            replicated arguments are per replica: the function must sum them itself.
 
         Returns:
           The outputs (plain global arrays) and, when `out_kinds` is None, a flag per output
@@ -106,15 +110,17 @@ class RunCompiler:
             raise TypeError(
                 f"`args` leaves that are not arrays must be hashable (they are compiled in), "
                 f"got {[type(s).__name__ for s in statics]}.") from None
+        if not check_vma and out_kinds is None:
+            raise ValueError("`check_vma=False` needs declared `out_kinds` (nothing can be read off the trace).")
         key = (fn, treedef, tuple(lk), statics, tuple(signature(x) for x in dyn), mask is None, out_kinds,
-               with_kwargs)
+               with_kwargs, check_vma)
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
                 if len(self._entries) > 256:
                     self._entries.clear()
                 entry = self._entries[key] = self._compile(fn, treedef, lk, statics, dyn, ctx_arrays, out_kinds,
-                                                           with_kwargs)
+                                                           with_kwargs, check_vma)
         assert entry.call is not None
         out = entry.call(dyn, ctx_arrays)
         first = jax.tree.leaves(out)[:1]
@@ -141,7 +147,8 @@ class RunCompiler:
                 if (fn is None or k[0] is fn) and e.call is not None]
 
     def _compile(self, fn: Callable[..., Any], treedef: Any, lk: list[str], statics: tuple[Any, ...],
-                 dyn: list[Any], ctx_arrays: list[Any], out_kinds: Any, with_kwargs: bool) -> _Entry:
+                 dyn: list[Any], ctx_arrays: list[Any], out_kinds: Any, with_kwargs: bool,
+                 check_vma: bool) -> _Entry:
         entry = _Entry()
         dyn_kinds = [k for k in lk if k != "static"]
 
@@ -183,7 +190,8 @@ class RunCompiler:
         in_specs = ([_SPEC[k] for k in dyn_kinds], [P(AXIS), P()][:len(ctx_arrays)])
         if out_kinds is not None:
             out_specs = jax.tree.map(lambda k: _SPEC[k], out_kinds)
-            entry.call = jax.jit(jax.shard_map(declared, mesh=self._mesh, in_specs=in_specs, out_specs=out_specs))
+            entry.call = jax.jit(jax.shard_map(declared, mesh=self._mesh, in_specs=in_specs, out_specs=out_specs,
+                                               check_vma=check_vma))
             return entry
         probe = jax.shard_map(functools.partial(inferred, None), mesh=self._mesh, in_specs=in_specs,
                               out_specs=P(AXIS))
@@ -203,7 +211,7 @@ def _as_kind(kind: str, x: Any) -> jax.Array:
         return to_varying(x)[None]
     if kind != "replicated":
         raise ValueError(f"an output kind must be 'replicated' or 'per_replica', got {kind!r}.")
-    if varies(x):
+    if varies(x):  # (unchecked traces type nothing as varying: there the step vouches for it)
         raise ValueError(
             f"a step output declared replicated differs between replicas (shape {x.shape}, dtype {x.dtype}): "
             "combine it across replicas (an all-reduce) before returning it.")

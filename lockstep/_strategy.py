@@ -73,13 +73,15 @@ class StrategyExtended:
         return self.distributor.put_replicated(x)
 
     def run_arrays(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, out_kinds: Any,
-                   mask: jax.Array | None = None, count: jax.Array | None = None) -> Any:
-        """`fn(*args)` on every replica; see `lockstep._run.RunCompiler.call` for the kinds.
+                   mask: jax.Array | None = None, count: jax.Array | None = None, check_vma: bool = True) -> Any:
+        """`fn(*args)` on every replica; see `lockstep._run.RunCompiler.call` for the kinds and
+        `check_vma`.
 
         `mask` and `count` (a distributed batch's) make the replica context that layers and
         user code read with `get_replica_context()`.
         """
-        out, _ = self._compiler.call(fn, args, kinds, mask=mask, count=count, out_kinds=out_kinds)
+        out, _ = self._compiler.call(fn, args, kinds, mask=mask, count=count, out_kinds=out_kinds,
+                                     check_vma=check_vma)
         return out
 
     def run_inferred(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, mask: Any, count: Any,

@@ -4,6 +4,12 @@ Each factory returns a function of plain arrays for `strategy.extended.run_array
 one replica's rows of a distributed batch (`data`), their mask (1.0 real, 0.0 padding) and the
 step's real sample count, and passes both explicitly to the loss and the metrics, so padding
 rows never count.
+
+The steps run with `shard_map`'s replication typing off (`CHECK_VMA = False`): a `lax.scan`
+whose carry starts replicated (zeros) and becomes per-replica — every Keras recurrent layer —
+then traces on any number of replicas. The price is that JAX no longer sums the gradients of
+replicated parameters over replicas by itself, so the train step sums them (one `psum`, the same
+collective as before).
 """
 
 from __future__ import annotations
@@ -15,13 +21,16 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._cross_replica import all_reduce
+from .._cross_replica import AXIS, all_reduce
 from .._reduce import ReduceOp
 from ..losses import masked_average_loss
 from ..metrics import Mean, MetricCollection
 
 Apply = Callable[[Any, Any, bool], tuple[Any, Any, jax.Array]]
 LossFn = Callable[[Any, Any], jax.Array]
+
+#: Steps are traced without replication typing (see the module docstring).
+CHECK_VMA = False
 
 #: The kinds of the steps' arguments and results (see `lockstep._run`).
 TRAIN_KINDS = ("replicated", "replicated", "per_replica", "rows", "rows", "replicated")
@@ -74,7 +83,7 @@ def _agree_non_trainable(values: Any, mask: jax.Array) -> Any:
 
 def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransformation,
                     loss_tracker: Mean, metrics: MetricCollection, num_replicas: int) -> Callable[..., Any]:
-    """One optimisation step on one replica's rows; gradients come back summed over replicas."""
+    """One optimisation step on one replica's rows, with the gradient summed over replicas."""
 
     def train_step(params: dict[str, Any], opt_state: Any, state: dict[str, Any], data: Any, mask: jax.Array,
                    count: jax.Array) -> Any:
@@ -90,6 +99,7 @@ def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTran
 
         (_, (y_pred, per_example, non_trainable)), grads = jax.value_and_grad(objective, has_aux=True)(
             params["trainable"])
+        grads = jax.lax.psum(grads, AXIS)  # this replica's share -> the global gradient (CHECK_VMA off)
         updates, opt_state = optimizer.update(grads, opt_state, params["trainable"])
         trainable = optax.apply_updates(params["trainable"], updates)
         new_params = {"trainable": trainable, "non_trainable": _agree_non_trainable(non_trainable, mask)}

@@ -26,6 +26,7 @@ from ._model import adapt
 from ._optimizers import get_optimizer, learning_rate_of, set_learning_rate
 from ._state import LiveState, TrainState
 from ._steps import (
+    CHECK_VMA,
     EVAL_KINDS,
     PREDICT_KINDS,
     TRAIN_KINDS,
@@ -304,7 +305,7 @@ class Trainer:
             live = self._live
             live.params, live.opt_state, live.metric_state = self._engine.run_arrays(
                 train_step, (live.params, live.opt_state, live.metric_state, batch.data, batch.mask, batch.count),
-                TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count)
+                TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
             self._live.step, self._live.global_step = step + 1, self._live.global_step + 1
             cblist.on_train_batch_end(step, _LazyLogs(lambda s=self._live.metric_state: self._read(s)))
             if self.stop_training:
@@ -330,7 +331,8 @@ class Trainer:
         for step, batch in enumerate(distribute(self.strategy, data)):
             state = self._engine.run_arrays(self._steps["eval"], (self._live.params, state, batch.data, batch.mask,
                                                                   batch.count),
-                                            EVAL_KINDS, "per_replica", mask=batch.mask, count=batch.count)
+                                            EVAL_KINDS, "per_replica", mask=batch.mask, count=batch.count,
+                                            check_vma=CHECK_VMA)
             cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
         logs = self._read(state)
         cblist.on_test_end(logs)
@@ -364,7 +366,7 @@ class Trainer:
         outputs = []
         for step, batch in enumerate(distribute(self.strategy, data)):
             out = self._engine.run_arrays(self._steps["predict"], (self._live.params, batch.data), PREDICT_KINDS,
-                                          "per_replica", mask=batch.mask, count=batch.count)
+                                          "per_replica", mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
             outputs.append(_host(self._engine.real_rows(out, batch.step)))
             cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})
         cblist.on_predict_end()
