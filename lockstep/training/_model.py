@@ -3,16 +3,33 @@
 Both expose one interface to the compiled steps: parameters as a pytree
 ``{"trainable": ..., "non_trainable": ...}`` and a pure ``apply(params, x, training)`` that
 returns ``(y_pred, new_non_trainable, extra_loss)``.
+
+Randomness differs per replica, reproducibly: inside a replica, a Keras seed generator's state
+``[seed, counter]`` is offset by ``replica * 0x9E3779B9`` in its seed word for the call (and the
+offset is taken off again, so every replica keeps the same state), and a `FunctionalModel`'s
+key is ``fold_in(fold_in(key(seed), step), replica)``. On one replica both are what one device
+draws. Batch statistics of Keras `BatchNormalization` layers are taken over the global batch
+(`lockstep.cross_replica_moments`) unless the trainer asks for per-replica statistics.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Callable
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from .._cross_replica import AXIS
+from .._moments import cross_replica_moments
+from .._values import get_replica_context
+
+#: Odd 32-bit constant (the golden ratio) that separates replicas' seeds.
+_REPLICA_SEED_STRIDE = 0x9E3779B9
+BATCH_STATISTICS = ("global", "per_replica")
 
 Params = dict[str, Any]
 
@@ -22,7 +39,10 @@ class FunctionalModel:
 
     Args:
       init: ``init(rng, sample_x) -> params`` (any pytree of arrays).
-      apply: ``apply(params, x, training=False) -> y``.
+      apply: ``apply(params, x, training=False) -> y``; if it declares a parameter ``rng``, it
+        is called with a fresh PRNG key each call: ``fold_in(fold_in(key(seed), step), replica)``
+        (the trainer's `seed`; a counter of calls in training; the replica's index), so dropout
+        masks differ between replicas and steps and repeat for the same seed and replicas.
 
     >>> import jax, jax.numpy as jnp, numpy as np, lockstep as ls
     >>> model = ls.FunctionalModel(
@@ -47,6 +67,10 @@ class _FunctionalAdapter:
         self.model = model
         self._seed = seed
         self._params: Params | None = None
+        try:
+            self._wants_rng = "rng" in inspect.signature(model.apply).parameters
+        except (TypeError, ValueError):  # a callable without a readable signature
+            self._wants_rng = False
 
     def ready(self) -> bool:
         """Whether parameters exist without seeing data (never, for a functional model)."""
@@ -55,11 +79,19 @@ class _FunctionalAdapter:
     def build(self, sample_x: Any) -> Params:
         if self._params is None:
             params = self.model.init(jax.random.key(self._seed), sample_x)
-            self._params = {"trainable": jax.tree.map(np.asarray, params), "non_trainable": ()}
+            state = {"rng_step": np.zeros((), np.uint32)} if self._wants_rng else ()
+            self._params = {"trainable": jax.tree.map(np.asarray, params), "non_trainable": state}
         return self._params
 
     def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array]:
-        return self.model.apply(params["trainable"], x, training=training), params["non_trainable"], jnp.zeros(())
+        state = params["non_trainable"]
+        if not self._wants_rng:
+            return self.model.apply(params["trainable"], x, training=training), state, jnp.zeros(())
+        key = jax.random.fold_in(jax.random.key(self._seed), state["rng_step"])
+        if get_replica_context() is not None:
+            key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
+        y = self.model.apply(params["trainable"], x, training=training, rng=key)
+        return y, {"rng_step": state["rng_step"] + jnp.uint32(training)}, jnp.zeros(())
 
     def get_weights(self, params: Params) -> Any:
         return jax.tree.map(np.asarray, params["trainable"])
@@ -78,10 +110,31 @@ class _FunctionalAdapter:
         self._params = params
 
 
-class _KerasAdapter:
-    """Drives a Keras 3 model through `stateless_call`; the Keras variables are kept in sync."""
+def _global_moments(layer: Any, inputs: Any, mask: Any = None) -> tuple[jax.Array, jax.Array]:
+    """A Keras BatchNormalization layer's batch moments over the global batch (inside a replica)."""
+    if get_replica_context() is None:
+        return type(layer)._moments(layer, inputs, mask)  # Keras' own
+    axes = layer._reduction_axes or [a for a in range(len(inputs.shape)) if a != layer.axis % len(inputs.shape)]
+    per_replica = getattr(layer, "_lockstep_batch_statistics", "global") == "per_replica"
+    return cross_replica_moments(inputs, axes, mask, across_replicas=not per_replica)
 
-    def __init__(self, model: Any):
+
+def _batch_norm_layers(model: Any) -> list[Any]:
+    import keras
+
+    layers = model._flatten_layers(include_self=False) if hasattr(model, "_flatten_layers") else model.layers
+    return [la for la in layers if isinstance(la, keras.layers.BatchNormalization)]
+
+
+class _KerasAdapter:
+    """Drives a Keras 3 model through `stateless_call`; the Keras variables are kept in sync.
+
+    Its `BatchNormalization` layers take their batch statistics over the global batch (their
+    `_moments` is lockstep's inside a replica, Keras' own elsewhere), unless `batch_statistics`
+    is ``"per_replica"``.
+    """
+
+    def __init__(self, model: Any, batch_statistics: str = "global"):
         import keras
 
         if keras.backend.backend() != "jax":
@@ -90,6 +143,10 @@ class _KerasAdapter:
                 "the environment variable KERAS_BACKEND=jax before importing keras."
             )
         self.model = model
+        for layer in _batch_norm_layers(model):
+            layer._lockstep_batch_statistics = batch_statistics
+            layer._moments = functools.partial(_global_moments, layer)
+        self._seed_slots: list[int] | None = None
 
     def ready(self) -> bool:
         return bool(self.model.built)
@@ -100,11 +157,29 @@ class _KerasAdapter:
         return {"trainable": [np.asarray(v.value) for v in self.model.trainable_variables],
                 "non_trainable": [np.asarray(v.value) for v in self.model.non_trainable_variables]}
 
+    def _seed_states(self) -> list[int]:
+        """Positions of the seed generators' states among the non-trainable variables."""
+        if self._seed_slots is None:
+            self._seed_slots = [i for i, v in enumerate(self.model.non_trainable_variables)
+                                if v.name == "seed_generator_state"]
+        return self._seed_slots
+
     def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array]:
-        y, non_trainable, losses = self.model.stateless_call(
-            params["trainable"], params["non_trainable"], x, training=training, return_losses=True)
+        non_trainable = list(params["non_trainable"])
+        slots = self._seed_states() if get_replica_context() is not None else []
+        offset = None
+        if slots:  # each replica draws its own randomness (see the module docstring)
+            replica = jax.lax.axis_index(AXIS).astype(jnp.uint32)
+            offset = jnp.stack([replica * jnp.uint32(_REPLICA_SEED_STRIDE), jnp.uint32(0)])
+            for i in slots:
+                non_trainable[i] = non_trainable[i] + offset.astype(non_trainable[i].dtype)
+        y, new, losses = self.model.stateless_call(
+            params["trainable"], non_trainable, x, training=training, return_losses=True)
+        new = list(new)
+        for i in slots:
+            new[i] = new[i] - offset.astype(new[i].dtype)
         extra = sum(losses, jnp.zeros(())) if losses else jnp.zeros(())
-        return y, list(non_trainable), extra
+        return y, new, extra
 
     def _order(self) -> list[tuple[str, int]]:
         """Where each of `model.weights` lives in (trainable, non_trainable)."""
@@ -134,8 +209,10 @@ class _KerasAdapter:
             v.assign(np.asarray(value))
 
 
-def adapt(model: Any, seed: int = 0) -> _FunctionalAdapter | _KerasAdapter:
+def adapt(model: Any, seed: int = 0, batch_statistics: str = "global") -> _FunctionalAdapter | _KerasAdapter:
     """The adapter for `model`: a `FunctionalModel` or a Keras 3 model."""
+    if batch_statistics not in BATCH_STATISTICS:
+        raise ValueError(f"`batch_statistics` must be one of {BATCH_STATISTICS}, got {batch_statistics!r}.")
     if isinstance(model, FunctionalModel):
         return _FunctionalAdapter(model, seed)
     try:
@@ -143,5 +220,5 @@ def adapt(model: Any, seed: int = 0) -> _FunctionalAdapter | _KerasAdapter:
     except ImportError:  # pragma: no cover - keras is a dependency
         keras = None
     if keras is not None and isinstance(model, keras.Model):
-        return _KerasAdapter(model)
+        return _KerasAdapter(model, batch_statistics)
     raise TypeError(f"`model` must be a Keras 3 model or a lockstep.FunctionalModel, got {type(model).__name__}.")

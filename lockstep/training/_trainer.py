@@ -145,7 +145,13 @@ class Trainer:
       metrics: `lockstep.metrics` objects, names (``"accuracy"``, ``"mse"``, ...) or per-sample functions.
       strategy: defaults to the active scope's strategy; outside any scope, to the strategy in whose
         scope the Keras model was built; else a one-device strategy.
-      seed: seeds a `FunctionalModel`'s initialisation.
+      seed: seeds a `FunctionalModel`'s initialisation and its `rng` keys.
+      batch_statistics: ``"global"`` (default): Keras `BatchNormalization` layers normalise with
+        the mean and variance of the real rows of the whole global batch (all replicas and
+        workers; two small all-reduces per layer), so a step equals the single-device step.
+        ``"per_replica"``: each replica uses its own rows' statistics (padding excluded), as
+        Keras' `DataParallel` and TF's default do — cheaper by those all-reduces, but the step
+        then depends on the number of replicas, and a replica with few rows gets noisy statistics.
 
     >>> import jax, jax.numpy as jnp, numpy as np, lockstep as ls
     >>> model = ls.FunctionalModel(
@@ -166,13 +172,13 @@ class Trainer:
     def __init__(self, model: Any, optimizer: str | optax.GradientTransformation = "adam",
                  loss: str | Callable[..., Any] = "sparse_categorical_crossentropy",
                  metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
-                 strategy: Strategy | None = None, seed: int = 0):
+                 strategy: Strategy | None = None, seed: int = 0, batch_statistics: str = "global"):
         self.strategy = strategy or _strategy_for(model)
         if not isinstance(self.strategy, Strategy):
             raise TypeError(f"`strategy` must be a lockstep strategy, got {type(strategy).__name__}.")
         self.model = model
         self._engine = self.strategy.extended
-        self._adapter = adapt(model, seed)
+        self._adapter = adapt(model, seed, batch_statistics)
         self._optimizer = get_optimizer(optimizer)
         self._loss_fn = _losses.get(loss)
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)

@@ -1,0 +1,268 @@
+"""Keras models as users bring them: every layer family trains on 1, 2 and 4 replicas and a step
+equals the single-device step (deterministic layers); stochastic layers draw per replica."""
+
+import jax
+import jax.numpy as jnp
+import keras
+import numpy as np
+import pytest
+
+import lockstep as ls
+from lockstep.training._model import adapt
+
+L = keras.layers
+N, BATCH = 21, 8  # 3 steps an epoch, the last of 5 rows: on 4 replicas one holds no real row
+
+
+def _seq(n=N, t=6, c=3, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, t, c)).astype(np.float32)
+
+
+def _img(n=N, h=6, w=6, c=2, seed=0):
+    return np.random.default_rng(seed).normal(size=(n, h, w, c)).astype(np.float32)
+
+
+def _tokens(n=N, t=7, vocab=12, seed=0):
+    rng = np.random.default_rng(seed)
+    tok = rng.integers(1, vocab, size=(n, t))
+    lengths = rng.integers(2, t + 1, size=n)
+    tok[np.arange(t)[None, :] >= lengths[:, None]] = 0  # variable lengths, zero-padded
+    return tok.astype(np.int32)
+
+
+def _labels(x, classes=3):
+    flat = np.asarray(x, np.float32).reshape(len(x), -1)
+    return (np.abs(flat[:, :5].sum(1) * 3).astype(np.int64) % classes).astype(np.int32)
+
+
+def _seq_masked():
+    x = _seq()
+    x[np.arange(x.shape[1])[None, :] >= np.random.default_rng(1).integers(2, 7, size=N)[:, None]] = 0.0
+    return x
+
+
+def _functional(inputs, outputs):
+    return keras.Model(inputs, outputs)
+
+
+def _return_state():
+    inp = keras.Input((6, 3))
+    seq, h, c = L.LSTM(4, return_sequences=True, return_state=True)(inp)
+    return _functional(inp, L.Dense(3)(L.Concatenate()([L.GlobalAveragePooling1D()(seq), h, c])))
+
+
+def _mha():
+    inp = keras.Input((6, 3))
+    att = L.MultiHeadAttention(num_heads=2, key_dim=4)(inp, inp)
+    return _functional(inp, L.Dense(3)(L.Flatten()(att)))
+
+
+def _dot_attention():
+    inp = keras.Input((6, 3))
+    q, v = L.Dense(4)(inp), L.Dense(4)(inp)
+    return _functional(inp, L.Dense(3)(L.GlobalAveragePooling1D()(L.Attention()([q, v]))))
+
+
+def _merge():
+    inp = keras.Input((6, 3))
+    a, b = L.Dense(4)(inp), L.Dense(4, activation="tanh")(inp)
+    merged = L.Concatenate()([L.Add()([a, b]), L.Multiply()([a, b]), L.Subtract()([a, b]), L.Maximum()([a, b])])
+    return _functional(inp, L.Dense(3)(L.Flatten()(merged)))
+
+
+def _seq_model(layers, shape=(6, 3)):
+    return lambda: keras.Sequential([keras.Input(shape), *layers(), L.Dense(3)])
+
+
+# name -> (model factory, inputs); every factory builds its layers after the seed is set
+DETERMINISTIC = {
+    # recurrent
+    "SimpleRNN": (_seq_model(lambda: [L.SimpleRNN(4)]), _seq),
+    "GRU": (_seq_model(lambda: [L.GRU(4)]), _seq),
+    "LSTM": (_seq_model(lambda: [L.LSTM(4)]), _seq),
+    "stacked LSTM": (_seq_model(lambda: [L.LSTM(4, return_sequences=True), L.LSTM(4)]), _seq),
+    "Bidirectional LSTM": (_seq_model(lambda: [L.Bidirectional(L.LSTM(4))]), _seq),
+    "LSTM go_backwards": (_seq_model(lambda: [L.LSTM(4, go_backwards=True)]), _seq),
+    "GRU sequences": (_seq_model(lambda: [L.GRU(4, return_sequences=True), L.GlobalAveragePooling1D()]), _seq),
+    "RNN custom cells": (_seq_model(lambda: [L.RNN(L.StackedRNNCells([L.SimpleRNNCell(4), L.GRUCell(3)]))]), _seq),
+    "LSTM return_state": (_return_state, _seq),
+    "ConvLSTM1D": (_seq_model(lambda: [L.ConvLSTM1D(2, 3), L.Flatten()], shape=(3, 5, 2)),
+                   lambda: _seq(t=3).repeat(2, axis=2)[:, :, :5, None].repeat(2, axis=3)),
+    "Embedding mask_zero LSTM": (_seq_model(lambda: [L.Embedding(12, 4, mask_zero=True), L.LSTM(4)], shape=(7,)),
+                                 _tokens),
+    "Masking GRU": (_seq_model(lambda: [L.Masking(0.0), L.GRU(4)]), _seq_masked),
+    # normalisation
+    "BatchNormalization dense": (_seq_model(lambda: [L.Flatten(), L.Dense(8), L.BatchNormalization(),
+                                                     L.Activation("relu")]), _seq),
+    "BatchNormalization conv": (_seq_model(lambda: [L.Conv2D(3, 3), L.BatchNormalization(), L.ReLU(), L.Flatten()],
+                                           shape=(6, 6, 2)), _img),
+    "BatchNormalization masked LSTM": (_seq_model(lambda: [L.Masking(0.0), L.BatchNormalization(), L.LSTM(4)]),
+                                       _seq_masked),
+    "LayerNormalization": (_seq_model(lambda: [L.LayerNormalization(), L.Flatten()]), _seq),
+    "GroupNormalization": (_seq_model(lambda: [L.Conv2D(4, 3), L.GroupNormalization(2), L.Flatten()],
+                                      shape=(6, 6, 2)), _img),
+    "UnitNormalization": (_seq_model(lambda: [L.Flatten(), L.UnitNormalization()]), _seq),
+    # convolution
+    "Conv1D": (_seq_model(lambda: [L.Conv1D(4, 3, padding="same"), L.Flatten()]), _seq),
+    "Conv2D": (_seq_model(lambda: [L.Conv2D(4, 3, strides=2), L.Flatten()], shape=(6, 6, 2)), _img),
+    "DepthwiseConv2D": (_seq_model(lambda: [L.DepthwiseConv2D(3), L.Flatten()], shape=(6, 6, 2)), _img),
+    "SeparableConv2D": (_seq_model(lambda: [L.SeparableConv2D(4, 3), L.Flatten()], shape=(6, 6, 2)), _img),
+    "Conv2DTranspose": (_seq_model(lambda: [L.Conv2DTranspose(2, 3, strides=2), L.Flatten()], shape=(6, 6, 2)),
+                        _img),
+    "Conv1DTranspose": (_seq_model(lambda: [L.Conv1DTranspose(2, 3), L.Flatten()]), _seq),
+    # pooling
+    "MaxPooling2D AveragePooling2D": (_seq_model(lambda: [L.MaxPooling2D(2), L.AveragePooling2D(1), L.Flatten()],
+                                                 shape=(6, 6, 2)), _img),
+    "GlobalMaxPooling1D": (_seq_model(lambda: [L.Conv1D(4, 2), L.GlobalMaxPooling1D()]), _seq),
+    # attention
+    "MultiHeadAttention": (_mha, _seq),
+    "Attention": (_dot_attention, _seq),
+    # embedding
+    "Embedding": (_seq_model(lambda: [L.Embedding(12, 3), L.Flatten()], shape=(7,)), _tokens),
+    # reshaping and merging
+    "Reshape Permute": (_seq_model(lambda: [L.Permute((2, 1)), L.Reshape((9, 2)), L.Flatten()]), _seq),
+    "RepeatVector TimeDistributed": (_seq_model(lambda: [L.Flatten(), L.RepeatVector(2),
+                                                         L.TimeDistributed(L.Dense(2)), L.Flatten()]), _seq),
+    "Cropping ZeroPadding UpSampling": (_seq_model(lambda: [L.Cropping2D(1), L.ZeroPadding2D(1), L.UpSampling2D(2),
+                                                            L.Flatten()], shape=(6, 6, 2)), _img),
+    "merge layers": (_merge, _seq),
+    # regularisation (counted once per step, not once per replica)
+    "kernel_regularizer ActivityRegularization": (
+        _seq_model(lambda: [L.Flatten(), L.Dense(5, kernel_regularizer=keras.regularizers.l2(0.1)),
+                            L.ActivityRegularization(l1=0.01)]), _seq),
+}
+
+
+def _build(factory, seed=0):
+    keras.utils.set_random_seed(seed)
+    return factory()
+
+
+def _fit(factory, x, y, replicas, epochs=2):
+    t = ls.Trainer(_build(factory), optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
+                   strategy=ls.MirroredStrategy(replicas))
+    t.fit(x, y, batch_size=BATCH, epochs=epochs, verbose=0, seed=3)
+    return t
+
+
+@pytest.mark.parametrize("name", sorted(DETERMINISTIC))
+def test_deterministic_model_trains_like_one_device_on_2_and_4_replicas(name):
+    factory, inputs = DETERMINISTIC[name]
+    x = inputs()
+    y = _labels(x)
+    reference = _fit(factory, x, y, 1)
+    expected = reference.get_weights()
+    assert all(np.isfinite(w).all() for w in expected)
+    for r in (2, 4):
+        t = _fit(factory, x, y, r)
+        for a, b in zip(expected, t.get_weights()):
+            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6, err_msg=f"{name} on {r} replicas")
+    np.testing.assert_allclose(t.predict(x, batch_size=BATCH), reference.predict(x, batch_size=BATCH),
+                               rtol=2e-5, atol=2e-6)
+
+
+def test_the_zoo_covers_the_layer_families():
+    assert len(DETERMINISTIC) + len(STOCHASTIC) >= 35
+
+
+def test_batch_norm_equals_keras_own_fit_and_its_moving_statistics():
+    x = _seq().reshape(N, -1) * 3 + 1
+    y = _labels(x)
+
+    def factory():
+        return keras.Sequential([keras.Input((18,)), L.Dense(8), L.BatchNormalization(), L.ReLU(), L.Dense(3)])
+
+    km = _build(factory)
+    km.compile(optimizer=keras.optimizers.SGD(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    km.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    t = ls.Trainer(_build(factory), optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
+                   strategy=ls.MirroredStrategy(4))
+    t.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    for a, b in zip(km.get_weights(), t.get_weights()):  # moving mean and variance included
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+    # per-replica statistics are the explicit opt-out: the step then depends on the split
+    p = ls.Trainer(_build(factory), optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
+                   strategy=ls.MirroredStrategy(4), batch_statistics="per_replica")
+    p.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
+    assert max(float(np.abs(a - b).max()) for a, b in zip(km.get_weights(), p.get_weights())) > 1e-3
+    with pytest.raises(ValueError, match="batch_statistics"):
+        ls.Trainer(_build(factory), batch_statistics="sync")
+
+
+def test_none_time_dimension_with_batches_of_different_lengths():
+    def factory():
+        return keras.Sequential([keras.Input((None, 3)), L.Masking(0.0), L.LSTM(4), L.Dense(3)])
+
+    rng = np.random.default_rng(0)
+    batches = []
+    for n, t in ((8, 4), (8, 7), (5, 5)):
+        xb = rng.normal(size=(n, t, 3)).astype(np.float32)
+        batches.append((xb, _labels(xb)))
+    weights = {}
+    for r in (1, 4):
+        tr = ls.Trainer(_build(factory), optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
+                        strategy=ls.MirroredStrategy(r))
+        tr.fit(batches, epochs=2, verbose=0)
+        weights[r] = tr.get_weights()
+    for a, b in zip(weights[1], weights[4]):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+
+
+STOCHASTIC = {
+    "Dropout": lambda: [L.Flatten(), L.Dense(6), L.Dropout(0.5)],
+    "SpatialDropout1D": lambda: [L.Conv1D(4, 2), L.SpatialDropout1D(0.5), L.Flatten()],
+    "GaussianNoise": lambda: [L.Flatten(), L.GaussianNoise(1.0)],
+    "GaussianDropout": lambda: [L.Flatten(), L.GaussianDropout(0.5)],
+    "AlphaDropout": lambda: [L.Flatten(), L.AlphaDropout(0.5)],
+    "LSTM dropout recurrent_dropout": lambda: [L.LSTM(4, dropout=0.5, recurrent_dropout=0.5, return_sequences=True),
+                                               L.Flatten()],
+    "RandomFlip": lambda: [L.Reshape((6, 3, 1)), L.RandomFlip("horizontal_and_vertical"), L.Flatten()],
+}
+
+
+def _per_replica_training_outputs(model, x, replicas):
+    """The model's training-mode outputs on each replica for the same rows on every replica."""
+    s = ls.MirroredStrategy(replicas)
+    adapter = adapt(model)
+    params = adapter.build(x[:1])
+    batch = next(iter(s.experimental_distribute_dataset([np.concatenate([x] * replicas)])))
+    out = s.extended.run_arrays(lambda p, d: adapter.apply(p, d, True)[0], (params, batch.data),
+                                ("replicated", "rows"), "per_replica", mask=batch.mask, count=batch.count,
+                                check_vma=False)
+    return np.asarray(out)
+
+
+@pytest.mark.parametrize("name", sorted(STOCHASTIC))
+def test_stochastic_layers_draw_per_replica_and_repeat_for_a_seed(name):
+    def factory():
+        return keras.Sequential([keras.Input((6, 3)), *STOCHASTIC[name](), L.Dense(3)])
+
+    x = _seq(n=4)
+    out = _per_replica_training_outputs(_build(factory), x, 4)
+    assert out.shape[0] == 4
+    for r in range(1, 4):  # the same rows, another replica: another draw
+        assert not np.allclose(out[0], out[r]), f"{name}: replica {r} drew replica 0's randomness"
+    np.testing.assert_array_equal(out, _per_replica_training_outputs(_build(factory), x, 4))
+    y = _labels(_seq())
+    first = _fit(factory, _seq(), y, 4, epochs=1).get_weights()
+    again = _fit(factory, _seq(), y, 4, epochs=1).get_weights()
+    for a, b in zip(first, again):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_functional_model_gets_a_key_per_replica_and_step():
+    seen = []
+
+    def apply(params, x, training=False, rng=None):
+        seen.append(rng)
+        keep = jax.random.bernoulli(rng, 0.5, x.shape) if training else jnp.ones(x.shape, bool)
+        return jnp.where(keep, x, 0.0) @ params["w"]
+
+    model = ls.FunctionalModel(lambda rng, x: {"w": jnp.ones((x.shape[-1], 2))}, apply)
+    x = np.ones((8, 5), np.float32)
+    y = np.zeros(8, np.int32)
+    s = ls.MirroredStrategy(4)
+    t = ls.Trainer(model, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits", strategy=s)
+    t.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    assert seen and all(k is not None for k in seen)
+    assert int(t.train_state.params["non_trainable"]["rng_step"]) == 1  # one training step drew once
