@@ -138,6 +138,18 @@ def test_model_checkpoint_best_only_keeps_the_best_epochs_weights(tmp_path):
     assert [p.name for p in tmp_path.iterdir()] == ["best.npz"]  # no temporary file left behind
 
 
+def test_load_weights_reads_a_full_save_too(tmp_path):
+    x, y = data()
+    t = trainer()
+    t.fit(x, y, batch_size=16, epochs=2, verbose=0)
+    path = str(tmp_path / "full.npz")
+    t.save(path, epoch=2)  # weights beside optimizer state
+    fresh = trainer()
+    fresh.evaluate(x, y)
+    fresh.load_weights(path)
+    jax.tree.map(np.testing.assert_array_equal, fresh.get_weights(), t.get_weights())
+
+
 def test_model_checkpoint_formats_epoch_and_log_fields(tmp_path):
     x, y = data()
     t = trainer()

@@ -130,6 +130,14 @@ def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any) ->
         raise ValueError(f"`steps_per_epoch` must be a positive integer, got steps_per_epoch={steps_per_epoch!r}.")
 
 
+def _load_weights(path: str, like: Any, opt_state: Any) -> Any:
+    """The weights in a `save_weights` file, or in a `save` file (weights beside optimizer state)."""
+    try:
+        return load_tree(path, like)[0]
+    except ValueError:
+        return load_tree(path, {"weights": like, "opt_state": opt_state})[0]["weights"]
+
+
 class Trainer:
     """Trains, evaluates and predicts with a model on a strategy, Keras style.
 
@@ -146,12 +154,10 @@ class Trainer:
       strategy: defaults to the active scope's strategy; outside any scope, to the strategy in whose
         scope the Keras model was built; else a one-device strategy.
       seed: seeds a `FunctionalModel`'s initialisation and its `rng` keys.
-      batch_statistics: ``"global"`` (default): Keras `BatchNormalization` layers normalise with
-        the mean and variance of the real rows of the whole global batch (all replicas and
-        workers; two small all-reduces per layer), so a step equals the single-device step.
-        ``"per_replica"``: each replica uses its own rows' statistics (padding excluded), as
-        Keras' `DataParallel` and TF's default do — cheaper by those all-reduces, but the step
-        then depends on the number of replicas, and a replica with few rows gets noisy statistics.
+      batch_statistics: ``"global"`` (default): Keras `BatchNormalization` uses the statistics of
+        the real rows of the whole global batch (two small all-reduces per layer): the step is the
+        one-device step. ``"per_replica"``: each replica's own rows, as Keras' `DataParallel` and TF
+        do — cheaper, but the step then depends on the number of replicas.
 
     >>> import jax, jax.numpy as jnp, numpy as np, lockstep as ls
     >>> model = ls.FunctionalModel(
@@ -417,13 +423,7 @@ class Trainer:
 
     def load_weights(self, path: str) -> None:
         """Reads weights written by `save_weights` (or by `save`)."""
-        like = self.get_weights()
-        try:
-            weights, _ = load_tree(path, like)
-        except ValueError:
-            tree, _ = load_tree(path, {"weights": like, "opt_state": _host(self._live.opt_state)})
-            weights = tree["weights"]
-        self.set_weights(weights)
+        self.set_weights(_load_weights(path, self.get_weights(), _host(self._live.opt_state)))
 
     def save(self, path: str, epoch: int | None = None) -> None:
         """Writes the training state atomically: a Keras `.keras` file for a Keras model and a
