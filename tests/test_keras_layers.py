@@ -5,6 +5,7 @@ import jax
 import jax.numpy as jnp
 import keras
 import numpy as np
+import optax
 import pytest
 
 import lockstep as ls
@@ -187,6 +188,40 @@ def test_batch_norm_equals_keras_own_fit_and_its_moving_statistics():
     assert max(float(np.abs(a - b).max()) for a, b in zip(km.get_weights(), p.get_weights())) > 1e-3
     with pytest.raises(ValueError, match="batch_statistics"):
         ls.Trainer(_build(factory), batch_statistics="sync")
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 4])
+def test_regularisers_count_once_and_log_as_keras_does(replicas):
+    """Weight and activity penalties: the step, the logged loss and `evaluate` equal Keras' own,
+    though the last batch (5 rows) leaves padding rows and an empty replica."""
+    x = _seq().reshape(N, -1)
+    y = _labels(x)
+
+    def factory():
+        return keras.Sequential([
+            keras.Input((18,)),
+            L.Dense(8, kernel_regularizer=keras.regularizers.l2(0.5), activity_regularizer=keras.regularizers.l1(0.3)),
+            L.ActivityRegularization(l2=0.5), L.Dense(3, bias_regularizer=keras.regularizers.l1(0.2))])
+
+    km = _build(factory)
+    km.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    want = km.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False).history["loss"]
+    t = ls.Trainer(_build(factory), optimizer=optax.sgd(0.05), loss="sparse_categorical_crossentropy_from_logits",
+                   strategy=ls.MirroredStrategy(replicas))
+    got = t.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False).history["loss"]
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    for a, b in zip(km.get_weights(), t.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(t.evaluate(x, y, batch_size=BATCH)["loss"],
+                               km.evaluate(x, y, batch_size=BATCH, verbose=0), rtol=1e-5)
+
+
+def test_an_activity_regulariser_of_unknown_form_is_warned_about():
+    def factory():
+        return keras.Sequential([keras.Input((4,)), L.Dense(3, activity_regularizer=lambda a: keras.ops.max(a))])
+
+    with pytest.warns(UserWarning, match="activity_regularizer of type function"):
+        ls.Trainer(_build(factory))
 
 
 def test_none_time_dimension_with_batches_of_different_lengths():

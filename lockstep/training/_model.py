@@ -2,7 +2,8 @@
 
 Both expose one interface to the compiled steps: parameters as a pytree
 ``{"trainable": ..., "non_trainable": ...}`` and a pure ``apply(params, x, training)`` that
-returns ``(y_pred, new_non_trainable, extra_loss)``.
+returns ``(y_pred, new_non_trainable, penalty)``: the penalty is the model's own losses
+(regularisers, `add_loss`) on this replica, or None when it has none.
 
 Randomness differs per replica, reproducibly: inside a replica, a Keras seed generator's state
 ``[seed, counter]`` is offset by ``replica * 0x9E3779B9`` in its seed word for the call (and the
@@ -14,7 +15,6 @@ draws. Batch statistics of Keras `BatchNormalization` layers are taken over the 
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -24,8 +24,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._cross_replica import AXIS
-from .._moments import cross_replica_moments
 from .._values import get_replica_context
+from ._keras_layers import activity_penalties_masked, check_activity_regularizers, hook_batch_norm
 
 #: Odd 32-bit constant (the golden ratio) that separates replicas' seeds.
 _REPLICA_SEED_STRIDE = 0x9E3779B9
@@ -83,15 +83,15 @@ class _FunctionalAdapter:
             self._params = {"trainable": jax.tree.map(np.asarray, params), "non_trainable": state}
         return self._params
 
-    def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array]:
+    def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
         state = params["non_trainable"]
         if not self._wants_rng:
-            return self.model.apply(params["trainable"], x, training=training), state, jnp.zeros(())
+            return self.model.apply(params["trainable"], x, training=training), state, None
         key = jax.random.fold_in(jax.random.key(self._seed), state["rng_step"])
         if get_replica_context() is not None:
             key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
         y = self.model.apply(params["trainable"], x, training=training, rng=key)
-        return y, {"rng_step": state["rng_step"] + jnp.uint32(training)}, jnp.zeros(())
+        return y, {"rng_step": state["rng_step"] + jnp.uint32(training)}, None
 
     def get_weights(self, params: Params) -> Any:
         return jax.tree.map(np.asarray, params["trainable"])
@@ -108,22 +108,6 @@ class _FunctionalAdapter:
 
     def sync_to_model(self, params: Params) -> None:
         self._params = params
-
-
-def _global_moments(layer: Any, inputs: Any, mask: Any = None) -> tuple[jax.Array, jax.Array]:
-    """A Keras BatchNormalization layer's batch moments over the global batch (inside a replica)."""
-    if get_replica_context() is None:
-        return type(layer)._moments(layer, inputs, mask)  # Keras' own
-    axes = layer._reduction_axes or [a for a in range(len(inputs.shape)) if a != layer.axis % len(inputs.shape)]
-    per_replica = getattr(layer, "_lockstep_batch_statistics", "global") == "per_replica"
-    return cross_replica_moments(inputs, axes, mask, across_replicas=not per_replica)
-
-
-def _batch_norm_layers(model: Any) -> list[Any]:
-    import keras
-
-    layers = model._flatten_layers(include_self=False) if hasattr(model, "_flatten_layers") else model.layers
-    return [la for la in layers if isinstance(la, keras.layers.BatchNormalization)]
 
 
 class _KerasAdapter:
@@ -143,9 +127,8 @@ class _KerasAdapter:
                 "the environment variable KERAS_BACKEND=jax before importing keras."
             )
         self.model = model
-        for layer in _batch_norm_layers(model):
-            layer._lockstep_batch_statistics = batch_statistics
-            layer._moments = functools.partial(_global_moments, layer)
+        hook_batch_norm(model, batch_statistics)
+        check_activity_regularizers(model)
         self._seed_slots: list[int] | None = None
 
     def ready(self) -> bool:
@@ -164,7 +147,7 @@ class _KerasAdapter:
                                 if v.name == "seed_generator_state"]
         return self._seed_slots
 
-    def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array]:
+    def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
         non_trainable = list(params["non_trainable"])
         slots = self._seed_states() if get_replica_context() is not None else []
         offset = None
@@ -173,13 +156,13 @@ class _KerasAdapter:
             offset = jnp.stack([replica * jnp.uint32(_REPLICA_SEED_STRIDE), jnp.uint32(0)])
             for i in slots:
                 non_trainable[i] = non_trainable[i] + offset.astype(non_trainable[i].dtype)
-        y, new, losses = self.model.stateless_call(
-            params["trainable"], non_trainable, x, training=training, return_losses=True)
+        with activity_penalties_masked(self.model):
+            y, new, losses = self.model.stateless_call(
+                params["trainable"], non_trainable, x, training=training, return_losses=True)
         new = list(new)
         for i in slots:
             new[i] = new[i] - offset.astype(new[i].dtype)
-        extra = sum(losses, jnp.zeros(())) if losses else jnp.zeros(())
-        return y, new, extra
+        return y, new, sum(losses, jnp.zeros(())) if losses else None
 
     def _order(self) -> list[tuple[str, int]]:
         """Where each of `model.weights` lives in (trainable, non_trainable)."""

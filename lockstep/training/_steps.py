@@ -26,7 +26,7 @@ from .._reduce import ReduceOp
 from ..losses import masked_average_loss
 from ..metrics import Mean, MetricCollection
 
-Apply = Callable[[Any, Any, bool], tuple[Any, Any, jax.Array]]
+Apply = Callable[[Any, Any, bool], tuple[Any, Any, jax.Array | None]]
 LossFn = Callable[[Any, Any], jax.Array]
 
 #: Steps are traced without replication typing (see the module docstring).
@@ -59,12 +59,23 @@ def _weighted(per_example: jax.Array, sample_weight: Any) -> jax.Array:
     return per_example * w.reshape(w.shape + (1,) * (per_example.ndim - w.ndim))
 
 
+def global_penalty(penalty: jax.Array | None, num_replicas: int) -> jax.Array | None:
+    """The step's whole penalty (regularisers, `add_loss`) from each replica's: every replica
+    contributes ``penalty / num_replicas`` (see `_model`), so the sum counts it once."""
+    return None if penalty is None else jax.lax.psum(penalty / num_replicas, AXIS)
+
+
 def update_logs(loss_tracker: Mean, metrics: MetricCollection, state: dict[str, Any], y: Any, y_pred: Any,
-                per_example: jax.Array, sample_weight: Any, mask: jax.Array) -> dict[str, Any]:
-    """The epoch's running state after one batch: the loss as Keras reports it (Σ w·loss / samples)
-    and every metric, over the real rows (`mask`)."""
+                per_example: jax.Array, sample_weight: Any, mask: jax.Array,
+                penalty: jax.Array | None = None) -> dict[str, Any]:
+    """The epoch's running state after one batch: the loss as Keras reports it (Σ w·loss / samples,
+    plus the step's penalty, which Keras adds to every batch's loss) and every metric, over the
+    real rows (`mask`)."""
     new = dict(state)
-    new["loss"] = loss_tracker.update(state["loss"], _weighted(per_example, sample_weight), mask=mask)
+    logged = _weighted(per_example, sample_weight)
+    if penalty is not None:
+        logged = logged + penalty.astype(logged.dtype)
+    new["loss"] = loss_tracker.update(state["loss"], logged, mask=mask)
     new.update(metrics.update({k: state[k] for k in metrics.metrics}, y, y_pred, sample_weight=sample_weight,
                               mask=mask))
     return new
@@ -90,33 +101,37 @@ def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTran
         x, y, sw = unpack(data)
 
         def objective(trainable: Any) -> tuple[jax.Array, Any]:
-            y_pred, non_trainable, extra = apply({"trainable": trainable, "non_trainable": params["non_trainable"]},
-                                                 x, True)
+            y_pred, non_trainable, penalty = apply({"trainable": trainable, "non_trainable": params["non_trainable"]},
+                                                   x, True)
             per_example = loss_fn(y, y_pred)
-            # a model's own penalties (regularizers) count once per step: 1/R of them on each replica
-            loss = masked_average_loss(per_example, mask, count, sample_weight=sw) + extra / num_replicas
-            return loss, (y_pred, per_example, non_trainable)
+            loss = masked_average_loss(per_example, mask, count, sample_weight=sw)
+            if penalty is not None:  # a model's own penalties count once per step: 1/R on each replica
+                loss = loss + penalty / num_replicas
+            return loss, (y_pred, per_example, non_trainable, penalty)
 
-        (_, (y_pred, per_example, non_trainable)), grads = jax.value_and_grad(objective, has_aux=True)(
+        (_, (y_pred, per_example, non_trainable, penalty)), grads = jax.value_and_grad(objective, has_aux=True)(
             params["trainable"])
         grads = jax.lax.psum(grads, AXIS)  # this replica's share -> the global gradient (CHECK_VMA off)
         updates, opt_state = optimizer.update(grads, opt_state, params["trainable"])
         trainable = optax.apply_updates(params["trainable"], updates)
         new_params = {"trainable": trainable, "non_trainable": _agree_non_trainable(non_trainable, mask)}
-        return new_params, opt_state, update_logs(loss_tracker, metrics, state, y, y_pred, per_example, sw, mask)
+        logs = update_logs(loss_tracker, metrics, state, y, y_pred, per_example, sw, mask,
+                           global_penalty(penalty, num_replicas))
+        return new_params, opt_state, logs
 
     return train_step
 
 
-def make_eval_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection
-                   ) -> Callable[..., Any]:
+def make_eval_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,
+                   num_replicas: int) -> Callable[..., Any]:
     """Loss and metrics of one replica's rows, accumulated into the running state."""
 
     def eval_step(params: dict[str, Any], state: dict[str, Any], data: Any, mask: jax.Array,
                   count: jax.Array) -> dict[str, Any]:
         x, y, sw = unpack(data)
-        y_pred, _, _ = apply(params, x, False)
-        return update_logs(loss_tracker, metrics, state, y, y_pred, loss_fn(y, y_pred), sw, mask)
+        y_pred, _, penalty = apply(params, x, False)
+        return update_logs(loss_tracker, metrics, state, y, y_pred, loss_fn(y, y_pred), sw, mask,
+                           global_penalty(penalty, num_replicas))
 
     return eval_step
 
@@ -135,5 +150,5 @@ def make_steps(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransform
                metrics: MetricCollection, num_replicas: int) -> dict[str, Callable[..., Any]]:
     """The train, eval and predict steps of one model, loss, optimizer and metrics."""
     return {"train": make_train_step(apply, loss_fn, optimizer, loss_tracker, metrics, num_replicas),
-            "eval": make_eval_step(apply, loss_fn, loss_tracker, metrics),
+            "eval": make_eval_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
             "predict": make_predict_step(apply)}

@@ -1,0 +1,92 @@
+"""What makes Keras layers compute, inside a replica, what one device computes on the whole batch.
+
+- `BatchNormalization` takes its batch moments over the real rows of the global batch
+  (`lockstep.cross_replica_moments`), or of the replica's own rows when the trainer asks for
+  per-replica statistics: the layer's `_moments` is replaced, for good, by one that is Keras'
+  own outside a replica.
+- An activity regulariser (``activity_regularizer=``, `ActivityRegularization`) sees only the
+  real rows, and its penalty is divided by the global batch's real rows instead of the
+  replica's padded rows: while a step is traced (`activity_penalties_masked`), each layer's
+  regulariser is wrapped, so saving the model never meets the wrapper.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from .._moments import cross_replica_moments
+from .._values import get_replica_context
+
+
+def _layers(model: Any) -> list[Any]:
+    return model._flatten_layers(include_self=False) if hasattr(model, "_flatten_layers") else list(model.layers)
+
+
+def _global_moments(layer: Any, inputs: Any, mask: Any = None) -> tuple[jax.Array, jax.Array]:
+    """A Keras BatchNormalization layer's batch moments over the global batch (inside a replica)."""
+    if get_replica_context() is None:
+        return type(layer)._moments(layer, inputs, mask)  # Keras' own
+    axes = layer._reduction_axes or [a for a in range(len(inputs.shape)) if a != layer.axis % len(inputs.shape)]
+    per_replica = getattr(layer, "_lockstep_batch_statistics", "global") == "per_replica"
+    return cross_replica_moments(inputs, axes, mask, across_replicas=not per_replica)
+
+
+def hook_batch_norm(model: Any, batch_statistics: str) -> None:
+    """Gives every `BatchNormalization` layer of `model` lockstep's batch moments."""
+    import keras
+
+    for layer in _layers(model):
+        if isinstance(layer, keras.layers.BatchNormalization):
+            layer._lockstep_batch_statistics = batch_statistics
+            layer._moments = functools.partial(_global_moments, layer)
+
+
+def _masked_penalty(layer: Any, regularizer: Any, x: Any) -> jax.Array:
+    """`regularizer` on the real rows of `x`, scaled so that Keras' division by the replica's
+    rows and the step's division by the number of replicas leave a division by the global count."""
+    ctx = get_replica_context()
+    x = jnp.asarray(x)
+    if ctx is None or ctx.mask is None or x.ndim == 0:
+        return regularizer(x)
+    rows = ctx.mask
+    if x.shape[0] != rows.shape[0]:
+        raise ValueError(f"layer {layer.name!r}: its activity_regularizer sees an output of {x.shape[0]} rows, but "
+                         f"this replica's batch has {rows.shape[0]}; lockstep needs the batch axis first to leave "
+                         "padding rows out of the penalty.")
+    real = x * rows.reshape(rows.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
+    scale = x.shape[0] * ctx.num_replicas_in_sync / ctx.global_count()
+    return regularizer(real) * scale.astype(jnp.result_type(real.dtype, jnp.float32))
+
+
+def check_activity_regularizers(model: Any) -> None:
+    """Warns about activity regularisers that may not be a sum over rows (exact only if they are)."""
+    import keras
+
+    known = (keras.regularizers.L1, keras.regularizers.L2, keras.regularizers.L1L2)
+    for layer in _layers(model):
+        reg = getattr(layer, "activity_regularizer", None)
+        if reg is not None and not isinstance(reg, known):
+            warnings.warn(f"layer {layer.name!r} has an activity_regularizer of type {type(reg).__name__}: lockstep "
+                          "leaves padding rows out of it and divides by the global batch, which equals one device "
+                          "only if the penalty is a sum over rows (as L1 and L2 are).", stacklevel=3)
+
+
+@contextlib.contextmanager
+def activity_penalties_masked(model: Any) -> Iterator[None]:
+    """While tracing a step: every activity regulariser of `model` counts only real rows."""
+    originals = [(la, la.activity_regularizer) for la in _layers(model)
+                 if getattr(la, "activity_regularizer", None) is not None]
+    try:
+        for layer, reg in originals:
+            layer.activity_regularizer = functools.partial(_masked_penalty, layer, reg)
+        yield
+    finally:
+        for layer, reg in originals:
+            layer.activity_regularizer = reg
