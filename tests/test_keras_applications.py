@@ -1,8 +1,9 @@
 """`keras.applications` models (weights=None, 32x32 inputs) on 4 replicas against 1 device.
 
 The first step's loss (the forward pass, BatchNorm on the global batch included) equals one
-device's within float32 tolerance (1e-4 relative; per-replica statistics miss it by 10-25%). The weights after an epoch cannot be held to that: at 32x32
-inputs the last blocks see 1x1 feature maps, where BatchNorm channels that are nearly constant
+device's within float32 tolerance (1e-4 relative; per-replica statistics miss it by 10-25%).
+The weights after an epoch cannot be held to that: at 32x32 inputs the last blocks see 1x1
+feature maps, where BatchNorm channels that are nearly constant
 over the batch turn float32 rounding into ReLU branch flips with gradients of 1/sqrt(epsilon).
 On one device, merely permuting the rows inside each batch moves the epoch's weights as much
 as the update itself (measured: MobileNetV2 1.22x, ResNet50 0.85x the update's norm). So the
