@@ -11,7 +11,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script", ["custom_loop.py", "keras_mirrored.py", "early_stopping.py",
-                                    "f1_training_metric.py"])
+                                    "f1_training_metric.py", "lstm_multi_worker.py", "resnet_mirrored.py"])
 def test_example_runs_and_agrees(script, tmp_path):
     env = {**os.environ, "KERAS_BACKEND": "jax", "XLA_FLAGS": ""}
     args = [str(tmp_path)] if script == "keras_mirrored.py" else []
