@@ -224,6 +224,12 @@ def test_an_activity_regulariser_of_unknown_form_is_warned_about():
         ls.Trainer(_build(factory))
 
 
+def test_a_stateful_recurrent_layer_is_refused_by_name():
+    model = keras.Sequential([keras.Input((5, 3), batch_size=8), L.LSTM(4, stateful=True, name="memory"), L.Dense(2)])
+    with pytest.raises(ValueError, match="layer 'memory' \\(LSTM\\) is stateful"):
+        ls.Trainer(model, strategy=ls.MirroredStrategy(2))
+
+
 def test_none_time_dimension_with_batches_of_different_lengths():
     def factory():
         return keras.Sequential([keras.Input((None, 3)), L.Masking(0.0), L.LSTM(4), L.Dense(3)])

@@ -8,6 +8,7 @@
   real rows, and its penalty is divided by the global batch's real rows instead of the
   replica's padded rows: while a step is traced (`activity_penalties_masked`), each layer's
   regulariser is wrapped, so saving the model never meets the wrapper.
+- A stateful recurrent layer is refused by name (`check_supported`).
 """
 
 from __future__ import annotations
@@ -63,6 +64,17 @@ def _masked_penalty(layer: Any, regularizer: Any, x: Any) -> jax.Array:
     real = x * rows.reshape(rows.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
     scale = x.shape[0] * ctx.num_replicas_in_sync / ctx.global_count()
     return regularizer(real) * scale.astype(jnp.result_type(real.dtype, jnp.float32))
+
+
+def check_supported(model: Any) -> None:
+    """Raises for a layer lockstep cannot run exactly: a stateful recurrent layer carries each
+    row's state to the same row of the next batch, but rows move between replicas."""
+    for layer in _layers(model):
+        if getattr(layer, "stateful", False):
+            raise ValueError(f"layer {layer.name!r} ({type(layer).__name__}) is stateful: its state carries each row "
+                             "into the same row of the next batch, and lockstep spreads a batch's rows over "
+                             "replicas, so the step would not be the one-device step. Use stateful=False (pass the "
+                             "state as `initial_state` if you need it).")
 
 
 def check_activity_regularizers(model: Any) -> None:

@@ -25,7 +25,7 @@ import numpy as np
 
 from .._cross_replica import AXIS
 from .._values import get_replica_context
-from ._keras_layers import activity_penalties_masked, check_activity_regularizers, hook_batch_norm
+from ._keras_layers import activity_penalties_masked, check_activity_regularizers, check_supported, hook_batch_norm
 
 #: Odd 32-bit constant (the golden ratio) that separates replicas' seeds.
 _REPLICA_SEED_STRIDE = 0x9E3779B9
@@ -127,6 +127,7 @@ class _KerasAdapter:
                 "the environment variable KERAS_BACKEND=jax before importing keras."
             )
         self.model = model
+        check_supported(model)
         hook_batch_norm(model, batch_statistics)
         check_activity_regularizers(model)
         self._seed_slots: list[int] | None = None
