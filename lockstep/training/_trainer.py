@@ -156,8 +156,8 @@ class Trainer:
       seed: seeds a `FunctionalModel`'s initialisation and its `rng` keys.
       batch_statistics: ``"global"`` (default): Keras `BatchNormalization` uses the statistics of
         the real rows of the whole global batch (two small all-reduces per layer): the step is the
-        one-device step. ``"per_replica"``: each replica's own rows, as Keras' `DataParallel` and TF
-        do — cheaper, but the step then depends on the number of replicas.
+        one-device step. ``"per_replica"``: each replica's own rows, as TF's `MirroredStrategy`
+        does — cheaper, but the step then depends on the number of replicas.
 
     >>> import jax, jax.numpy as jnp, numpy as np, lockstep as ls
     >>> model = ls.FunctionalModel(
