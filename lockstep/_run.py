@@ -50,10 +50,24 @@ class _Entry:
         self.out_tree: Any = None
 
 
+class _Kinds:
+    """The kinds of one subtree's leaves: not a pytree node, so it stays whole while flattening."""
+
+    __slots__ = ("kinds",)
+
+    def __init__(self, kinds: list[str]):
+        self.kinds = kinds
+
+
 def leaf_kinds(kinds: Any, args: Any) -> list[str]:
-    """One kind per leaf of `args`, from `kinds` (a pytree prefix of `args`); non-arrays are static."""
-    per = jax.tree.map(lambda k, sub: [k] * len(jax.tree.leaves(sub)), kinds, args)
-    flat = [k for group in jax.tree.leaves(per, is_leaf=lambda v: isinstance(v, list)) for k in group]
+    """One kind per leaf of `args`, from `kinds` (a pytree prefix of `args`); non-arrays are static.
+
+    >>> import numpy as np
+    >>> leaf_kinds(("replicated", "rows"), ([np.ones(2), np.ones(3)], {"x": np.ones(4), "n": 3}))
+    ['replicated', 'replicated', 'static', 'rows']
+    """
+    per = jax.tree.map(lambda k, sub: _Kinds([k] * len(jax.tree.leaves(sub))), kinds, args)
+    flat = [k for group in jax.tree.leaves(per) for k in group.kinds]
     leaves = jax.tree.leaves(args)
     return [k if isinstance(x, ARRAY_TYPES) else "static" for k, x in zip(flat, leaves)]
 

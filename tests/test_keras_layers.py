@@ -89,6 +89,8 @@ DETERMINISTIC = {
     "LSTM return_state": (_return_state, _seq),
     "ConvLSTM1D": (_seq_model(lambda: [L.ConvLSTM1D(2, 3), L.Flatten()], shape=(3, 5, 2)),
                    lambda: _seq(t=3).repeat(2, axis=2)[:, :, :5, None].repeat(2, axis=3)),
+    "ConvLSTM2D": (_seq_model(lambda: [L.ConvLSTM2D(2, 2), L.Flatten()], shape=(3, 4, 4, 2)),
+                   lambda: _img(h=4, w=4, c=6).reshape(N, 4, 4, 3, 2).transpose(0, 3, 1, 2, 4)),
     "Embedding mask_zero LSTM": (_seq_model(lambda: [L.Embedding(12, 4, mask_zero=True), L.LSTM(4)], shape=(7,)),
                                  _tokens),
     "Masking GRU": (_seq_model(lambda: [L.Masking(0.0), L.GRU(4)]), _seq_masked),

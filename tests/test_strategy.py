@@ -119,6 +119,26 @@ def test_compute_average_loss_gives_single_device_loss_and_gradient(r, n):
         np.testing.assert_allclose(np.asarray(grad), 2 * xb.T @ resid / len(xb), rtol=1e-4, atol=1e-6)
 
 
+def test_arguments_holding_lists_and_tuples_of_arrays(r=4):
+    """Parameters as a list (Keras' `trainable_variables` order) or a tuple, mixed with dicts."""
+    s = ls.MirroredStrategy(r)
+    x = _data(13)
+    y = (x @ np.array([1.0, -2.0, 0.5], np.float32)).astype(np.float32)
+    params = {"layers": [np.array([0.3, 0.1, -0.2], np.float32), np.float32(0.5)], "scale": (np.float32(2.0),)}
+
+    def step(p, batch):
+        def loss_fn(p):
+            w, b = p["layers"]
+            return ls.compute_average_loss((p["scale"][0] * (batch[0] @ w + b) - batch[1]) ** 2)
+        return jax.grad(loss_fn)(p)
+
+    batch = next(iter(s.experimental_distribute_dataset(ls.data.batches((x, y), 13))))
+    grad = s.run(step, args=(params, batch))
+    resid = 2.0 * (x @ params["layers"][0] + 0.5) - y
+    np.testing.assert_allclose(np.asarray(grad["layers"][0]), 2 * 2.0 * x.T @ resid / 13, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(grad["layers"][1]), 2 * 2.0 * resid.mean(), rtol=1e-4)
+
+
 def test_compute_average_loss_with_weights_and_explicit_global_batch_size():
     s = ls.MirroredStrategy(4)
     x = np.arange(6, dtype=np.float32)
