@@ -16,6 +16,7 @@ read off the trace (what varies between replicas is per-replica: `strategy.run`)
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import os
 import threading
@@ -29,6 +30,7 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ._cross_replica import AXIS, to_varying, varies
+from ._loops import loops_vary_their_carry
 from ._values import ReplicaContext, replica_context
 
 #: Most compiled steps lockstep lets run ahead of the host before it waits on the oldest
@@ -179,7 +181,8 @@ class RunCompiler:
 
         def traced(d: list[jax.Array], c: list[jax.Array]) -> Any:
             ctx = self._context(*c) if c else self._context(None, None)
-            with replica_context(ctx):
+            loops = loops_vary_their_carry() if check_vma else contextlib.nullcontext()
+            with replica_context(ctx), loops:
                 if with_kwargs:
                     positional, keyword = rebuild(d)
                     return fn(*positional, **keyword)

@@ -226,6 +226,33 @@ def test_an_activity_regulariser_of_unknown_form_is_warned_about():
         ls.Trainer(_build(factory))
 
 
+@pytest.mark.parametrize("replicas", [1, 3, 4])
+def test_recurrent_layers_in_a_custom_loop_with_strategy_run(replicas):
+    """`strategy.run` (replication typing on): a scan whose carry starts as replicated zeros and
+    becomes per replica traces; the gradient is the one-device gradient, summed by JAX."""
+    s = ls.MirroredStrategy(replicas)
+    with s.scope():
+        model = _build(lambda: keras.Sequential([keras.Input((6, 3)), L.Bidirectional(L.LSTM(4, return_sequences=True)),
+                                                 L.GRU(3), L.Dense(1)]))
+    x = _seq(n=10)
+    tv = [np.asarray(v.value) for v in model.trainable_variables]
+    ntv = [np.asarray(v.value) for v in model.non_trainable_variables]
+
+    def loss(tv, xb, average):
+        y, _ = model.stateless_call(tv, ntv, xb, training=True)
+        return average(jnp.sum(y ** 2, axis=-1))
+
+    def step(tv, xb):
+        return jax.grad(loss)(tv, xb, ls.compute_average_loss)
+
+    batch = next(iter(s.experimental_distribute_dataset(ls.data.batches(x, 10))))
+    grads = s.run(step, args=(tv, batch))
+    want = jax.grad(loss)(tv, x, jnp.mean)
+    for g, w in zip(grads, want):
+        assert isinstance(g, ls.Mirrored)
+        np.testing.assert_allclose(np.asarray(g), w, rtol=2e-5, atol=1e-6)
+
+
 def test_a_stateful_recurrent_layer_is_refused_by_name():
     model = keras.Sequential([keras.Input((5, 3), batch_size=8), L.LSTM(4, stateful=True, name="memory"), L.Dense(2)])
     with pytest.raises(ValueError, match="layer 'memory' \\(LSTM\\) is stateful"):

@@ -139,6 +139,32 @@ def test_arguments_holding_lists_and_tuples_of_arrays(r=4):
     np.testing.assert_allclose(np.asarray(grad["layers"][1]), 2 * 2.0 * resid.mean(), rtol=1e-4)
 
 
+def test_loops_whose_carry_starts_replicated_and_becomes_per_replica():
+    s = ls.MirroredStrategy(4)
+    x = _data(13)
+    batch = next(iter(s.experimental_distribute_dataset(ls.data.batches(x, 13))))
+
+    def step(w, b):
+        real = b[:, 0] * ls.get_replica_context().mask  # 13 rows on 4 replicas: padding rows count 0
+        rows = real * w
+        cumsum, _ = jax.lax.scan(lambda c, v: (c + v, None), jnp.zeros(()), rows)   # zeros -> per replica
+        counted = jax.lax.fori_loop(0, 3, lambda i, c: c + jnp.sum(rows), jnp.zeros(()))
+        doubled = jax.lax.while_loop(lambda c: c[0] < 2, lambda c: (c[0] + 1, c[1] * 2), (0, jnp.sum(rows)))[1]
+        schedule, _ = jax.lax.scan(lambda c, _: (c * w, None), jnp.ones(()), None, length=3)  # stays replicated
+        return cumsum, counted, doubled, schedule, jax.grad(lambda w: jax.lax.scan(
+            lambda c, v: (c + v * w, None), jnp.zeros(()), real)[0])(w)
+
+    cumsum, counted, doubled, schedule, grad = s.run(step, args=(np.float32(2.0), batch))
+    assert isinstance(schedule, ls.Mirrored) and float(np.asarray(schedule)) == 8.0
+    np.testing.assert_allclose(s.reduce("SUM", cumsum), 2 * x[:, 0].sum(), rtol=1e-5)
+    np.testing.assert_allclose(s.reduce("SUM", counted), 6 * x[:, 0].sum(), rtol=1e-5)
+    np.testing.assert_allclose(s.reduce("SUM", doubled), 8 * x[:, 0].sum(), rtol=1e-5)
+    assert isinstance(grad, ls.Mirrored)  # summed over replicas, as for any replicated input
+    np.testing.assert_allclose(np.asarray(grad), x[:, 0].sum(), rtol=1e-5)
+    with pytest.raises(TypeError, match="pytree structure"):  # other loop errors are untouched
+        s.run(lambda b: jax.lax.scan(lambda c, v: ((c, c), None), jnp.zeros(()), b[:, 0]), args=(batch,))
+
+
 def test_compute_average_loss_with_weights_and_explicit_global_batch_size():
     s = ls.MirroredStrategy(4)
     x = np.arange(6, dtype=np.float32)
