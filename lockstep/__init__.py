@@ -26,7 +26,7 @@ _EXPORTS: dict[str, str] = {
     "MirroredStrategy": "._strategy",
     "OneDeviceStrategy": "._strategy",
     "Strategy": "._strategy",
-    "StrategyExtended": "._strategy",
+    "StrategyExtended": "._extended",
     "ValueContext": "._strategy",
     "get_strategy": "._strategy",
     "Mirrored": "._values",
@@ -85,7 +85,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._strategy import MirroredStrategy as MirroredStrategy
     from ._strategy import OneDeviceStrategy as OneDeviceStrategy
     from ._strategy import Strategy as Strategy
-    from ._strategy import StrategyExtended as StrategyExtended
+    from ._extended import StrategyExtended as StrategyExtended
     from ._strategy import ValueContext as ValueContext
     from ._strategy import get_strategy as get_strategy
     from ._values import Mirrored as Mirrored

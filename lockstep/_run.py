@@ -83,9 +83,10 @@ def signature(x: Any) -> Any:
 
 
 class RunCompiler:
-    """Compiles and calls replica functions on `mesh`; `context` makes each call's replica context."""
+    """Compiles and calls replica functions on `mesh`; `context(mask, count, typed)` makes each
+    call's replica context (`typed`: traced with replication typing)."""
 
-    def __init__(self, mesh: Mesh, context: Callable[[Any, Any], ReplicaContext]):
+    def __init__(self, mesh: Mesh, context: Callable[[Any, Any, bool], ReplicaContext]):
         self._mesh = mesh
         self._context = context
         self._entries: dict[Any, _Entry] = {}
@@ -180,7 +181,7 @@ class RunCompiler:
             return jax.tree.unflatten(treedef, leaves)
 
         def traced(d: list[jax.Array], c: list[jax.Array]) -> Any:
-            ctx = self._context(*c) if c else self._context(None, None)
+            ctx = self._context(*c, check_vma) if c else self._context(None, None, check_vma)
             loops = loops_vary_their_carry() if check_vma else contextlib.nullcontext()
             with replica_context(ctx), loops:
                 if with_kwargs:

@@ -3,7 +3,7 @@
 
 The parts, one module each: batch layout (`_layout`), distributed datasets (`_datasets`), the
 `run` compiler (`_run`), cross-replica reductions (`_cross_replica`), scopes and Keras'
-distribution (`_scope`). `Strategy` turns distributed values into plain arrays for them and
+distribution (`_scope`), the engine on plain arrays (`_extended`). `Strategy` turns distributed values into plain arrays for them and
 the results back into distributed values; `strategy.extended` is the engine for lockstep's own
 code (the `Trainer`) that works on plain arrays.
 """
@@ -17,20 +17,18 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh
+from jax.sharding import Mesh
 
 from . import _scope
-from ._cross_replica import AXIS, ReplicatedCall, gather_stacked, reduce_replicated, reduce_stacked, split_rows
-from ._datasets import BatchDistributor, DistributedDataset, InputContext
+from ._cross_replica import gather_stacked, reduce_replicated, reduce_stacked, split_rows
+from ._datasets import DistributedDataset, InputContext
 from ._errors import UsageError
-from ._layout import StepInfo
+from ._extended import StrategyExtended
 from ._reduce import ReduceOp
-from ._run import ARRAY_TYPES, RunCompiler
 from ._values import (
     DistributedBatch,
     Mirrored,
     PerReplica,
-    ReplicaContext,
     get_replica_context,
     is_distributed,
     step_of,
@@ -45,98 +43,6 @@ class ValueContext:
     def __init__(self, replica_id_in_sync_group: int, num_replicas_in_sync: int):
         self.replica_id_in_sync_group = replica_id_in_sync_group
         self.num_replicas_in_sync = num_replicas_in_sync
-
-
-class StrategyExtended:
-    """The engine under a strategy, on plain arrays (`tf.distribute`'s ``strategy.extended``).
-
-    `run_arrays` runs a replica function whose arguments and results are plain global arrays
-    of declared kinds; lockstep's `Trainer` drives its compiled steps through it.
-
-    >>> import lockstep as ls, numpy as np
-    >>> s = ls.MirroredStrategy(2)
-    >>> total, = s.extended.run_arrays(lambda v: (ls.get_replica_context().all_reduce("SUM", v),),
-    ...                                (np.array([[1.0], [2.0]]),), kinds=("per_replica",),
-    ...                                out_kinds=("replicated",))
-    >>> total.tolist()
-    [3.0]
-    """
-
-    def __init__(self, strategy: "Strategy", devices: Sequence[jax.Device]):
-        self.mesh = Mesh(np.asarray(devices, dtype=object), (AXIS,), axis_types=(AxisType.Auto,))
-        self.distributor = BatchDistributor(strategy, self.mesh)
-        self.replicated_call = ReplicatedCall(self.mesh)
-        self._compiler = RunCompiler(self.mesh, lambda mask, count: ReplicaContext(strategy, mask, count))
-
-    def put_replicated(self, x: Any) -> Any:
-        """`x` (a pytree of arrays) copied to every device (NumPy leaves stay exact)."""
-        return self.distributor.put_replicated(x)
-
-    def run_arrays(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, out_kinds: Any,
-                   mask: jax.Array | None = None, count: jax.Array | None = None, check_vma: bool = True) -> Any:
-        """`fn(*args)` on every replica; see `lockstep._run.RunCompiler.call` for the kinds and
-        `check_vma`.
-
-        `mask` and `count` (a distributed batch's) make the replica context that layers and
-        user code read with `get_replica_context()`.
-        """
-        out, _ = self._compiler.call(fn, args, kinds, mask=mask, count=count, out_kinds=out_kinds,
-                                     check_vma=check_vma)
-        return out
-
-    def run_inferred(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, mask: Any, count: Any,
-                     with_kwargs: bool = False) -> tuple[Any, tuple[bool, ...]]:
-        """Like `run_arrays`, the outputs' kinds read off the trace: (outputs, replicated flags)."""
-        out, flags = self._compiler.call(fn, args, kinds, mask=mask, count=count, with_kwargs=with_kwargs)
-        assert flags is not None
-        return out, flags
-
-    @property
-    def steps_in_flight(self) -> int:
-        """Compiled steps dispatched and not yet waited for (bounded: DESIGN.md's CPU deadlock)."""
-        return self._compiler.steps_in_flight
-
-    def compile_counts(self, fn: Callable[..., Any] | None = None) -> list[int]:
-        """For each cached program of `fn` (one per argument signature; every function's if None),
-        how often it compiled."""
-        return self._compiler.compile_counts(fn)
-
-    def run_to_host(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any) -> Any:
-        """`fn(*args)` on every replica, for outputs meant to be identical on every replica (say,
-        metric values after an all-reduce or all-gather): each comes back as one array readable
-        on this worker."""
-        out, flags = self.run_inferred(fn, args, kinds, None, None)
-        leaves, tree = jax.tree.flatten(out)
-        return jax.tree.unflatten(tree, [o if same else _first_local(o) for o, same in zip(leaves, flags)])
-
-    def per_replica_copies(self, tree: Any) -> Any:
-        """`tree` (arrays) given to every replica: each leaf becomes a per-replica (R, ...) array."""
-        r = len(self.distributor.local_replica_ids)
-        stacked = [np.broadcast_to(np.asarray(x), (r, *np.shape(x))) for x in jax.tree.leaves(tree)]
-        placed = self.distributor.place_split(stacked, self.distributor.num_replicas)
-        return jax.tree.unflatten(jax.tree.structure(tree), placed)
-
-    def place_per_replica(self, tree: Any) -> Any:
-        """Per-replica (R, ...) arrays placed one entry per replica (NumPy or global arrays)."""
-        ids = self.distributor.local_replica_ids
-
-        def one(x: Any) -> Any:
-            if isinstance(x, jax.Array) and x.sharding == self.distributor.split:
-                return x
-            if isinstance(x, jax.Array) and not x.is_fully_addressable:
-                return jax.device_put(x, self.distributor.split)
-            return self.distributor.place_split([np.asarray(x)[ids[0]:ids[-1] + 1]], self.distributor.num_replicas)[0]
-        return jax.tree.map(one, tree)
-
-    def real_rows(self, tree: Any, step: StepInfo) -> Any:
-        """Per-replica batch outputs (R, b, ...) as the batch's real rows in order, readable here."""
-        return jax.tree.map(lambda v: gather_stacked(self.replicated_call, v, step, 0), tree)
-
-
-def _first_local(stacked: jax.Array) -> jax.Array:
-    """Entry 0 of this worker's first replica of a per-replica array."""
-    shard = min(stacked.addressable_shards, key=lambda s: s.index[0].start or 0)
-    return shard.data[0]
 
 
 class Strategy:
@@ -323,8 +229,18 @@ class Strategy:
         return plain, kinds, batch
 
     # --- reading distributed values ----------------------------------------------------
-    def _as_leaves(self, value: Any, arg: str) -> Any:
-        """Turns distributed batches into per-replica leaves of shape (R, b, ...)."""
+    def _as_leaves(self, value: Any, arg: str, caller: str) -> Any:
+        """Turns distributed batches into per-replica leaves of shape (R, b, ...).
+
+        Raises `UsageError` inside `run`, where a replica's value is not a distributed value
+        (TF raises there too; lockstep would otherwise reduce one replica's partial value).
+        """
+        if get_replica_context() is not None:
+            instead = "all_gather" if caller != "reduce" else "all_reduce"
+            raise UsageError(
+                f"`strategy.{caller}` was called inside `strategy.run`, where each replica holds only its "
+                f"own part: use `ls.get_replica_context().{instead}(...)` there, or call "
+                f"`strategy.{caller}` on `run`'s outputs.")
         def expand(v: Any) -> Any:
             if is_distributed(v):
                 self._check_owner(v, arg)
@@ -364,7 +280,7 @@ class Strategy:
             if isinstance(v, PerReplica):
                 return reduce_stacked(self._extended.replicated_call, op, unwrap(v), step_of(v), axis)
             return reduce_replicated(op, jnp.asarray(unwrap(v)), self.num_replicas_in_sync, axis)
-        return jax.tree.map(one, self._as_leaves(value, "value"), is_leaf=is_distributed)
+        return jax.tree.map(one, self._as_leaves(value, "value", "reduce"), is_leaf=is_distributed)
 
     def gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenates per-replica values along `axis`; padding rows of batch-aligned values are dropped.
@@ -382,21 +298,35 @@ class Strategy:
             if isinstance(v, PerReplica):
                 return gather_stacked(self._extended.replicated_call, unwrap(v), step_of(v), axis)
             return jnp.concatenate([jnp.asarray(unwrap(v))] * self.num_replicas_in_sync, axis=axis)
-        return jax.tree.map(one, self._as_leaves(value, "value"), is_leaf=is_distributed)
+        return jax.tree.map(one, self._as_leaves(value, "value", "gather"), is_leaf=is_distributed)
 
     def experimental_local_results(self, value: Any) -> Any:
-        """Each leaf as a tuple with one entry per local replica, in replica order.
+        """This worker's replicas' values: a tuple with one entry per local replica, in replica order.
 
-        A mirrored leaf gives its value once per local replica, as in `tf.distribute`.
+        As in `tf.distribute`, each entry is the whole structure of `value` as that replica holds
+        it (a `Mirrored` leaf gives its value to every replica), and a plain value that is not
+        distributed comes back as ``(value,)``.
+
+        >>> import lockstep as ls, numpy as np
+        >>> s = ls.MirroredStrategy(2)
+        >>> batch = next(iter(s.experimental_distribute_dataset([np.arange(4.0)])))
+        >>> out = s.run(lambda b: {"x": b, "total": ls.get_replica_context().all_reduce("SUM", b.sum())}, args=(batch,))
+        >>> [{k: v.tolist() for k, v in r.items()} for r in s.experimental_local_results(out)]
+        [{'total': 6.0, 'x': [0.0, 1.0]}, {'total': 6.0, 'x': [2.0, 3.0]}]
         """
+        leaves, treedef = jax.tree.flatten(self._as_leaves(value, "value", "experimental_local_results"),
+                                           is_leaf=is_distributed)
+        if not any(is_distributed(v) for v in leaves):
+            return (value,)
         n_local = len(self._extended.distributor.local_replica_ids)
 
-        def local(v: Any) -> Any:
+        def local(v: Any) -> tuple[Any, ...]:
             if isinstance(v, PerReplica):
                 shards = sorted(unwrap(v).addressable_shards, key=lambda s: s.index[0].start or 0)
                 return tuple(s.data[0] for s in shards)
             return (unwrap(v),) * n_local
-        return jax.tree.map(local, self._as_leaves(value, "value"), is_leaf=is_distributed)
+        columns = [local(v) for v in leaves]
+        return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n_local))
 
 
 # --- concrete strategies ---------------------------------------------------------------

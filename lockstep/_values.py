@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
 
-from ._cross_replica import AXIS, all_gather, all_reduce
+from ._cross_replica import AXIS, all_gather, all_reduce, varies
 from ._layout import StepInfo
 from ._reduce import ReduceOp
 
@@ -156,10 +157,12 @@ class ReplicaContext:
     Read it with `lockstep.get_replica_context()`; outside `run` that returns `None`.
     """
 
-    def __init__(self, strategy: "Strategy", mask: jax.Array | None, global_count: jax.Array | None = None):
+    def __init__(self, strategy: "Strategy", mask: jax.Array | None, global_count: jax.Array | None = None,
+                 typed: bool = True):
         self._strategy = strategy
         self._mask = mask
         self._global_count = global_count
+        self._typed = typed  # traced with replication typing: `varies` tells per-replica values apart
 
     @property
     def strategy(self) -> "Strategy":
@@ -194,11 +197,23 @@ class ReplicaContext:
         `MEAN` weighs each replica by its number of real samples in the step (a replica that
         holds only padding is left out); `SUM`, `MAX` and `MIN` combine every replica.
         Note: gradients taken with respect to values that are the same on every replica
-        (model parameters passed to `run`) already come back summed over replicas.
+        (model parameters passed to `run`) already come back summed over replicas; summing them
+        again (TF's ``experimental_aggregate_gradients=False`` pattern) would multiply them by R,
+        so a `SUM` of a floating value that is already the same on every replica warns.
         """
         op = ReduceOp.from_value(op)
         count = None if self._mask is None else jnp.sum(self._mask)
-        return jax.tree.map(lambda v: all_reduce(op, jnp.asarray(v), count), value)
+
+        leaves, tree = jax.tree.flatten(value)
+        leaves = [jnp.asarray(v) for v in leaves]
+        if op is ReduceOp.SUM and self._typed and any(
+                not varies(v) and jnp.issubdtype(v.dtype, jnp.floating) for v in leaves):
+            warnings.warn(
+                "`all_reduce('SUM', ...)` got a value that is already the same on every replica, so the sum "
+                f"is {self.num_replicas_in_sync} times it. Gradients of parameters passed to `run` come back "
+                "already summed over replicas in lockstep (TF sums them in `apply_gradients` or with this "
+                "all-reduce): use the gradients as they are, without the all-reduce.", UserWarning, stacklevel=2)
+        return jax.tree.unflatten(tree, [all_reduce(op, v, count) for v in leaves])
 
     def all_gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenates every replica's `value` along `axis` (padding rows included, shapes being static)."""

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._cross_replica import to_varying
 from ._values import get_replica_context
 
 EPSILON = 1e-7  # Keras' backend epsilon, used to clip probabilities
@@ -115,7 +116,10 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
     Inside `strategy.run` it returns this replica's share: its masked sum divided by the real
     number of samples of the whole step (all replicas), so the sum over replicas is the mean
     loss and gradients (which JAX sums over replicas for you) are the single-device ones.
-    Outside `run` it is the plain (weighted) sum divided by the batch size.
+    Outside `run` it is the plain (weighted) sum divided by the batch size. Inside `run` without
+    a distributed batch (arrays passed straight to `run`, so every replica holds the same
+    rows), each replica's share is its sum divided by R times its rows, as in TF: summed over
+    replicas it is the mean, and the gradient of the parameters is the whole batch's.
 
     Args:
       per_example_loss: per-sample losses, shape ``(batch,)`` (other axes are summed).
@@ -132,7 +136,11 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
         denom = loss.shape[0] if global_batch_size is None else global_batch_size
         return jnp.sum(loss) / denom
     if ctx.mask is None:  # a replica without a distributed batch: every row is real
-        loss = _weighted_loss(per_example_loss, sample_weight, global_batch_size)
+        # Each replica's share is its own value even when every replica got the same arrays
+        # (TF's semantics): typed per replica, the gradient of the replicated parameters is
+        # summed over replicas, so it is the whole batch's gradient, as TF's is after its
+        # all-reduce (not 1/R of it).
+        loss = to_varying(_weighted_loss(per_example_loss, sample_weight, global_batch_size))
         count = jnp.asarray(loss.shape[0] * ctx.num_replicas_in_sync, loss.dtype)
         return masked_average_loss(loss, jnp.ones(loss.shape[:1], loss.dtype), count, None, global_batch_size)
     return masked_average_loss(per_example_loss, ctx.mask, ctx.global_count(), sample_weight, global_batch_size)
