@@ -101,3 +101,60 @@ def test_local_results_of_a_structure_are_one_whole_structure_per_replica(r):
         assert float(rep["pair"][1]) == x.sum()
     plain = np.ones(2)
     assert s.experimental_local_results(plain)[0] is plain and len(s.experimental_local_results(plain)) == 1
+
+
+# --- labels checked on the host ----------------------------------------------------------------
+def _classifier(classes=3):
+    return ls.FunctionalModel(
+        init=lambda key, x: {"w": jax.random.normal(key, (x.shape[-1], classes)) * 0.1},
+        apply=lambda p, x, training=False: x @ p["w"])
+
+
+_X = np.random.default_rng(0).normal(size=(10, 4)).astype(np.float32)
+_Y = np.array([0, 1, 2, 1, 0, 2, 2, 1, 0, 1])
+BAD_LABELS = {  # loss, labels, the bad row, the message ({where}: the row, and the batch for iterables)
+    "negative": ("sparse_categorical_crossentropy_from_logits", np.where(np.arange(10) == 7, -1, _Y), 7,
+                 r"holds label -1 \(at index {where}\), outside the 3 classes"),
+    "too large": ("sparse_categorical_crossentropy_from_logits", np.where(np.arange(10) == 4, 3, _Y), 4,
+                  r"holds label 3 \(at index {where}\), outside the 3 classes"),
+    "float": ("sparse_categorical_crossentropy_from_logits", np.where(np.arange(10) == 6, 0.7, _Y), 6,
+              r"holds float label 0.7 \(at index {where}\).*truncated"),
+    "one-hot for sparse": ("sparse_categorical_crossentropy_from_logits", np.eye(3)[_Y], None,
+                           r"looks one-hot \(shape \({rows}, 3\){batch}\).*'categorical_crossentropy'"),
+    "sparse for categorical": ("categorical_crossentropy_from_logits", _Y, None,
+                               r"has shape \({rows},\){batch} but a categorical loss over 3 classes.*'sparse_categorical"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_LABELS))
+@pytest.mark.parametrize("entry", ["fit", "evaluate", "fit on batches", "fit on a distributed dataset",
+                                   "validation_data"])
+def test_labels_a_named_loss_cannot_take_are_a_clear_error(case, entry):
+    """On CPU/GPU the loss took another number (or NaN) silently; TF raises for the first two."""
+    loss, y, row, message = BAD_LABELS[case]
+    s = ls.MirroredStrategy(2)
+    t = ls.Trainer(_classifier(), optimizer="sgd", loss=loss, strategy=s)
+    good = np.eye(3)[_Y] if loss.startswith("categorical") else _Y
+    two_batches = [(_X[:4], good[:4]), (_X[4:], y[4:])]  # the bad labels in the second
+    calls = {
+        "fit": lambda: t.fit(_X, y, batch_size=4, verbose=0),
+        "evaluate": lambda: t.evaluate(_X, y, batch_size=4),
+        "fit on batches": lambda: t.fit(two_batches, verbose=0),
+        "fit on a distributed dataset": lambda: t.fit(s.experimental_distribute_dataset(two_batches), verbose=0),
+        "validation_data": lambda: t.fit(_X, good, validation_data=(_X, y), batch_size=4, verbose=0),
+    }
+    batched = entry in ("fit on batches", "fit on a distributed dataset")
+    arg = {"validation_data": "validation_data"}.get(entry, "x" if batched else "y")
+    where = f"{row - 4} of batch 2" if batched and row is not None else str(row)
+    pattern = message.format(where=where, rows=6 if batched else 10, batch=" of batch 2" if batched else "")
+    with pytest.raises(ValueError, match=f"`{arg}` {pattern}"):
+        calls[entry]()
+
+
+def test_good_labels_pass_the_check_float_integers_included():
+    t = ls.Trainer(_classifier(), optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
+                   strategy=ls.MirroredStrategy(2))
+    out = t.evaluate(_X, _Y.astype(np.float32), batch_size=4)
+    logits = _X @ np.asarray(t.get_weights()["w"])
+    logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
+    np.testing.assert_allclose(out["loss"], -logp[np.arange(10), _Y].mean(), rtol=1e-5)

@@ -62,8 +62,11 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
     return x
 
 
-def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float) -> tuple[Any, Any, Any, Any]:
+def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float, validation_data: Any = None
+                     ) -> tuple[Any, Any, Any, Any]:
     """(x, y, sample_weight, validation_data): the last `validation_split` of the arrays held out."""
+    if validation_data is not None:
+        raise ValueError("pass either `validation_split` or `validation_data`, not both.")
     if not is_arrays(x):
         raise ValueError("`validation_split` needs array inputs, not an iterable of batches.")
     n = num_samples(x)
@@ -86,6 +89,13 @@ def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: i
         vx, vy, vw = (*validation_data, None)[:3]
         return to_batches(strategy, vx, vy, vw, batch_size, False, 0, "validation_data")
     return to_batches(strategy, validation_data, None, None, None, False, 0, "validation_data")
+
+
+def validation_labels(validation_data: Any) -> Any:
+    """The labels of array `validation_data` ``(x, y[, sample_weight])``, else None."""
+    if isinstance(validation_data, tuple) and 2 <= len(validation_data) <= 3 and is_arrays(validation_data[0]):
+        return validation_data[1]
+    return None
 
 
 def peek(data: Iterable[Any]) -> tuple[Any, Iterable[Any]]:

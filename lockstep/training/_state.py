@@ -6,6 +6,9 @@ import dataclasses
 from typing import Any
 
 import jax
+import numpy as np
+
+from .._cross_replica import broadcast_from_chief
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +82,13 @@ class LiveState:
         self.epoch = self.step = self.global_step = self.seed = 0
         self.callbacks: list[Any] = []
         self._pending: TrainState | None = None
+
+    def place(self, params: Any, init_optimizer: Any) -> None:
+        """Worker 0's `params` (host arrays) on every device, with a fresh optimizer state
+        (`init_optimizer(trainable params)`)."""
+        params = jax.tree.map(np.asarray, broadcast_from_chief(params))  # every worker starts from worker 0's
+        self.params = self._engine.put_replicated(params)
+        self.opt_state = self._engine.put_replicated(init_optimizer(self.params["trainable"]))
 
     def snapshot(self) -> TrainState:
         return TrainState(params=self.params, opt_state=self.opt_state, metric_state=self.metric_state,

@@ -21,7 +21,16 @@ from ..checkpoint import atomic_path, load_tree, save_tree
 from ..metrics import Mean, Metric, MetricCollection
 from ..metrics import get as get_metric
 from ..metrics._base import synced_result
-from ._inputs import distribute, epoch_batches, peek, split_validation, to_batches, validation_batches
+from ._inputs import (
+    distribute,
+    epoch_batches,
+    peek,
+    split_validation,
+    to_batches,
+    validation_batches,
+    validation_labels,
+)
+from ._labels import LabelCheck, checked
 from ._model import adapt
 from ._optimizers import get_optimizer, learning_rate_of, set_learning_rate
 from ._state import LiveState, TrainState
@@ -187,6 +196,7 @@ class Trainer:
         self._adapter = adapt(model, seed, batch_statistics)
         self._optimizer = get_optimizer(optimizer)
         self._loss_fn = _losses.get(loss)
+        self._labels = LabelCheck(loss)  # labels checked on the host against a named loss
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._steps: dict[str, Callable[..., Any]] = {}
         self.stop_training = False
@@ -194,18 +204,14 @@ class Trainer:
         self._live = LiveState(self._engine)  # the training state: plain global arrays and counters
 
     # --- building ------------------------------------------------------------------------
-    def _place(self, params: Any) -> None:
-        params = _host(broadcast_from_chief(params))  # every worker starts from worker 0's weights
-        self._live.params = self._engine.put_replicated(params)
-        self._live.opt_state = self._engine.put_replicated(self._optimizer.init(self._live.params["trainable"]))
-
     def _build(self, batch: Any) -> None:
         x, y, _ = unpack(batch)
         x = jax.tree.map(np.asarray, x)
         if self._live.params is None:
-            self._place(self._adapter.build(x))
-        if y is not None and not self._all.built:
+            self._live.place(self._adapter.build(x), self._optimizer.init)
+        if y is not None and (not self._all.built or self._labels.needs_classes):
             y_pred = jax.eval_shape(lambda p, x: self._adapter.apply(p, x, False)[0], self._live.params, x)
+            self._labels.num_classes = y_pred.shape[-1] if y_pred.shape else 1
             self._all.build(np.shape(y), y_pred.shape)
         if not self._steps:
             self._steps = make_steps(self._adapter.apply, self._loss_fn, self._optimizer, self._loss_tracker,
@@ -273,15 +279,15 @@ class Trainer:
         """
         _check_fit_args(epochs, validation_split, steps_per_epoch)
         if validation_split:
-            if validation_data is not None:
-                raise ValueError("pass either `validation_split` or `validation_data`, not both.")
-            x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split)
+            x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split,
+                                                                    validation_data)
         train = to_batches(self.strategy, x, y, sample_weight, batch_size, shuffle, seed)
         val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size)
         first, train = peek(train)
         self._build(first)
-
         cbs = _with_progress_bar(list(callbacks or []), verbose, train, epochs, steps_per_epoch)
+        train = checked(train, self._labels, y, "y" if y is not None else "x", first)
+        checked([], self._labels, validation_labels(validation_data), "validation_data")  # arrays: now, not after an epoch
         history = self.history = History()
         cbs.append(history)
         cblist = CallbackList(cbs, self)
@@ -335,16 +341,17 @@ class Trainer:
         return logs
 
     # --- evaluate / predict --------------------------------------------------------------------
-    def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList) -> dict[str, Any]:
+    def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList, y: Any = None,
+                          arg: str = "validation_data") -> dict[str, Any]:
         first, data = peek(data)
         self._build(first)
+        data = checked(data, self._labels, y, arg)
         state = self._fresh_state()
         cblist.on_test_begin()
         for step, batch in enumerate(distribute(self.strategy, data)):
-            state = self._engine.run_arrays(self._steps["eval"], (self._live.params, state, batch.data, batch.mask,
-                                                                  batch.count),
-                                            EVAL_KINDS, "per_replica", mask=batch.mask, count=batch.count,
-                                            check_vma=CHECK_VMA)
+            args = (self._live.params, state, batch.data, batch.mask, batch.count)
+            state = self._engine.run_arrays(self._steps["eval"], args, EVAL_KINDS, "per_replica", mask=batch.mask,
+                                            count=batch.count, check_vma=CHECK_VMA)
             cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
         logs = self._read(state)
         cblist.on_test_end(logs)
@@ -360,7 +367,7 @@ class Trainer:
         """
         data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
         cblist = CallbackList(list(callbacks or []), self)
-        logs = self._evaluate_batches(data, cblist)
+        logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x")
         if verbose and is_chief():
             from ..callbacks._progbar import format_logs
 
@@ -395,7 +402,7 @@ class Trainer:
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
         if self._live.params is None and self._adapter.ready():
-            self._place(self._adapter.build(None))
+            self._live.place(self._adapter.build(None), self._optimizer.init)
         self._require_built()
         return self._adapter.get_weights(_host(self._live.params))
 

@@ -1,0 +1,117 @@
+"""Labels checked on the host against a named classification loss, before they reach a step.
+
+On an accelerator an out-of-range class index does not fail: the loss quietly takes some other
+number (or NaN), and float labels are truncated to integers. TensorFlow raises on the first
+two; lockstep checks the labels once per array input and per batch for iterables.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import numpy as np
+
+from .._datasets import DistributedDataset
+from ..data import Batches
+from ._steps import unpack
+
+
+def label_kind(loss: Any) -> str | None:
+    """``"sparse"``, ``"categorical"`` or None (no check) for a `Trainer`'s `loss` argument.
+
+    >>> label_kind("sparse_categorical_crossentropy_from_logits"), label_kind("mse")
+    ('sparse', None)
+    """
+    name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", "")
+    name = str(name).lower().removesuffix("_from_logits")
+    if name.startswith("sparse_categorical") or name.startswith("sparse_top"):
+        return "sparse"
+    if name.startswith("categorical_crossentropy") or name == "categorical_focal_crossentropy":
+        return "categorical"
+    return None
+
+
+def check_labels(kind: str, y: Any, num_classes: int, arg: str = "y", where: str = "") -> None:
+    """Raises `ValueError` naming `arg` when labels `y` cannot be what a `kind` loss over
+    `num_classes` classes expects (`where`: which batch, for the message).
+
+    >>> check_labels("sparse", np.array([0, 2, 1]), num_classes=3)
+    >>> check_labels("sparse", np.array([0, 3]), num_classes=3)
+    Traceback (most recent call last):
+    ...
+    ValueError: `y` holds label 3 (at index 1), outside the 3 classes [0, 3) the model predicts. ...
+    """
+    y = np.asarray(y)
+    if kind == "sparse":
+        if num_classes > 1 and y.ndim >= 2 and y.shape[-1] == num_classes:
+            raise ValueError(
+                f"`{arg}` looks one-hot (shape {y.shape}{where}) but the loss takes integer class labels: use "
+                "'categorical_crossentropy', or pass `y.argmax(-1)`.")
+        if y.size == 0:
+            return
+        if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.bool_)):
+            if not np.issubdtype(y.dtype, np.floating):
+                raise ValueError(f"`{arg}` must hold integer class labels, got dtype {y.dtype}.")
+            frac = np.flatnonzero(y.reshape(-1) != np.round(y.reshape(-1)))
+            if frac.size:
+                raise ValueError(
+                    f"`{arg}` holds float label {y.reshape(-1)[frac[0]]} (at index {frac[0]}{where}), but the loss takes "
+                    "integer class labels (it would be truncated): pass integer labels, or use "
+                    "'categorical_crossentropy' for soft labels.")
+        flat = y.reshape(-1)
+        bad = np.flatnonzero((flat < 0) | (flat >= num_classes))
+        if bad.size:
+            raise ValueError(
+                f"`{arg}` holds label {flat[bad[0]]:g} (at index {bad[0]}{where}), outside the {num_classes} classes "
+                f"[0, {num_classes}) the model predicts. The loss would not fail: it would silently take another "
+                "number. Check the labels, or the model's output size.")
+    elif kind == "categorical" and num_classes > 1 and (y.ndim < 2 or y.shape[-1] != num_classes):
+        raise ValueError(
+            f"`{arg}` has shape {y.shape}{where} but a categorical loss over {num_classes} classes takes one-hot labels "
+            f"of shape (..., {num_classes}): use 'sparse_categorical_crossentropy' for integer labels, or "
+            "one-hot encode them.")
+
+
+class LabelCheck:
+    """What a `Trainer` checks labels against: its loss's kind, and the model's number of classes
+    (`num_classes`, set once the model is built)."""
+
+    def __init__(self, loss: Any):
+        self.kind = label_kind(loss)
+        self.num_classes = 0
+
+    @property
+    def needs_classes(self) -> bool:
+        return self.kind is not None and not self.num_classes
+
+
+def checked(data: Iterable[Any], labels: LabelCheck, y: Any, arg: str, first: Any = None) -> Iterable[Any]:
+    """`data` whose labels are checked: array labels `y` now, once; an iterable's labels batch by
+    batch as they pass (a distributed dataset's on its host source). `first` (`fit`'s first
+    batch) is checked when `data` is a `Batches` that `fit` reads by position."""
+    if labels.kind is None or not labels.num_classes:
+        return data
+    check = functools.partial(check_labels, labels.kind, num_classes=labels.num_classes, arg=arg)
+    if y is not None or (isinstance(data, Batches) and first is not None):
+        check(y if y is not None else unpack(first)[1])
+        return data
+    if isinstance(data, DistributedDataset):
+        return data.with_source(CheckedBatches(data.source, check))
+    return CheckedBatches(data, check)
+
+
+class CheckedBatches:
+    """An iterable of batches whose labels `check(y, where=...)` sees on the host as they pass."""
+
+    def __init__(self, data: Iterable[Any], check: Callable[..., None]):
+        self._data = data
+        self._check = check
+
+    def __iter__(self) -> Iterator[Any]:
+        for i, batch in enumerate(self._data):
+            y = unpack(batch)[1]
+            if y is not None:
+                self._check(y, where=f" of batch {i + 1}")
+            yield batch
