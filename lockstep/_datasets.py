@@ -217,6 +217,7 @@ class DistributedDataset:
         self._dataset = dataset
         self._per_worker = per_worker
         self._padded_size = padded_size
+        self._used_up = False  # a one-shot source ran to its end
 
     @property
     def strategy(self) -> "Strategy":
@@ -233,15 +234,23 @@ class DistributedDataset:
         return DistributedDataset(self._strategy, dataset, self._per_worker, self._padded_size)
 
     def __iter__(self) -> Iterator[DistributedBatch]:
+        one_shot = iter(self._dataset) is self._dataset  # a generator or iterator: one pass only
+        if one_shot and self._used_up:
+            raise ValueError(
+                f"this distributed dataset wraps a one-shot {type(self._dataset).__name__} (a generator or "
+                "iterator) that an earlier pass used up, so a new pass would yield nothing: pass a re-iterable "
+                "(a list, lockstep.data.batches, a tf.data dataset, or an object whose `__iter__` starts a new "
+                "generator).")
         distributor = self._strategy.extended.distributor
         if self._per_worker:
-            yield from distributor.local_batches(self._dataset)
-            return
-        batches = self._distributed(distributor)
-        depth = _prefetch_depth(self._strategy.devices)
-        if jax.process_count() == 1 and depth > 0:
-            batches = _prefetch(batches, depth)
+            batches = distributor.local_batches(self._dataset)
+        else:
+            batches = self._distributed(distributor)
+            depth = _prefetch_depth(self._strategy.devices)
+            if jax.process_count() == 1 and depth > 0:
+                batches = _prefetch(batches, depth)
         yield from batches
+        self._used_up = one_shot
 
     def _distributed(self, distributor: BatchDistributor) -> Iterator[DistributedBatch]:
         padded = self._padded_size

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 import jax
 
 from ._errors import UsageError
@@ -24,13 +26,19 @@ def simulate_cpu_devices(n: int) -> None:
 
     Raises:
       ValueError: `n` is not a positive integer.
-      UsageError: JAX has already started with another number of devices.
+      UsageError: JAX has already started with another number of devices, or `lockstep launch
+        --devices-per-proc` started this worker with another number.
 
     >>> import lockstep as ls, jax
     >>> ls.simulate_cpu_devices(jax.local_device_count())   # already in force: a no-op
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"`n` must be a positive integer, got n={n!r}.")
+    launched = os.environ.get("LOCKSTEP_DEVICES_PER_PROC")
+    if launched and launched != str(n):
+        raise UsageError(
+            f"simulate_cpu_devices({n}) in a script that `lockstep launch --devices-per-proc {launched}` started: "
+            f"each worker gets the launcher's {launched} devices. Drop the call, or make the two numbers agree.")
     if _backends_started():
         have = jax.local_device_count("cpu") if jax.default_backend() == "cpu" else None
         if have == n:

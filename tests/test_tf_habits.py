@@ -158,3 +158,41 @@ def test_good_labels_pass_the_check_float_integers_included():
     logits = _X @ np.asarray(t.get_weights()["w"])
     logp = logits - np.log(np.exp(logits).sum(1, keepdims=True))
     np.testing.assert_allclose(out["loss"], -logp[np.arange(10), _Y].mean(), rtol=1e-5)
+
+
+# --- data that runs out, one-shot sources, launched scripts ---------------------------------
+def _linear():
+    return ls.FunctionalModel(init=lambda key, x: {"w": jnp.zeros((x.shape[-1], 2))},
+                              apply=lambda p, x, training=False: x @ p["w"])
+
+
+def test_steps_per_epoch_beyond_the_data_warns_as_keras_does():
+    """10 samples in batches of 4 are 3 steps; `steps_per_epoch=5` ran 3 silently."""
+    t = ls.Trainer(_linear(), optimizer="sgd", strategy=ls.MirroredStrategy(2))
+    x, y = np.ones((10, 3), np.float32), np.zeros(10, int)
+    with pytest.warns(UserWarning, match=r"ran out after 3 of `steps_per_epoch=5` steps in epoch [12]"):
+        t.fit(x, y, batch_size=4, epochs=2, steps_per_epoch=5, verbose=0)
+    assert t.global_step == 6
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        t.fit(x, y, batch_size=4, epochs=2, steps_per_epoch=3, verbose=0)  # exactly enough: no warning
+        gen = ((x[:4], y[:4]) for _ in range(4))  # a generator goes on across epochs, as in Keras
+        t.fit(gen, epochs=2, steps_per_epoch=2, verbose=0)
+
+
+def test_a_used_up_generator_in_a_distributed_dataset_is_an_error_on_the_next_pass():
+    """The second pass yielded nothing, silently (TF accepts only re-iterable datasets here)."""
+    s = ls.MirroredStrategy(2)
+    ds = s.experimental_distribute_dataset(np.arange(4.0) for _ in range(3))
+    assert len(list(ds)) == 3
+    with pytest.raises(ValueError, match="one-shot generator .* an earlier pass used up"):
+        list(ds)
+    again = s.experimental_distribute_dataset([np.arange(4.0)] * 3)  # re-iterable: every pass
+    assert len(list(again)) == len(list(again)) == 3
+
+
+def test_simulate_cpu_devices_disagreeing_with_the_launcher_is_an_error(monkeypatch):
+    """In a script started by `lockstep launch --devices-per-proc 2` the call was ignored silently."""
+    monkeypatch.setenv("LOCKSTEP_DEVICES_PER_PROC", "2")
+    with pytest.raises(ls.UsageError, match=r"simulate_cpu_devices\(4\).*--devices-per-proc 2"):
+        ls.simulate_cpu_devices(4)

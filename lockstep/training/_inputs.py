@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Mapping
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -131,5 +132,19 @@ def epoch_batches(strategy: "Strategy", train: Iterable[Any], epoch: int, skip: 
     if isinstance(train, Batches):
         r = strategy.num_replicas_in_sync
         padded = padded_per_replica(train.batch_size, r) * r
-        return itertools.islice(DistributedDataset(strategy, train.iterate(epoch, skip), padded_size=padded), stop)
-    return itertools.islice(distribute(strategy, train), skip, None if steps is None else steps)
+        out = itertools.islice(DistributedDataset(strategy, train.iterate(epoch, skip), padded_size=padded), stop)
+    else:
+        out = itertools.islice(distribute(strategy, train), skip, None if steps is None else steps)
+    return out if steps is None else _warn_if_short(out, steps, skip, epoch)
+
+
+def _warn_if_short(batches: Iterable[Any], steps: int, done: int, epoch: int) -> Iterator[Any]:
+    """`batches`, with Keras' warning when they run out before `steps` (the loop was not stopped)."""
+    for batch in batches:
+        done += 1
+        yield batch
+    if done < steps:
+        warnings.warn(
+            f"the training data ran out after {done} of `steps_per_epoch={steps}` steps in epoch {epoch + 1}; "
+            "the epoch ends short (as Keras: 'Your input ran out of data'). Lower `steps_per_epoch`, or pass "
+            "data with at least `steps_per_epoch` batches an epoch.", UserWarning, stacklevel=2)
