@@ -15,6 +15,7 @@ from ._confusion import Recall as Recall
 from ._confusion_matrix import ConfusionMatrix as ConfusionMatrix
 from ._fbeta import F1Score as F1Score
 from ._fbeta import FBetaScore as FBetaScore
+from ._keras import KerasMetric as KerasMetric
 from ._reduction import Max as Max
 from ._reduction import Mean as Mean
 from ._reduction import MeanMetricWrapper as MeanMetricWrapper
@@ -34,6 +35,7 @@ __all__ = [
     "ConfusionMatrix",
     "F1Score",
     "FBetaScore",
+    "KerasMetric",
     "Max",
     "Mean",
     "MeanAbsoluteError",

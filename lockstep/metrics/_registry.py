@@ -9,6 +9,7 @@ from . import _accuracy as acc
 from ._base import Metric, State
 from ._confusion import AUC, Precision, Recall
 from ._fbeta import F1Score
+from ._keras import KerasMetric, is_keras_metric
 from ._reduction import MeanMetricWrapper
 from ._regression import MeanAbsoluteError, MeanSquaredError, R2Score, RootMeanSquaredError
 
@@ -67,7 +68,8 @@ _NAMES: dict[str, Callable[[], Metric]] = {
 
 
 def get(identifier: Metric | str | Callable[..., Any]) -> Metric:
-    """A metric from a `Metric` (returned as is), a Keras name, or a per-sample function.
+    """A metric from a `Metric` (returned as is), a Keras metric object (as a `KerasMetric`), a
+    Keras name, or a per-sample function.
 
     >>> import lockstep as ls
     >>> type(ls.metrics.get("mse")).__name__, ls.metrics.get("mse").name
@@ -78,6 +80,8 @@ def get(identifier: Metric | str | Callable[..., Any]) -> Metric:
     """
     if isinstance(identifier, Metric):
         return identifier
+    if is_keras_metric(identifier):
+        return KerasMetric(identifier)
     if isinstance(identifier, str):
         factory = _NAMES.get(identifier.lower())
         if factory is None:

@@ -1,0 +1,131 @@
+"""Keras metric objects as lockstep metrics: on any number of replicas, with padding and short
+batches, the value equals the Keras object's own on the same batches (Keras is the reference)."""
+
+import keras
+import numpy as np
+import pytest
+
+import lockstep as ls
+
+# Keras' own confusion matrices ask JAX for int64 (x64 is off): a warning from Keras, not from lockstep
+pytestmark = [pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64"),
+              pytest.mark.filterwarnings("ignore:You are passing weight as `float`")]
+C = 3
+_rng = np.random.default_rng(0)
+
+
+def _probs(n, c=C):
+    z = _rng.normal(size=(n, c))
+    return (np.exp(z) / np.exp(z).sum(1, keepdims=True)).astype(np.float32)
+
+
+def _data(kind, n):
+    """(y_true, y_pred) of a kind of metric."""
+    if kind == "binary":
+        return _rng.integers(0, 2, size=(n, 1)).astype(np.float32), _rng.uniform(size=(n, 1)).astype(np.float32)
+    if kind == "onehot":
+        return np.eye(C, dtype=np.float32)[_rng.integers(0, C, n)], _probs(n)
+    if kind == "sparse":
+        return _rng.integers(0, C, size=(n,)), _probs(n)
+    if kind == "labels":
+        return _rng.integers(0, C, size=(n,)), _rng.integers(0, C, size=(n,))
+    return _rng.uniform(0.1, 2, size=(n, 2)).astype(np.float32), _rng.uniform(0.1, 2, size=(n, 2)).astype(np.float32)
+
+
+KERAS_METRICS = {  # name: (constructor, kind of data)
+    "AUC": (lambda: keras.metrics.AUC(), "binary"),
+    "AUC_PR": (lambda: keras.metrics.AUC(curve="PR", num_thresholds=50), "binary"),
+    "BinaryAccuracy": (keras.metrics.BinaryAccuracy, "binary"),
+    "BinaryCrossentropy": (keras.metrics.BinaryCrossentropy, "binary"),
+    "BinaryIoU": (keras.metrics.BinaryIoU, "binary"),
+    "FalseNegatives": (keras.metrics.FalseNegatives, "binary"),
+    "FalsePositives": (keras.metrics.FalsePositives, "binary"),
+    "TrueNegatives": (keras.metrics.TrueNegatives, "binary"),
+    "TruePositives": (keras.metrics.TruePositives, "binary"),
+    "Precision": (keras.metrics.Precision, "binary"),
+    "Recall": (keras.metrics.Recall, "binary"),
+    "PrecisionAtRecall": (lambda: keras.metrics.PrecisionAtRecall(0.5), "binary"),
+    "RecallAtPrecision": (lambda: keras.metrics.RecallAtPrecision(0.5), "binary"),
+    "SensitivityAtSpecificity": (lambda: keras.metrics.SensitivityAtSpecificity(0.5), "binary"),
+    "SpecificityAtSensitivity": (lambda: keras.metrics.SpecificityAtSensitivity(0.5), "binary"),
+    "Hinge": (keras.metrics.Hinge, "binary"),
+    "SquaredHinge": (keras.metrics.SquaredHinge, "binary"),
+    "CategoricalAccuracy": (keras.metrics.CategoricalAccuracy, "onehot"),
+    "CategoricalCrossentropy": (keras.metrics.CategoricalCrossentropy, "onehot"),
+    "CategoricalHinge": (keras.metrics.CategoricalHinge, "onehot"),
+    "KLDivergence": (keras.metrics.KLDivergence, "onehot"),
+    "TopKCategoricalAccuracy": (lambda: keras.metrics.TopKCategoricalAccuracy(k=2), "onehot"),
+    "F1Score_macro": (lambda: keras.metrics.F1Score(average="macro"), "onehot"),
+    "F1Score_none": (lambda: keras.metrics.F1Score(), "onehot"),
+    "FBetaScore_weighted": (lambda: keras.metrics.FBetaScore(average="weighted", beta=2.0), "onehot"),
+    "OneHotIoU": (lambda: keras.metrics.OneHotIoU(num_classes=C, target_class_ids=[0, 2]), "onehot"),
+    "OneHotMeanIoU": (lambda: keras.metrics.OneHotMeanIoU(num_classes=C), "onehot"),
+    "CosineSimilarity": (keras.metrics.CosineSimilarity, "onehot"),
+    "Poisson": (keras.metrics.Poisson, "onehot"),
+    "SparseCategoricalAccuracy": (keras.metrics.SparseCategoricalAccuracy, "sparse"),
+    "SparseCategoricalCrossentropy": (keras.metrics.SparseCategoricalCrossentropy, "sparse"),
+    "SparseTopKCategoricalAccuracy": (lambda: keras.metrics.SparseTopKCategoricalAccuracy(k=2), "sparse"),
+    "Accuracy": (keras.metrics.Accuracy, "labels"),
+    "IoU": (lambda: keras.metrics.IoU(num_classes=C, target_class_ids=[1]), "labels"),
+    "MeanIoU": (lambda: keras.metrics.MeanIoU(num_classes=C), "labels"),
+    "MeanSquaredError": (keras.metrics.MeanSquaredError, "regression"),
+    "MeanAbsoluteError": (keras.metrics.MeanAbsoluteError, "regression"),
+    "MeanAbsolutePercentageError": (keras.metrics.MeanAbsolutePercentageError, "regression"),
+    "MeanSquaredLogarithmicError": (keras.metrics.MeanSquaredLogarithmicError, "regression"),
+    "RootMeanSquaredError": (keras.metrics.RootMeanSquaredError, "regression"),
+    "LogCoshError": (keras.metrics.LogCoshError, "regression"),
+    "R2Score": (keras.metrics.R2Score, "regression"),
+    "PearsonCorrelation": (keras.metrics.PearsonCorrelation, "regression"),
+    "ConcordanceCorrelation": (keras.metrics.ConcordanceCorrelation, "regression"),
+}
+
+
+SWEPT = {"AUC", "F1Score_macro", "MeanIoU", "R2Score"}  # on 1, 3 and 4 replicas; the others on 3
+
+
+WEIGHTED = SWEPT | {"Precision", "CategoricalCrossentropy", "MeanSquaredError", "SparseCategoricalAccuracy",
+                    "OneHotIoU", "PearsonCorrelation"}  # also with sample weights (suite time)
+
+
+@pytest.mark.parametrize("name,weighted", [(n, False) for n in sorted(KERAS_METRICS)]
+                         + [(n, True) for n in sorted(WEIGHTED)])
+def test_a_keras_metric_object_equals_keras_itself_on_any_replica_count(name, weighted):
+    make, kind = KERAS_METRICS[name]
+    n = 11  # batches of 4 on 3 replicas: a short last batch, a replica with padding only
+    y, p = _data(kind, n)
+    w = _rng.uniform(0, 2, size=n).astype(np.float32) if weighted else None
+    reference = make()
+    for lo in range(0, n, 4):
+        reference.update_state(y[lo:lo + 4], p[lo:lo + 4], sample_weight=None if w is None else w[lo:lo + 4])
+    expected = np.asarray(reference.result())
+    for r in (1, 3, 4) if name in SWEPT else (3,):
+        s = ls.MirroredStrategy(r)
+        m = ls.metrics.get(make())
+        assert isinstance(m, ls.metrics.KerasMetric)
+        arrays = (y, p) if w is None else (y, p, w)
+        ds = s.experimental_distribute_dataset(ls.data.batches(arrays, 4))
+        m.build(np.shape(y[:1]), np.shape(p[:1]))
+        state = m.init()
+        for batch in ds:
+            state = s.run(lambda st, b: m.update(st, b[0], b[1], sample_weight=b[2] if len(b) == 3 else None),
+                          args=(state, batch))
+        np.testing.assert_allclose(np.asarray(m.compute(state)), expected, rtol=2e-5, atol=1e-6,
+                                   err_msg=f"{name} on {r} replicas")
+
+
+def test_keras_metric_objects_in_a_trainer_log_what_keras_evaluate_reports():
+    """A `keras.metrics` object in `Trainer(metrics=[...])` failed with UnexpectedTracerError."""
+    x = _rng.normal(size=(23, 4)).astype(np.float32)
+    y = _rng.integers(0, C, size=23)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(C, activation="softmax")])
+    model.compile(loss="sparse_categorical_crossentropy",
+                  metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc"),
+                           keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")])
+    expected = model.evaluate(x, y, batch_size=5, verbose=0, return_dict=True)
+    t = ls.Trainer(model, loss="sparse_categorical_crossentropy",
+                   metrics=[keras.metrics.SparseCategoricalAccuracy(name="acc"),
+                            keras.metrics.SparseTopKCategoricalAccuracy(k=2, name="top2")],
+                   strategy=ls.MirroredStrategy(4))
+    got = t.evaluate(x, y, batch_size=5)
+    for k in ("loss", "acc", "top2"):
+        np.testing.assert_allclose(got[k], expected[k], rtol=1e-5)
