@@ -161,6 +161,11 @@ class SlurmClusterResolver(ClusterResolver):
                          _int_env(env, "SLURM_PROCID"))
 
 
+def _cluster_configured(env: Any) -> bool:
+    return "LOCKSTEP_COORDINATOR_ADDRESS" in env or "TF_CONFIG" in env or (
+        "SLURM_NTASKS" in env and "SLURM_PROCID" in env)
+
+
 def resolve_cluster(env: dict[str, str] | None = None) -> ClusterResolver:
     """The cluster this process belongs to: LOCKSTEP_* variables, else TF_CONFIG, else SLURM.
 
@@ -267,7 +272,8 @@ class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over every device of every worker process.
 
     Args:
-      cluster_resolver: a `ClusterResolver`; `None` reads the LOCKSTEP_* variables, TF_CONFIG or SLURM.
+      cluster_resolver: a `ClusterResolver`; `None` reads the LOCKSTEP_* variables, TF_CONFIG or SLURM,
+        and with none of them set is one worker (this process), as in TF.
       failure_timeout: seconds after which a dead or frozen worker ends the job (the runtime's
         heartbeat and collective time-outs, and lockstep's watchdog). Default:
         `LOCKSTEP_FAILURE_TIMEOUT`, else 20.
@@ -279,7 +285,9 @@ class MultiWorkerMirroredStrategy(Strategy):
     """
 
     def __init__(self, cluster_resolver: ClusterResolver | None = None, failure_timeout: float | None = None):
-        resolver = cluster_resolver or resolve_cluster()
+        single = cluster_resolver is None and not _cluster_configured(os.environ)
+        # as TF: no cluster configured is a cluster of one worker (this process, its local devices)
+        resolver = ClusterResolver("127.0.0.1:0", 1, 0) if single else (cluster_resolver or resolve_cluster())
         if not isinstance(resolver, ClusterResolver):
             raise TypeError(f"`cluster_resolver` must be a ClusterResolver, got {type(resolver).__name__}.")
         if failure_timeout is None:
@@ -287,7 +295,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         if failure_timeout <= 0:
             raise ValueError(f"`failure_timeout` must be positive, got failure_timeout={failure_timeout!r}.")
         fresh = not _INITIALIZED
-        _initialize(resolver, failure_timeout)
+        if not single:
+            _initialize(resolver, failure_timeout)
         self.cluster_resolver = resolver
         self.failure_timeout = failure_timeout
         super().__init__(jax.devices())

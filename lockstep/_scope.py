@@ -14,6 +14,8 @@ import weakref
 from collections.abc import Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
+from ._errors import UsageError
+
 if TYPE_CHECKING:
     from ._strategy import Strategy
 
@@ -70,8 +72,28 @@ def _enter_keras_distribution(devices: Iterable[Any]) -> Any:
     if keras is None or keras.backend.backend() != "jax":
         return _NO_KERAS
     previous = keras.distribution.distribution()
-    keras.distribution.set_distribution(keras.distribution.DataParallel(devices=list(devices)))
+    keras.distribution.set_distribution(_keras_data_parallel(keras)(devices=list(devices)))
     return previous
+
+
+_CLASSES: dict[int, type] = {}
+
+
+def _keras_data_parallel(keras: Any) -> type:
+    """Keras' `DataParallel`, except that Keras' own training loops refuse to run under it: they
+    would split batches Keras' way (`IndivisibleError` on a short last batch, per-replica
+    statistics), not lockstep's."""
+    cls = _CLASSES.get(id(keras))
+    if cls is None:
+        class LockstepDataParallel(keras.distribution.DataParallel):  # type: ignore[misc, name-defined]
+            def get_data_layout(self, data_shape: Any) -> Any:  # only Keras' fit/evaluate/predict ask
+                raise UsageError(
+                    "Keras' own `model.fit` / `evaluate` / `predict` was called inside a lockstep "
+                    "`strategy.scope()`. Train with `ls.Trainer(model).fit(...)` (it takes the compiled "
+                    "optimizer, loss and metrics, and is exact for any batch size), or call Keras' methods "
+                    "outside the scope.")
+        cls = _CLASSES[id(keras)] = LockstepDataParallel
+    return cls
 
 
 def _exit_keras_distribution(previous: Any) -> None:

@@ -217,8 +217,8 @@ class Strategy:
             if is_distributed(leaf):
                 self._check_owner(leaf, "args")
             if isinstance(leaf, DistributedBatch):
-                if batch is not None and leaf is not batch:
-                    raise ValueError("`args` may hold one distributed batch per `run`, got two.")
+                if batch is not None and leaf.origin is not batch.origin:
+                    raise ValueError("`args` may hold parts of one distributed batch per `run`, got two batches.")
                 batch, kind, leaf = leaf, "rows", leaf.data
             elif isinstance(leaf, PerReplica):
                 kind, leaf = "per_replica", unwrap(leaf)

@@ -50,7 +50,18 @@ class PerReplica:
 
 
 class Mirrored:
-    """A value identical on every replica by construction (say, the result of an all-reduce)."""
+    """A value identical on every replica by construction (say, the result of an all-reduce).
+
+    It is used as its array: operators, `float`, indexing and NumPy work on it as is; `jnp`
+    functions take `jnp.asarray(m)`.
+
+    >>> import lockstep as ls, numpy as np, jax.numpy as jnp
+    >>> s = ls.MirroredStrategy(2)
+    >>> ctx = ls.get_replica_context
+    >>> m = s.run(lambda: ctx().all_reduce("SUM", jnp.ones(3) * (ctx().replica_id_in_sync_group + 1)))
+    >>> float((m * 2 + 1)[0]), float(np.sum(m)), float(jnp.sum(jnp.asarray(m))), m.shape
+    (7.0, 9.0, 9.0, (3,))
+    """
 
     __slots__ = ("_array", "_strategy")
 
@@ -69,8 +80,43 @@ class Mirrored:
         out = np.asarray(self._array)
         return out.astype(dtype) if dtype is not None else out
 
+    def __jax_array__(self) -> jax.Array:
+        """The value as a JAX array (`jnp.asarray(m)`; JAX 0.10 no longer lets other `jnp` functions
+        call this by themselves: convert first, or use the operators and NumPy, which work as is)."""
+        return self._array
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self._array.shape)
+
+    @property
+    def dtype(self) -> Any:
+        return self._array.dtype
+
+    def __float__(self) -> float:
+        return float(self._array)
+
+    def __int__(self) -> int:
+        return int(self._array)
+
+    def __getitem__(self, i: Any) -> jax.Array:
+        return self._array[i]
+
     def __repr__(self) -> str:
         return f"Mirrored({self._array!r})"
+
+
+def _operator(name: str) -> Any:
+    def op(self: Mirrored, *others: Any) -> Any:
+        return getattr(self._array, name)(*(o._array if isinstance(o, Mirrored) else o for o in others))
+    op.__name__ = name
+    return op
+
+
+for _name in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+              "__floordiv__", "__pow__", "__rpow__", "__matmul__", "__rmatmul__", "__neg__", "__abs__", "__lt__",
+              "__le__", "__gt__", "__ge__"):
+    setattr(Mirrored, _name, _operator(_name))  # a Mirrored is used as its array, as TF's mirrored values are
 
 
 class DistributedBatch:
@@ -88,10 +134,11 @@ class DistributedBatch:
       count: the step's real sample count, a replicated float32 scalar (losses divide by it).
     """
 
-    __slots__ = ("_leaves", "_treedef", "_mask", "_count", "_step", "_strategy")
+    __slots__ = ("_leaves", "_treedef", "_mask", "_count", "_step", "_strategy", "origin")
 
     def __init__(self, leaves: list[jax.Array], treedef: Any, mask: jax.Array, step: StepInfo,
-                 strategy: "Strategy", count: jax.Array):
+                 strategy: "Strategy", count: jax.Array, origin: "DistributedBatch | None" = None):
+        self.origin = origin or self  # the whole batch that parts unpacked from it share
         self._leaves = leaves
         self._treedef = treedef
         self._mask = mask
@@ -123,6 +170,25 @@ class DistributedBatch:
     def num_real(self) -> int:
         """Number of real (not padding) samples in this global batch."""
         return self._step.num_real
+
+    def __len__(self) -> int:
+        data = self.data
+        if not isinstance(data, (tuple, list)):
+            raise TypeError(f"a DistributedBatch of a {type(data).__name__} has no parts to count or unpack.")
+        return len(data)
+
+    def __getitem__(self, i: int) -> "DistributedBatch":
+        """Part `i` of a batch that is a tuple or list (``features, labels = batch``, as TF users
+        unpack a distributed batch): the same rows, mask and step; several parts of one batch may
+        go into one `run` together."""
+        part = self.data[i] if isinstance(self.data, (tuple, list)) else None
+        if part is None:
+            raise TypeError(f"a DistributedBatch of a {type(self.data).__name__} cannot be indexed or unpacked.")
+        leaves, treedef = jax.tree.flatten(part)
+        return DistributedBatch(leaves, treedef, self._mask, self._step, self._strategy, self._count, self.origin)
+
+    def __iter__(self) -> Iterator["DistributedBatch"]:
+        return (self[i] for i in range(len(self)))
 
     def __repr__(self) -> str:
         return (f"DistributedBatch(num_real={self.num_real}, padded={self._step.padded_size}, "

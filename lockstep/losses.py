@@ -7,6 +7,7 @@ padded batch, equals the single-device step on the real samples.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -91,11 +92,15 @@ _LOSSES: dict[str, Callable[..., jax.Array]] = {
 
 def get(identifier: str | Callable[..., jax.Array]) -> Callable[[Any, Any], jax.Array]:
     """The per-example loss named by `identifier` (Keras names; a ``_from_logits`` suffix
-    selects the logits variant), or `identifier` itself if callable.
+    selects the logits variant), a `keras.losses.Loss` object's per-sample loss, or
+    `identifier` itself if callable.
 
     Raises:
       ValueError: the name is unknown (the message lists the known names).
     """
+    if type(identifier).__module__.startswith("keras") and hasattr(identifier, "call") and hasattr(
+            identifier, "reduction"):
+        return _keras_loss(identifier)
     if callable(identifier):
         return identifier
     if isinstance(identifier, str):
@@ -105,8 +110,28 @@ def get(identifier: str | Callable[..., jax.Array]) -> Callable[[Any, Any], jax.
         fn = _LOSSES.get(base)
         if fn is not None and (not logits or "crossentropy" in base):
             return (lambda t, p: fn(t, p, from_logits=True)) if logits else fn
+        keras = sys.modules.get("keras")
+        if keras is not None and not logits:  # another Keras loss name: Keras' per-sample function
+            try:
+                return keras.losses.get(identifier)
+            except ValueError:
+                pass
     known = sorted(_LOSSES) + [k + "_from_logits" for k in sorted(_LOSSES) if "crossentropy" in k]
     raise ValueError(f"`loss` must be a callable or one of {known}, got loss={identifier!r}.")
+
+
+def _keras_loss(loss: Any) -> Callable[[Any, Any], jax.Array]:
+    """A `keras.losses.Loss` object as a per-sample loss: its `call` (unreduced), with the
+    Trainer's mean over real samples as its reduction (Keras' ``"sum_over_batch_size"``)."""
+    if loss.reduction not in ("sum_over_batch_size", "auto", None):
+        raise ValueError(
+            f"`loss` is a Keras {type(loss).__name__} with reduction={loss.reduction!r}: lockstep takes the mean over "
+            "the step's real samples (Keras' 'sum_over_batch_size'); build the loss with that reduction.")
+
+    def per_sample(y_true: Any, y_pred: Any) -> jax.Array:
+        return loss.call(y_true, y_pred)
+    per_sample.name = loss.name  # type: ignore[attr-defined]  # what label checks key on
+    return per_sample
 
 
 def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,

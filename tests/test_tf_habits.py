@@ -103,6 +103,37 @@ def test_local_results_of_a_structure_are_one_whole_structure_per_replica(r):
     assert s.experimental_local_results(plain)[0] is plain and len(s.experimental_local_results(plain)) == 1
 
 
+
+def test_a_distributed_batch_unpacks_on_the_host_as_in_tf():
+    """`for images, labels in dist_ds` raised `cannot unpack non-iterable DistributedBatch`."""
+    s = ls.MirroredStrategy(4)
+    x, y = np.arange(10.0).reshape(5, 2), np.arange(5)
+    for features, labels in s.experimental_distribute_dataset([(x, y)]):
+        out = s.run(lambda f, lab: f.sum(1) * lab, args=(features, labels))
+        np.testing.assert_array_equal(s.gather(out), x.sum(1) * y)  # padding rows dropped, order kept
+    other = next(iter(s.experimental_distribute_dataset([(x, y)])))
+    with pytest.raises(ValueError, match="parts of one distributed batch"):
+        s.run(lambda a, b: a, args=(features, other[1]))
+
+
+def test_mirrored_outputs_are_used_as_arrays():
+    s = ls.MirroredStrategy(3)
+    ctx = ls.get_replica_context
+    m = s.run(lambda: ctx().all_reduce("SUM", jnp.arange(3.0) * (ctx().replica_id_in_sync_group + 1)))
+    assert isinstance(m, ls.Mirrored) and m.shape == (3,)
+    np.testing.assert_array_equal(np.asarray(m * 2 - 1), [-1.0, 11.0, 23.0])
+    assert float(m[1]) == 6.0 and float(np.sum(m)) == 18.0 and float(jnp.sum(jnp.asarray(m))) == 18.0
+
+
+def test_multi_worker_strategy_with_no_cluster_is_one_worker_as_in_tf(monkeypatch):
+    """It raised `no cluster found`; TF runs it as a single worker on the local devices."""
+    for var in ("LOCKSTEP_COORDINATOR_ADDRESS", "TF_CONFIG", "SLURM_NTASKS", "SLURM_PROCID"):
+        monkeypatch.delenv(var, raising=False)
+    s = ls.MultiWorkerMirroredStrategy()
+    assert (s.num_workers, s.worker_index, s.num_replicas_in_sync) == (1, 0, 8)
+    batch = next(iter(s.experimental_distribute_dataset([np.arange(11.0)])))
+    assert float(s.reduce("SUM", s.run(lambda b: b, args=(batch,)), axis=0)) == 55.0
+
 # --- labels checked on the host ----------------------------------------------------------------
 def _classifier(classes=3):
     return ls.FunctionalModel(
@@ -196,3 +227,57 @@ def test_simulate_cpu_devices_disagreeing_with_the_launcher_is_an_error(monkeypa
     monkeypatch.setenv("LOCKSTEP_DEVICES_PER_PROC", "2")
     with pytest.raises(ls.UsageError, match=r"simulate_cpu_devices\(4\).*--devices-per-proc 2"):
         ls.simulate_cpu_devices(4)
+
+
+# --- Keras habits: compile in the scope, then train ---------------------------------------------
+def _keras_mlp(keras):
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "sgd_nesterov", "adamw_clipnorm"])
+def test_a_trainer_on_a_compiled_keras_model_trains_as_keras_fit_does(optimizer):
+    """Seed 004: `model.compile(optimizer="adam", loss=..., metrics=["accuracy"])` in the scope, then
+    `ls.Trainer(model)`: the compiled optimizer, loss and metrics were ignored (lockstep's defaults)."""
+    import keras
+
+    make = {"adam": lambda: "adam",
+            "sgd_nesterov": lambda: keras.optimizers.SGD(0.1, momentum=0.9, nesterov=True),
+            "adamw_clipnorm": lambda: keras.optimizers.AdamW(0.01, clipnorm=1.0)}[optimizer]
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(103, 6)).astype("float32"), rng.integers(0, 3, 103)
+    compile_args = lambda: dict(loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),  # noqa: E731
+                                metrics=["accuracy"])
+    reference = _keras_mlp(keras)
+    w0 = reference.get_weights()
+    reference.compile(optimizer=make(), **compile_args())
+    expected = reference.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    s = ls.MirroredStrategy(4)
+    with s.scope():
+        model = _keras_mlp(keras)
+        model.set_weights(w0)
+        model.compile(optimizer=make(), **compile_args())
+    trainer = ls.Trainer(model)
+    got = trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0).history
+    assert sorted(got) == ["accuracy", "loss"]
+    np.testing.assert_allclose(got["loss"], expected["loss"], rtol=2e-6)
+    np.testing.assert_allclose(got["accuracy"], expected["accuracy"])
+    for a, b in zip(trainer.get_weights(), reference.get_weights()):
+        np.testing.assert_allclose(a, b, atol=2e-6)
+    trainer.learning_rate = 0.5  # a Keras optimizer's learning rate is read and set like a named one's
+    assert trainer.learning_rate == 0.5
+
+
+def test_keras_fit_inside_a_lockstep_scope_names_the_trainer():
+    """Keras' `model.fit` in the scope raised Keras' IndivisibleError, the failure lockstep removes."""
+    import keras
+
+    s = ls.MirroredStrategy(4)
+    x, y = np.ones((10, 6), "float32"), np.zeros(10, int)
+    with s.scope():
+        model = _keras_mlp(keras)
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+        assert model(x).shape == (10, 3)  # calling the model is fine
+        with pytest.raises(ls.UsageError, match=r"inside a lockstep `strategy.scope\(\)`.*ls.Trainer\(model\)"):
+            model.fit(x, y, batch_size=4, verbose=0)
+    assert ls.Trainer(model).fit(x, y, batch_size=4, verbose=0).history["loss"]

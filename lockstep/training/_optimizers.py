@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import optax
@@ -16,8 +16,10 @@ _OPTIMIZERS: dict[str, tuple[Any, float, dict[str, Any]]] = {
 }
 
 
-def get_optimizer(optimizer: str | optax.GradientTransformation) -> optax.GradientTransformation:
-    """An optax transformation from a name (``"adam"``, ``"adamw"``, ``"sgd"``, ``"rmsprop"``) or as given.
+def get_optimizer(optimizer: Any, trainable_variables: Any = None) -> optax.GradientTransformation:
+    """An optax transformation from a name (``"adam"``, ``"adamw"``, ``"sgd"``, ``"rmsprop"``), a Keras
+    optimizer object (run through Keras' own update, see `from_keras`; `trainable_variables` are
+    the Keras model's), or as given.
 
     Named optimizers are built with `optax.inject_hyperparams`, so `Trainer.learning_rate` can be
     read and changed (LearningRateScheduler, ReduceLROnPlateau) without recompiling.
@@ -35,7 +37,58 @@ def get_optimizer(optimizer: str | optax.GradientTransformation) -> optax.Gradie
         return optax.inject_hyperparams(factory)(learning_rate=lr, **kwargs)
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
-    raise TypeError(f"`optimizer` must be a name or an optax.GradientTransformation, got {type(optimizer).__name__}.")
+    if type(optimizer).__module__.startswith("keras") and hasattr(optimizer, "stateless_apply"):
+        if not trainable_variables:
+            raise TypeError("a Keras optimizer object needs a Keras model (its variables); for a FunctionalModel "
+                            "pass an optax transformation or a name.")
+        return from_keras(optimizer, trainable_variables)
+    raise TypeError(f"`optimizer` must be a name, a Keras optimizer or an optax.GradientTransformation, got "
+                    f"{type(optimizer).__name__}.")
+
+
+class KerasOptimizerState(NamedTuple):
+    """A Keras optimizer's variables as optax state; its learning rate (when a variable, not a
+    schedule) sits in `hyperparams`, where `Trainer.learning_rate` reads and sets it."""
+
+    variables: list[Any]
+    hyperparams: dict[str, Any]
+
+
+def from_keras(optimizer: Any, trainable_variables: Any) -> optax.GradientTransformation:
+    """A Keras 3 optimizer object as an optax transformation that runs Keras' own update
+    (`stateless_apply`: the same formulas, weight decay, clipping, EMA and iteration count as
+    `model.fit`), for a Keras model whose trainable variables are `trainable_variables` (the
+    parameters are then the list of their values, in that order).
+
+    Raises:
+      ValueError: the optimizer accumulates gradients itself (`gradient_accumulation_steps`):
+        its micro-steps are averaged without their sample counts.
+    """
+    if getattr(optimizer, "gradient_accumulation_steps", None):
+        raise ValueError(
+            f"the Keras optimizer {type(optimizer).__name__} has gradient_accumulation_steps="
+            f"{optimizer.gradient_accumulation_steps}: Keras averages micro-steps without weighting them by their "
+            "sample counts, which is not the single-device step; leave it unset.")
+    if not optimizer.built:
+        optimizer.build(list(trainable_variables))
+    lr_at = next((i for i, v in enumerate(optimizer.variables) if v.path.rsplit("/", 1)[-1] == "learning_rate"),
+                 None)
+
+    def init(params: Any) -> KerasOptimizerState:
+        values = [np.asarray(v.value) for v in optimizer.variables]
+        hyper = {} if lr_at is None else {"learning_rate": values.pop(lr_at)}
+        return KerasOptimizerState(values, hyper)
+
+    def update(grads: Any, state: KerasOptimizerState, params: Any = None) -> tuple[Any, KerasOptimizerState]:
+        values = list(state.variables)
+        if lr_at is not None:
+            values.insert(lr_at, state.hyperparams["learning_rate"])
+        new_params, new_values = optimizer.stateless_apply(values, list(grads), list(params))
+        new_values = list(new_values)
+        hyper = {} if lr_at is None else {"learning_rate": new_values.pop(lr_at)}
+        return [n - p for n, p in zip(new_params, params)], KerasOptimizerState(new_values, hyper)
+
+    return optax.GradientTransformation(init, update)  # type: ignore[arg-type]
 
 
 def find_hyperparams(opt_state: Any) -> dict[str, Any] | None:

@@ -30,6 +30,7 @@ from ._inputs import (
     validation_batches,
     validation_labels,
 )
+from ._compiled import settings as compiled_settings
 from ._labels import LabelCheck, checked
 from ._model import adapt
 from ._optimizers import get_optimizer, learning_rate_of, set_learning_rate
@@ -156,10 +157,13 @@ class Trainer:
     The whole state of a `fit` in progress is one `TrainState` (`train_state` / `restore`).
 
     Args:
-      model: a Keras 3 model (JAX backend) or a `lockstep.FunctionalModel`.
-      optimizer: an optax transformation or a name (``"adam"``, ``"adamw"``, ``"sgd"``, ``"rmsprop"``).
-      loss: a Keras loss name (``"..._from_logits"`` for logits) or a per-example callable.
-      metrics: `lockstep.metrics` objects, names (``"accuracy"``, ``"mse"``, ...) or per-sample functions.
+      model: a Keras 3 model (JAX backend) or a `lockstep.FunctionalModel`. For a Keras model on
+        which `compile` was called, the optimizer, loss and metrics left out here are the compiled ones.
+      optimizer: an optax transformation, a Keras optimizer (run by Keras' own update), or a name
+        (``"adam"``, ``"adamw"``, ``"sgd"``, ``"rmsprop"``); default ``"adam"``.
+      loss: a Keras loss name (``"..._from_logits"`` for logits), a Keras loss object or a
+        per-example callable; default ``"sparse_categorical_crossentropy"``.
+      metrics: lockstep or Keras metric objects, names (``"accuracy"``, ...) or per-sample functions.
       strategy: defaults to the active scope's strategy; outside any scope, to the strategy in whose
         scope the Keras model was built; else a one-device strategy.
       seed: seeds a `FunctionalModel`'s initialisation and its `rng` keys.
@@ -184,8 +188,8 @@ class Trainer:
     (3, 21)
     """
 
-    def __init__(self, model: Any, optimizer: str | optax.GradientTransformation = "adam",
-                 loss: str | Callable[..., Any] = "sparse_categorical_crossentropy",
+    def __init__(self, model: Any, optimizer: str | optax.GradientTransformation | None = None,
+                 loss: str | Callable[..., Any] | None = None,
                  metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
                  strategy: Strategy | None = None, seed: int = 0, batch_statistics: str = "global"):
         self.strategy = strategy or _strategy_for(model)
@@ -194,7 +198,8 @@ class Trainer:
         self.model = model
         self._engine = self.strategy.extended
         self._adapter = adapt(model, seed, batch_statistics)
-        self._optimizer = get_optimizer(optimizer)
+        optimizer, loss, metrics = compiled_settings(model, optimizer, loss, metrics)  # model.compile's
+        self._optimizer = get_optimizer(optimizer, getattr(model, "trainable_variables", None))
         self._loss_fn = _losses.get(loss)
         self._labels = LabelCheck(loss)  # labels checked on the host against a named loss
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
