@@ -281,3 +281,72 @@ def test_keras_fit_inside_a_lockstep_scope_names_the_trainer():
         with pytest.raises(ls.UsageError, match=r"inside a lockstep `strategy.scope\(\)`.*ls.Trainer\(model\)"):
             model.fit(x, y, batch_size=4, verbose=0)
     assert ls.Trainer(model).fit(x, y, batch_size=4, verbose=0).history["loss"]
+
+
+# --- metrics' functional face without shapes ---------------------------------------------------
+@pytest.mark.parametrize("r", [1, 3])
+def test_functional_metrics_without_shapes_are_shaped_by_their_first_update_inside_run(r):
+    """`F1Score(average="macro").init()` and `R2Score().init()` raised 'does not know its state's shape'."""
+    from sklearn.metrics import f1_score, r2_score
+
+    s = ls.MirroredStrategy(r)
+    rng = np.random.default_rng(1)
+    y, p = rng.integers(0, 3, 11), rng.normal(size=(11, 3)).astype(np.float32)
+    t, u = rng.normal(size=11).astype(np.float32), rng.normal(size=11).astype(np.float32)
+    f1, r2 = ls.metrics.F1Score(average="macro"), ls.metrics.R2Score()
+    assert float(f1.compute(f1.init())) == 0.0  # nothing seen: 0, as Keras reports
+    fs, rs = f1.init(), r2.init()
+    for batch in s.experimental_distribute_dataset(ls.data.batches((y, p, t, u), 4)):
+        fs, rs = s.run(lambda fs, rs, b: (f1.update(fs, b[0], b[1]), r2.update(rs, b[2], b[3])),
+                       args=(fs, rs, batch))
+    np.testing.assert_allclose(f1.compute(fs), f1_score(y, p.argmax(1), average="macro"), rtol=1e-5)
+    np.testing.assert_allclose(r2.compute(rs), r2_score(t, u), rtol=1e-5)
+
+
+# --- cryptic errors made clear -------------------------------------------------------------------
+_x4, _y2 = np.ones((10, 4), np.float32), np.zeros(10, int)
+CRYPTIC = {  # what was given -> (call, error type, message); each was an error from deep inside before
+    "validation_data=(x,)": (lambda t: t.fit(_x4, _y2, validation_data=(_x4,), verbose=0), ValueError,
+                             r"`validation_data` must be \(x, y\).*got a tuple of 1 arrays"),
+    "string x": (lambda t: t.fit(np.array(["a"] * 10), _y2, verbose=0), TypeError, r"`x` holds <U1 values, not numbers"),
+    "feature count": (lambda t: t.fit(np.ones((10, 5), np.float32), _y2, verbose=0), ValueError,
+                      r"the model cannot take `x` of shape/dtype \(10, 5\) float32"),
+    "lists": (lambda t: t.fit(_x4.tolist(), _y2.tolist(), verbose=0), TypeError,
+              r"`x` is a Python list and `y` is given: pass NumPy arrays"),
+    "verbose='loud'": (lambda t: t.fit(_x4, _y2, verbose="loud"), ValueError, r"`verbose` must be 0, 1, 2 or 'auto'"),
+    "nested dict": (lambda t: t.fit({"a": {"b": _x4}}, _y2, verbose=0), ValueError,
+                    r"the model cannot take `x` of shape/dtype \{'a': \{'b'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CRYPTIC))
+def test_bad_input_gets_an_error_naming_the_argument(case):
+    call, kind, message = CRYPTIC[case]
+    t = ls.Trainer(_linear4(), optimizer="sgd", strategy=ls.MirroredStrategy(2))
+    with pytest.raises(kind, match=message):
+        call(t)
+
+
+def _linear4():
+    return ls.FunctionalModel(init=lambda key, x: {"w": jnp.zeros((4, 2))},
+                              apply=lambda p, x, training=False: x @ p["w"])
+
+
+def test_nested_dict_inputs_and_an_apply_without_training_train():
+    """`apply(params, x)` (no `training`) raised `unexpected keyword argument 'training'`."""
+    model = ls.FunctionalModel(init=lambda key, x: {"w": jnp.zeros((4, 2))},
+                               apply=lambda p, x: x["a"]["b"] @ p["w"])
+    t = ls.Trainer(model, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
+                   strategy=ls.MirroredStrategy(2))
+    out = t.evaluate({"a": {"b": _x4}}, _y2, batch_size=4)
+    np.testing.assert_allclose(out["loss"], np.log(2.0), rtol=1e-6)  # zero weights: uniform over 2 classes
+
+
+def test_launch_with_zero_devices_per_process_is_refused(tmp_path):
+    """`lockstep launch --devices-per-proc 0` segfaulted silently in the workers."""
+    from lockstep.launch import launch
+
+    script = tmp_path / "s.py"
+    script.write_text("print('never runs')\n")
+    with pytest.raises(ValueError, match=r"`devices_per_proc` must be a positive integer, got devices_per_proc=0"):
+        launch(str(script), [], nproc_per_node=2, devices_per_proc=0)

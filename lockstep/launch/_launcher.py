@@ -105,6 +105,8 @@ def launch(script: str, args: Sequence[str] = (), nproc_per_node: int = 1, nnode
     for name, value in (("nproc_per_node", nproc_per_node), ("nnodes", nnodes)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"`{name}` must be a positive integer, got {name}={value!r}.")
+    if devices_per_proc is not None and (not isinstance(devices_per_proc, int) or devices_per_proc < 1):
+        raise ValueError(f"`devices_per_proc` must be a positive integer, got devices_per_proc={devices_per_proc!r}.")
     if not isinstance(max_restarts, int) or max_restarts < 0:
         raise ValueError(f"`max_restarts` must be a non-negative integer, got max_restarts={max_restarts!r}.")
     if not 0 <= node_rank < nnodes:

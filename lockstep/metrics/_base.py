@@ -195,8 +195,18 @@ class Metric:
 
     # --- functional face -------------------------------------------------------------------
     def init(self) -> State:
-        """The empty state: a dict of arrays."""
-        self._ensure_built()
+        """The empty state: a dict of arrays. A metric whose state's shape depends on the data
+        (`F1Score` without `num_classes`) returns ``{}``, which its first `update` shapes — also
+        inside `strategy.run` — as Keras builds metrics lazily.
+
+        >>> import lockstep as ls, numpy as np
+        >>> f1 = ls.metrics.F1Score(average="macro")
+        >>> state = f1.update(f1.init(), np.array([0, 1, 2]), np.eye(3)[[0, 1, 1]])
+        >>> round(float(f1.compute(state)), 4)
+        0.5556
+        """
+        if not self.built:
+            return {}
         out = {}
         for k, spec in self._specs.items():
             shape = (0, *spec.shape) if spec.reduction == "cat" else spec.shape
@@ -226,7 +236,10 @@ class Metric:
         return self.merge(state, self.batch_state(*args, sample_weight=weight))
 
     def merge(self, a: State, b: State) -> State:
-        """Combines two states (associative and commutative, up to the order of `cat` rows)."""
+        """Combines two states (associative and commutative, up to the order of `cat` rows); the
+        unshaped empty state ``{}`` is the identity."""
+        if not a or not b:
+            return b if not a else a
         return {k: _combine(a[k], b[k], self._specs[k].reduction) for k in self._specs}
 
     def sync(self, state: State) -> State:
@@ -241,6 +254,8 @@ class Metric:
         returned, the same runs as one compiled program on the state's strategy (the value is the
         same on every worker); plain arrays are taken as global state already.
         """
+        if isinstance(state, Mapping) and not state and (self._specs or not self.built):  # nothing seen yet
+            return jnp.asarray(0.0, self.dtype)
         strategy = per_replica_strategy(state)
         if strategy is not None:
             return compute_per_replica(strategy, self, state)

@@ -20,9 +20,17 @@ if TYPE_CHECKING:
 
 
 def is_arrays(x: Any) -> bool:
-    """Whether `x` is an array or a dict of arrays (as opposed to an iterable of batches)."""
+    """Whether `x` is an array or a (nested) dict of arrays (as opposed to an iterable of batches)."""
     return isinstance(x, (np.ndarray, jax.Array)) or (
-        isinstance(x, Mapping) and all(isinstance(v, (np.ndarray, jax.Array)) for v in x.values()))
+        isinstance(x, Mapping) and bool(x) and all(is_arrays(v) for v in x.values()))
+
+
+def _check_numbers(x: Any, arg: str) -> None:
+    for leaf in jax.tree.leaves(x):
+        if np.asarray(leaf).dtype.kind in "USOa":
+            raise TypeError(
+                f"`{arg}` holds {np.asarray(leaf).dtype} values, not numbers: encode them first (a vocabulary "
+                "lookup or tokenizer outside the model), then pass the numeric arrays.")
 
 
 def num_samples(x: Any) -> int:
@@ -41,7 +49,12 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
         if y is not None or sample_weight is not None:
             raise ValueError(f"when `{arg}` is a distributed dataset, `y` and `sample_weight` must be None.")
         return x
+    if isinstance(x, (list, tuple)) and y is not None:
+        raise TypeError(
+            f"`{arg}` is a Python {type(x).__name__} and `y` is given: pass NumPy arrays (`np.asarray({arg})`), "
+            f"or pass an iterable of (x, y) batches as `{arg}` without `y`.")
     if is_arrays(x):
+        _check_numbers(x, arg)
         n = num_samples(x)
         arrays: list[Any] = [x]
         for name, a in (("y", y), ("sample_weight", sample_weight)):
@@ -86,7 +99,10 @@ def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: i
     """Global batches of `validation_data`: ``(x, y)`` / ``(x, y, sample_weight)`` arrays or batches."""
     if validation_data is None:
         return None
-    if isinstance(validation_data, tuple) and 2 <= len(validation_data) <= 3 and is_arrays(validation_data[0]):
+    if isinstance(validation_data, tuple) and is_arrays(validation_data[0]):
+        if not 2 <= len(validation_data) <= 3:
+            raise ValueError(f"`validation_data` must be (x, y) or (x, y, sample_weight) arrays, or an iterable of "
+                             f"batches; got a tuple of {len(validation_data)} arrays.")
         vx, vy, vw = (*validation_data, None)[:3]
         return to_batches(strategy, vx, vy, vw, batch_size, False, 0, "validation_data")
     return to_batches(strategy, validation_data, None, None, None, False, 0, "validation_data")

@@ -39,7 +39,7 @@ class FunctionalModel:
 
     Args:
       init: ``init(rng, sample_x) -> params`` (any pytree of arrays).
-      apply: ``apply(params, x, training=False) -> y``; if it declares a parameter ``rng``, it
+      apply: ``apply(params, x, training=False) -> y`` (or ``apply(params, x)``); if it declares a parameter ``rng``, it
         is called with a fresh PRNG key each call: ``fold_in(fold_in(key(seed), step), replica)``
         (the trainer's `seed`; a counter of calls in training; the replica's index), so dropout
         masks differ between replicas and steps and repeat for the same seed and replicas.
@@ -68,9 +68,13 @@ class _FunctionalAdapter:
         self._seed = seed
         self._params: Params | None = None
         try:
-            self._wants_rng = "rng" in inspect.signature(model.apply).parameters
+            params = inspect.signature(model.apply).parameters
         except (TypeError, ValueError):  # a callable without a readable signature
-            self._wants_rng = False
+            params = {}
+        self._wants_rng = "rng" in params
+        # `apply(params, x)` without `training` (a TF user's `model(x)`) is called without it
+        self._takes_training = not params or "training" in params or any(
+            p.kind is p.VAR_KEYWORD for p in params.values())
 
     def ready(self) -> bool:
         """Whether parameters exist without seeing data (never, for a functional model)."""
@@ -85,12 +89,13 @@ class _FunctionalAdapter:
 
     def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
         state = params["non_trainable"]
+        flag = {"training": training} if self._takes_training else {}
         if not self._wants_rng:
-            return self.model.apply(params["trainable"], x, training=training), state, None
+            return self.model.apply(params["trainable"], x, **flag), state, None
         key = jax.random.fold_in(jax.random.key(self._seed), state["rng_step"])
         if get_replica_context() is not None:
             key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
-        y = self.model.apply(params["trainable"], x, training=training, rng=key)
+        y = self.model.apply(params["trainable"], x, rng=key, **flag)
         return y, {"rng_step": state["rng_step"] + jnp.uint32(training)}, None
 
     def get_weights(self, params: Params) -> Any:
@@ -206,3 +211,13 @@ def adapt(model: Any, seed: int = 0, batch_statistics: str = "global") -> _Funct
     if keras is not None and isinstance(model, keras.Model):
         return _KerasAdapter(model, batch_statistics)
     raise TypeError(f"`model` must be a Keras 3 model or a lockstep.FunctionalModel, got {type(model).__name__}.")
+
+
+def output_shape(adapter: Any, params: Params, x: Any) -> Any:
+    """The shape of the model's output on `x` (traced, not run), or an error naming what the model
+    could not take."""
+    try:
+        return jax.eval_shape(lambda p, x: adapter.apply(p, x, False)[0], params, x).shape
+    except (TypeError, ValueError) as e:
+        shapes = jax.tree.map(lambda a: f"{a.shape} {a.dtype}", x)
+        raise ValueError(f"the model cannot take `x` of shape/dtype {shapes}: {e}") from e

@@ -32,7 +32,7 @@ from ._inputs import (
 )
 from ._compiled import settings as compiled_settings
 from ._labels import LabelCheck, checked
-from ._model import adapt
+from ._model import adapt, output_shape
 from ._optimizers import get_optimizer, learning_rate_of, set_learning_rate
 from ._state import LiveState, TrainState
 from ._steps import (
@@ -131,7 +131,9 @@ def _with_progress_bar(cbs: list[Callback], verbose: int | str, train: Iterable[
     return cbs
 
 
-def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any) -> None:
+def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any, verbose: Any = 0) -> None:
+    if verbose not in (0, 1, 2, "auto") or isinstance(verbose, float):
+        raise ValueError(f"`verbose` must be 0, 1, 2 or 'auto', got verbose={verbose!r}.")
     if not isinstance(epochs, int) or epochs < 0:
         raise ValueError(f"`epochs` must be a non-negative integer, got epochs={epochs!r}.")
     if not isinstance(validation_split, (int, float)) or not 0.0 <= validation_split < 1.0:
@@ -215,9 +217,9 @@ class Trainer:
         if self._live.params is None:
             self._live.place(self._adapter.build(x), self._optimizer.init)
         if y is not None and (not self._all.built or self._labels.needs_classes):
-            y_pred = jax.eval_shape(lambda p, x: self._adapter.apply(p, x, False)[0], self._live.params, x)
-            self._labels.num_classes = y_pred.shape[-1] if y_pred.shape else 1
-            self._all.build(np.shape(y), y_pred.shape)
+            pred_shape = output_shape(self._adapter, self._live.params, x)
+            self._labels.num_classes = pred_shape[-1] if pred_shape else 1
+            self._all.build(np.shape(y), pred_shape)
         if not self._steps:
             self._steps = make_steps(self._adapter.apply, self._loss_fn, self._optimizer, self._loss_tracker,
                                      self._metrics, self.strategy.num_replicas_in_sync)
@@ -282,7 +284,7 @@ class Trainer:
         Raises:
           ValueError: `x` and `y` of different lengths, `validation_split` outside [0, 1), ...
         """
-        _check_fit_args(epochs, validation_split, steps_per_epoch)
+        _check_fit_args(epochs, validation_split, steps_per_epoch, verbose)
         if validation_split:
             x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split,
                                                                     validation_data)
