@@ -129,3 +129,78 @@ def test_keras_metric_objects_in_a_trainer_log_what_keras_evaluate_reports():
     got = t.evaluate(x, y, batch_size=5)
     for k in ("loss", "acc", "top2"):
         np.testing.assert_allclose(got[k], expected[k], rtol=1e-5)
+
+
+# --- lockstep's own catalog against the Keras class of the same name ------------------------------
+T = 4
+
+
+def _catalog_data(kind, rank, rng):
+    n = 6
+    if kind == "binary":
+        shape = {1: (n,), 2: (n, 1), 3: (n, T, 1)}[rank]
+        return rng.integers(0, 2, shape).astype(np.float32), rng.uniform(size=shape).astype(np.float32)
+    if kind in ("onehot", "sparse"):
+        shape = {2: (n,), 3: (n, T)}[rank]
+        z = rng.normal(size=(*shape, C))
+        p = (np.exp(z) / np.exp(z).sum(-1, keepdims=True)).astype(np.float32)
+        labels = rng.integers(0, C, shape)
+        return (np.eye(C, dtype=np.float32)[labels] if kind == "onehot" else labels), p
+    if kind == "labels":
+        shape = {1: (n,), 2: (n, 2)}[rank]
+        return rng.integers(0, C, shape), rng.integers(0, C, shape)
+    shape = {1: (n,), 2: (n, 2), 3: (n, T, 2)}[rank]
+    return rng.normal(size=shape).astype(np.float32), rng.normal(size=shape).astype(np.float32)
+
+
+CATALOG = {  # lockstep name (= Keras name): kind of data, ranks, constructor arguments
+    "Accuracy": ("labels", [1, 2], {}), "BinaryAccuracy": ("binary", [1, 2, 3], {}),
+    "CategoricalAccuracy": ("onehot", [2, 3], {}), "SparseCategoricalAccuracy": ("sparse", [2, 3], {}),
+    "TopKCategoricalAccuracy": ("onehot", [2, 3], {}), "SparseTopKCategoricalAccuracy": ("sparse", [2, 3], {}),
+    "AUC": ("binary", [1, 2], {}), "Precision": ("binary", [1, 2, 3], {}), "Recall": ("binary", [1, 2, 3], {}),
+    "F1Score": ("onehot", [2], {}), "FBetaScore": ("onehot", [2], {}),
+    "MeanAbsoluteError": ("regression", [1, 2, 3], {}), "MeanSquaredError": ("regression", [1, 2, 3], {}),
+    "RootMeanSquaredError": ("regression", [1, 2, 3], {}), "R2Score": ("regression", [2], {}),
+}
+
+
+def _weights(form, y, kind, rng):
+    per = np.shape(y)[:-1] if kind == "onehot" else np.shape(y)  # one weight per label
+    shapes = {"none": None, "per sample": per[:1], "per sample (n, 1)": (per[0], 1), "per label": per,
+              "per timestep": per[:2] if len(per) >= 2 else None}
+    shape = shapes[form]
+    return None if shape is None else rng.uniform(0, 2, shape).astype(np.float32)
+
+
+@pytest.mark.parametrize("name", sorted(CATALOG))
+def test_a_catalog_metric_equals_the_keras_class_on_the_same_inputs(name):
+    """Ranks 1-3, weights per sample, per sample as (n, 1), per label and per timestep, and the
+    one-element threshold list: wherever Keras computes a value, lockstep's is the same (shape too)."""
+    kind, ranks, kwargs = CATALOG[name]
+    rng = np.random.default_rng(3)
+    compared = 0
+    for rank in ranks:
+        for form in ("none", "per sample", "per sample (n, 1)", "per label", "per timestep"):
+            y, p = _catalog_data(kind, rank, rng)
+            w = _weights(form, y, kind, rng)
+            if form != "none" and w is None:
+                continue
+            reference = getattr(keras.metrics, name)(**kwargs)
+            try:
+                reference.update_state(y, p, sample_weight=w)
+                expected = np.asarray(reference.result())
+            except ValueError:  # Keras refuses this weight shape: nothing to compare
+                continue
+            ours = getattr(ls.metrics, name)(**kwargs)
+            ours.update_state(y, p, sample_weight=w)
+            got = np.asarray(ours.result())
+            assert got.shape == expected.shape, (rank, form)
+            np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6, err_msg=f"rank {rank}, weights {form}")
+            compared += 1
+    assert compared >= len(ranks)
+    if name in ("Precision", "Recall"):  # a list of one threshold gives a scalar, as in Keras
+        y, p = _catalog_data("binary", 1, rng)
+        reference, ours = getattr(keras.metrics, name)(thresholds=[0.3]), getattr(ls.metrics, name)(thresholds=[0.3])
+        reference.update_state(y, p)
+        ours.update_state(y, p)
+        assert np.shape(ours.result()) == () and np.isclose(float(ours.result()), float(reference.result()))

@@ -44,7 +44,7 @@ def _check_k(k: Any) -> int:
 
 
 def _in_top_k(labels: jax.Array, y_pred: jax.Array, k: int) -> jax.Array:
-    top = jax.lax.top_k(y_pred, k)[1]
+    top = jax.lax.top_k(y_pred, min(k, y_pred.shape[-1]))[1]  # k above the classes: every class, as Keras
     return jnp.any(top == labels[..., None], axis=-1).astype(jnp.float32)
 
 

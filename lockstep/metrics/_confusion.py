@@ -31,7 +31,7 @@ def _parse_thresholds(thresholds: float | Sequence[float] | None, default: float
     if not values:
         raise ValueError("`thresholds` must hold at least one value, got an empty list.")
     _check_thresholds(values)
-    return values, False
+    return values, len(values) == 1  # one threshold in a list: a scalar result, as in Keras
 
 
 def _filter_top_k(y_pred: jax.Array, k: int) -> jax.Array:
@@ -101,8 +101,8 @@ class Precision(_ThresholdMetric):
     """tp / (tp + fp) at each threshold (`y_pred > threshold` is a positive prediction).
 
     Args:
-      thresholds: a float or a list of floats in [0, 1] (default 0.5); a list gives one
-        precision per threshold.
+      thresholds: a float or a list of floats in [0, 1] (default 0.5); a list of several gives
+        one precision per threshold (a list of one, a scalar, as in Keras).
       top_k: only the `top_k` largest predictions of each sample count as positive.
       class_id: compute the metric for this class (column) only.
 
