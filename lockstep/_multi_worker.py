@@ -262,10 +262,28 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
     devices = os.environ.get("LOCKSTEP_DEVICES_PER_PROC")
     if devices and jax.config.jax_platforms in (None, "", "cpu"):
         jax.config.update("jax_num_cpu_devices", int(devices))
-    jax.distributed.initialize(resolver.coordinator_address, resolver.num_processes, resolver.process_id,
-                               initialization_timeout=max(30, 3 * timeout), heartbeat_timeout_seconds=timeout,
-                               shutdown_timeout_seconds=max(10, timeout))
+    join = float(os.environ.get("LOCKSTEP_JOIN_TIMEOUT", max(30, 3 * timeout)))
+    # lockstep's own deadline for every worker to join, well before the runtime's (which aborts with
+    # a core dump and `DEADLINE_EXCEEDED ... RegisterTask`): a worker that never starts is named here
+    late = threading.Timer(join, _not_joined, args=(resolver, join))
+    late.daemon = True
+    late.start()
+    try:
+        jax.distributed.initialize(resolver.coordinator_address, resolver.num_processes, resolver.process_id,
+                                   initialization_timeout=int(2 * join + 30), heartbeat_timeout_seconds=timeout,
+                                   shutdown_timeout_seconds=max(10, timeout))
+    finally:
+        late.cancel()
     _INITIALIZED.append(resolver)
+
+
+def _not_joined(resolver: ClusterResolver, seconds: float) -> None:
+    what = ("not every worker joined the coordinator" if resolver.process_id == 0
+            else f"could not join the coordinator at {resolver.coordinator_address}")
+    print(f"lockstep: worker {resolver.process_id}: {what} within {seconds:.0f} s ({resolver.num_processes} workers "
+          "expected): check that every worker started, with the same --nnodes / --nproc-per-node and --coordinator "
+          f"(or TF_CONFIG / SLURM settings); exiting with code {LOST_WORKER_EXIT_CODE}.", file=sys.stderr, flush=True)
+    os._exit(LOST_WORKER_EXIT_CODE)
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -276,7 +294,9 @@ class MultiWorkerMirroredStrategy(Strategy):
         and with none of them set is one worker (this process), as in TF.
       failure_timeout: seconds after which a dead or frozen worker ends the job (the runtime's
         heartbeat and collective time-outs, and lockstep's watchdog). Default:
-        `LOCKSTEP_FAILURE_TIMEOUT`, else 20.
+        `LOCKSTEP_FAILURE_TIMEOUT`, else 20. Workers must all join within `LOCKSTEP_JOIN_TIMEOUT`
+        seconds (default: 3 failure timeouts, at least 30), else each exits with code 75 and a
+        message saying which could not join.
 
     Every worker runs the same script. With NumPy inputs each worker keeps only the rows of its
     own replicas of each global batch; `distribute_datasets_from_function` gives each worker its

@@ -15,6 +15,7 @@ import pytest
 from sklearn.metrics import accuracy_score, f1_score
 
 import lockstep as ls
+from lockstep._exit_codes import LOST_WORKER_EXIT_CODE
 
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "workers"))
@@ -237,3 +238,31 @@ def test_launcher_forwards_sigterm_and_leaves_no_process_behind(tmp_path):
     assert "(interrupted)" in err
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_workers_passing_arrays_of_different_lengths_get_a_clear_error(tmp_path):
+    """Each worker ran its own number of steps and the job died in a Gloo timeout."""
+    script = tmp_path / "uneven.py"
+    script.write_text(textwrap.dedent("""
+        import os
+        import numpy as np, jax.numpy as jnp, lockstep as ls
+        s = ls.MultiWorkerMirroredStrategy()
+        n = 20 + 3 * s.worker_index
+        m = ls.FunctionalModel(init=lambda k, x: {"w": jnp.zeros((2, 2))}, apply=lambda p, x, training=False: x @ p["w"])
+        ls.Trainer(m, strategy=s).fit(np.ones((n, 2), np.float32), np.zeros(n, int), batch_size=4, verbose=0)
+    """))
+    proc = launch(script, nproc=2)
+    assert proc.returncode != 0
+    assert "`x` has a different number of samples on each worker ([20, 23], in worker order)" in proc.stdout
+
+
+def test_a_chief_whose_peer_never_starts_exits_with_a_named_cause(tmp_path):
+    """It aborted with a core dump: `DEADLINE_EXCEEDED ... RegisterTask`."""
+    script = tmp_path / "lonely.py"
+    script.write_text("import lockstep as ls\nls.MultiWorkerMirroredStrategy()\nprint('joined')\n")
+    env = {**os.environ, "XLA_FLAGS": "", "LOCKSTEP_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+           "LOCKSTEP_NUM_PROCESSES": "2", "LOCKSTEP_PROCESS_ID": "0", "LOCKSTEP_JOIN_TIMEOUT": "3"}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
+    assert proc.returncode == LOST_WORKER_EXIT_CODE, proc.stderr[-2000:]
+    assert "worker 0: not every worker joined the coordinator within 3 s (2 workers expected)" in proc.stderr
+    assert "joined\n" not in proc.stdout

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from .._cross_replica import allgather_sizes
 from .._datasets import DistributedDataset
 from .._layout import padded_per_replica
 from ..data import Batches
@@ -56,6 +57,7 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
     if is_arrays(x):
         _check_numbers(x, arg)
         n = num_samples(x)
+        _check_same_on_every_worker(n, arg)
         arrays: list[Any] = [x]
         for name, a in (("y", y), ("sample_weight", sample_weight)):
             if a is None:
@@ -74,6 +76,19 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
         raise ValueError(f"when `{arg}` is an iterable of batches, `y` and `sample_weight` must be None "
                          "(each batch carries them).")
     return x
+
+
+def _check_same_on_every_worker(n: int, arg: str) -> None:
+    """Array inputs are the global data, the same on every worker: refuse lengths that differ (each
+    worker would run another number of steps, and the collectives would wait for the missing ones)."""
+    if jax.process_count() == 1:
+        return
+    sizes = [int(s) for s in allgather_sizes(n)]
+    if len(set(sizes)) > 1:
+        raise ValueError(
+            f"`{arg}` has a different number of samples on each worker ({sizes}, in worker order): array inputs "
+            "are the global data and must be the same on every worker (each keeps its replicas' rows). For "
+            "data that differs per worker, use `strategy.distribute_datasets_from_function`.")
 
 
 def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float, validation_data: Any = None
