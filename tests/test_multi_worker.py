@@ -266,3 +266,26 @@ def test_a_chief_whose_peer_never_starts_exits_with_a_named_cause(tmp_path):
     assert proc.returncode == LOST_WORKER_EXIT_CODE, proc.stderr[-2000:]
     assert "worker 0: not every worker joined the coordinator within 3 s (2 workers expected)" in proc.stderr
     assert "joined\n" not in proc.stdout
+
+
+def test_a_worker_that_raises_is_named_first_and_the_job_ends_at_once(tmp_path):
+    """The raising rank waited ~20 s in the shutdown barrier while its peer's collective timed
+    out, and the launcher's summary blamed the healthy rank 0."""
+    script = tmp_path / "raiser.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, jax.numpy as jnp, lockstep as ls
+        s = ls.MultiWorkerMirroredStrategy()
+        m = ls.FunctionalModel(init=lambda k, x: {"w": jnp.zeros((2, 2))}, apply=lambda p, x, training=False: x @ p["w"])
+        t = ls.Trainer(m, strategy=s)
+        x, y = np.ones((400, 2), np.float32), np.zeros(400, int)
+        t.fit(x, y, batch_size=4, verbose=0)
+        if s.worker_index == 1:
+            raise RuntimeError("boom in rank 1")
+        t.fit(x, y, batch_size=4, epochs=100, verbose=0)
+    """))
+    start = time.monotonic()
+    proc = launch(script, nproc=2, failure_timeout=10)
+    assert proc.returncode == 1
+    assert "rank 1 exited with code 1;" in proc.stderr, proc.stderr
+    assert "RuntimeError: boom in rank 1" in proc.stdout
+    assert time.monotonic() - start < 60  # not the runtime's barrier and collective time-outs

@@ -164,7 +164,7 @@ def _run_group(workers: list[_Worker], script: str, args: Sequence[str], nproc_p
         codes = [w.proc.poll() for w in workers]
         bad = [w for w, rc in zip(workers, codes) if rc not in (None, 0)]
         if bad:
-            failed = bad[0]
+            failed = _first_cause(workers, bad)
             break
         if all(rc == 0 for rc in codes):
             break
@@ -182,6 +182,22 @@ def _run_group(workers: list[_Worker], script: str, args: Sequence[str], nproc_p
     if frozen:
         summary += f"; frozen (stopped) rank{'s' if len(frozen) > 1 else ''} {', '.join(map(str, frozen))}"
     return summary + f"; stopped all {len(workers)} worker processes."
+
+
+def _first_cause(workers: list[_Worker], bad: list[_Worker], settle: float = 1.0) -> _Worker:
+    """The failed worker to name: one that failed by itself (an error of its own) rather than one
+    that only lost a peer (code 75) or was killed, waiting up to `settle` s for the peer whose exit
+    caused theirs."""
+    deadline = time.monotonic() + settle
+    while True:
+        codes = [(w, w.proc.poll()) for w in workers]
+        own = [w for w, rc in codes if rc is not None and rc > 0 and rc != LOST_WORKER_EXIT_CODE]
+        if own:
+            return own[0]
+        if time.monotonic() > deadline:  # else one killed from outside (not the runtime's own abort)
+            killed = [w for w, rc in codes if rc is not None and rc < 0 and rc != -signal.SIGABRT]
+            return killed[0] if killed else bad[0]
+        time.sleep(0.05)
 
 
 def _stop_all(workers: list[_Worker], grace: float) -> None:
