@@ -132,7 +132,8 @@ def test_sample_weights_and_iterables_of_batches():
     w = np.random.default_rng(1).integers(0, 3, size=301).astype(np.float32)
     trainer = ls.Trainer(functional_mlp(), loss="sparse_categorical_crossentropy_from_logits", metrics=["accuracy"],
                          strategy=ls.MirroredStrategy(3))
-    out = trainer.evaluate(x, y, sample_weight=w, batch_size=50)
+    with pytest.warns(UserWarning, match="Keras 3 weighs only `weighted_metrics`"):
+        out = trainer.evaluate(x, y, sample_weight=w, batch_size=50)
     logits = numpy_functional_forward(trainer.get_weights(), x)
     assert out["accuracy"] == np.float32(accuracy_score(y, logits.argmax(1), sample_weight=w))
     gen_out = trainer.evaluate(((x[i:i + 50], y[i:i + 50], w[i:i + 50]) for i in range(0, 301, 50)))

@@ -17,6 +17,7 @@ from .._cross_replica import broadcast_from_chief
 from .._strategy import Strategy, get_strategy
 from ..callbacks import Callback, History, ProgbarLogger
 from ..callbacks._callback import CallbackList, is_chief
+from ..callbacks._progbar import format_logs
 from ..checkpoint import atomic_path, load_tree, save_tree
 from ..metrics import Mean, Metric, MetricCollection
 from ..metrics import get as get_metric
@@ -140,6 +141,14 @@ def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any, ve
         raise ValueError(f"`validation_split` must be in (0, 1) (or 0 for none), got validation_split={validation_split!r}.")
     if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
         raise ValueError(f"`steps_per_epoch` must be a positive integer, got steps_per_epoch={steps_per_epoch!r}.")
+
+
+def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> None:
+    if sample_weight is not None and metrics.metrics:
+        warnings.warn(
+            "`sample_weight` weighs the loss and every metric in lockstep; Keras 3 weighs only `weighted_metrics` "
+            f"(its `metrics` ignore sample weights): {sorted(metrics.metrics)} are weighted here.", UserWarning,
+            stacklevel=3)
 
 
 def _load_weights(path: str, like: Any, opt_state: Any) -> Any:
@@ -285,6 +294,7 @@ class Trainer:
           ValueError: `x` and `y` of different lengths, `validation_split` outside [0, 1), ...
         """
         _check_fit_args(epochs, validation_split, steps_per_epoch, verbose)
+        _note_weighted_metrics(sample_weight, self._metrics)
         if validation_split:
             x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split,
                                                                     validation_data)
@@ -373,11 +383,10 @@ class Trainer:
           ``{"loss": ..., <metric name>: ...}`` (a list in that order if `return_dict` is False).
         """
         data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
+        _note_weighted_metrics(sample_weight, self._metrics)
         cblist = CallbackList(list(callbacks or []), self)
         logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x")
         if verbose and is_chief():
-            from ..callbacks._progbar import format_logs
-
             print(format_logs(logs))
         return logs if return_dict else list(logs.values())
 
