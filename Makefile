@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench install clean
+.PHONY: demo test bench faults install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +23,9 @@ bench: $(STAMP)
 
 test: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python -m pytest -q
+
+faults: $(STAMP)   # the multi-process and kill tests at full strength (not part of `make test`)
+	KERAS_BACKEND=jax LOCKSTEP_FAULT_TRIALS=20 $(BIN)/python -m pytest -q tests/test_fault_tolerance.py tests/test_multi_worker.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

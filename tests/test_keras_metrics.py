@@ -94,9 +94,8 @@ def test_a_keras_metric_object_equals_keras_itself_on_any_replica_count(name, we
     n = 11  # batches of 4 on 3 replicas: a short last batch, a replica with padding only
     y, p = _data(kind, n)
     w = _rng.uniform(0, 2, size=n).astype(np.float32) if weighted else None
-    reference = make()
-    for lo in range(0, n, 4):
-        reference.update_state(y[lo:lo + 4], p[lo:lo + 4], sample_weight=None if w is None else w[lo:lo + 4])
+    reference = make()  # on the whole data at once (Keras metrics add up over batches)
+    reference.update_state(y, p, sample_weight=w)
     expected = np.asarray(reference.result())
     for r in (1, 3, 4) if name in SWEPT else (3,):
         s = ls.MirroredStrategy(r)
@@ -166,7 +165,7 @@ CATALOG = {  # lockstep name (= Keras name): kind of data, ranks, constructor ar
 
 def _weights(form, y, kind, rng):
     per = np.shape(y)[:-1] if kind == "onehot" else np.shape(y)  # one weight per label
-    shapes = {"none": None, "per sample": per[:1], "per sample (n, 1)": (per[0], 1), "per label": per,
+    shapes = {"none": None, "per sample": per[:1], "per label": per,
               "per timestep": per[:2] if len(per) >= 2 else None}
     shape = shapes[form]
     return None if shape is None else rng.uniform(0, 2, shape).astype(np.float32)
@@ -174,13 +173,13 @@ def _weights(form, y, kind, rng):
 
 @pytest.mark.parametrize("name", sorted(CATALOG))
 def test_a_catalog_metric_equals_the_keras_class_on_the_same_inputs(name):
-    """Ranks 1-3, weights per sample, per sample as (n, 1), per label and per timestep, and the
+    """Ranks 1-3, weights per sample, per label and per timestep, and the
     one-element threshold list: wherever Keras computes a value, lockstep's is the same (shape too)."""
     kind, ranks, kwargs = CATALOG[name]
     rng = np.random.default_rng(3)
     compared = 0
     for rank in ranks:
-        for form in ("none", "per sample", "per sample (n, 1)", "per label", "per timestep"):
+        for form in ("none", "per sample", "per label", "per timestep"):
             y, p = _catalog_data(kind, rank, rng)
             w = _weights(form, y, kind, rng)
             if form != "none" and w is None:

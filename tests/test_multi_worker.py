@@ -42,7 +42,11 @@ def references():
     return {"x": x, "y": y, "trainer": t, **common.basic_run(t, x, y)}
 
 
-@pytest.mark.parametrize("nproc,devices", [(2, 1), (3, 1), (2, 2), (3, 2)])
+#: workers x devices per worker: 2 and 3 workers in `make test`; every pair in `make faults`
+SHAPES = [(2, 1), (3, 2)] + ([(3, 1), (2, 2)] if os.environ.get("LOCKSTEP_FAULT_TRIALS") else [])
+
+
+@pytest.mark.parametrize("nproc,devices", SHAPES)
 def test_workers_evaluate_predict_fit_and_stop_exactly_like_one_process(nproc, devices, tmp_path, references):
     proc = launch(HERE / "workers" / "trainer_job.py", tmp_path, nproc=nproc, devices=devices)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
