@@ -234,7 +234,7 @@ class DistributedDataset:
         return DistributedDataset(self._strategy, dataset, self._per_worker, self._padded_size)
 
     def __iter__(self) -> Iterator[DistributedBatch]:
-        one_shot = iter(self._dataset) is self._dataset  # a generator or iterator: one pass only
+        one_shot = isinstance(self._dataset, Iterator)  # a generator or iterator: one pass only
         if one_shot and self._used_up:
             raise ValueError(
                 f"this distributed dataset wraps a one-shot {type(self._dataset).__name__} (a generator or "
