@@ -21,8 +21,9 @@ demo: $(STAMP)
 bench: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/bench.py
 
+# two pytest workers; the tests that start processes run one after another in one of them
 test: $(STAMP)
-	KERAS_BACKEND=jax $(BIN)/python -m pytest -q
+	KERAS_BACKEND=jax $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
 faults: $(STAMP)   # the multi-process and kill tests at full strength (not part of `make test`)
 	KERAS_BACKEND=jax LOCKSTEP_FAULT_TRIALS=20 $(BIN)/python -m pytest -q tests/test_fault_tolerance.py tests/test_multi_worker.py

@@ -7,6 +7,9 @@ import sys
 
 import pytest
 
+# these tests start processes: with `make test`'s two pytest workers, they run one after another
+pytestmark = pytest.mark.xdist_group("processes")
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 

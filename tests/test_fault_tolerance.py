@@ -20,6 +20,9 @@ JOB = HERE / "workers" / "resume_job.py"
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 
+# these tests start processes: with `make test`'s two pytest workers, they run one after another
+pytestmark = pytest.mark.xdist_group("processes")
+
 
 def launch_cmd(nproc, out_dir, mode, restarts=1):
     return [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(nproc), "--max-restarts",

@@ -41,10 +41,15 @@ def _build(name):
     return model
 
 
-def _fit(name, x, y, replicas):
+def _trainer(name, replicas):
+    return ls.Trainer(_build(name), optimizer=optax.sgd(1e-3), loss="sparse_categorical_crossentropy",
+                      strategy=ls.MirroredStrategy(replicas))
+
+
+def _fit(t, w0, x, y):
+    """One epoch from weights `w0` (plain SGD: no optimizer state to reset), reusing `t`'s compiled step."""
     first = _FirstLoss()
-    t = ls.Trainer(_build(name), optimizer=optax.sgd(1e-3), loss="sparse_categorical_crossentropy",
-                   strategy=ls.MirroredStrategy(replicas))
+    t.set_weights(w0)
     history = t.fit(x, y, batch_size=BATCH, epochs=1, verbose=0, shuffle=False, callbacks=[first])
     return t.get_weights(), first.value, history.history["loss"][0]
 
@@ -52,15 +57,16 @@ def _fit(name, x, y, replicas):
 @pytest.mark.parametrize("name", ["ResNet50", "MobileNetV2", "EfficientNetB0"])
 def test_one_epoch_on_4_replicas_against_1_device(name):
     x, y = _data()
-    w0 = _build(name).get_weights()
-    w1, first1, _ = _fit(name, x, y, 1)
-    w4, first4, loss4 = _fit(name, x, y, 4)
+    one = _trainer(name, 1)
+    w0 = one.get_weights()
+    w1, first1, _ = _fit(one, w0, x, y)
+    w4, first4, loss4 = _fit(_trainer(name, 4), w0, x, y)
     assert np.isfinite(loss4) and all(np.isfinite(w).all() for w in w4)
     # the first step: float32-exact (ResNet50's 50 layers: permuting rows on one device moves it 1.8e-5)
     np.testing.assert_allclose(first4, first1, rtol=1e-4)
 
     order = np.concatenate([i + np.random.default_rng(0).permutation(min(BATCH, N - i)) for i in range(0, N, BATCH)])
-    wp, _, _ = _fit(name, x[order], y[order], 1)
+    wp, _, _ = _fit(one, w0, x[order], y[order])
 
     def distance(a, b):  # relative to the epoch's update on one device
         return float(np.sqrt(sum(np.sum((p - q) ** 2) for p, q in zip(a, b)) /

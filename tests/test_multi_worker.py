@@ -22,6 +22,9 @@ sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from common import free_port  # noqa: E402
 
+# these tests start processes: with `make test`'s two pytest workers, they run one after another
+pytestmark = pytest.mark.xdist_group("processes")
+
 LAUNCH_TIMEOUT = 240
 
 
