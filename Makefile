@@ -3,7 +3,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test bench faults install clean
+.PHONY: demo test test-full bench faults install clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -25,8 +25,13 @@ bench: $(STAMP)
 test: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
-faults: $(STAMP)   # the multi-process and kill tests at full strength (not part of `make test`)
-	KERAS_BACKEND=jax LOCKSTEP_FAULT_TRIALS=20 $(BIN)/python -m pytest -q tests/test_fault_tolerance.py tests/test_multi_worker.py
+# the whole suite with its costly variants (every model and worker shape, 20 kills)
+test-full: $(STAMP)
+	KERAS_BACKEND=jax LOCKSTEP_FULL_SUITE=1 LOCKSTEP_FAULT_TRIALS=20 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+
+# fault injection, 20 trials of every scenario with 2 and 3 workers: writes benchmarks/FAULTS.md
+faults: $(STAMP)
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/faults.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -35,6 +35,7 @@ _EXPORTS: dict[str, str] = {
     "get_replica_context": "._values",
     "ReduceOp": "._reduce",
     "UsageError": "._errors",
+    "WorkersDisagreeError": "._errors",
     "simulate_cpu_devices": "._devices",
     "compute_average_loss": ".losses",
     "cross_replica_moments": "._moments",
@@ -74,6 +75,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._datasets import InputContext as InputContext
     from ._devices import simulate_cpu_devices as simulate_cpu_devices
     from ._errors import UsageError as UsageError
+    from ._errors import WorkersDisagreeError as WorkersDisagreeError
     from ._moments import cross_replica_moments as cross_replica_moments
     from ._multi_worker import ClusterResolver as ClusterResolver
     from ._multi_worker import EnvClusterResolver as EnvClusterResolver

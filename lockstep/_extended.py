@@ -43,6 +43,11 @@ class StrategyExtended:
         self._compiler = RunCompiler(
             self.mesh, lambda mask, count, typed: ReplicaContext(strategy, mask, count, typed))
 
+    def agree_on_programs(self, check: Callable[[str], None] | None) -> None:
+        """Calls `check(description)` before each new compiled program runs (the workers of a
+        multi-worker strategy check that they all run the same one)."""
+        self._compiler.agree_with(check)
+
     def put_replicated(self, x: Any) -> Any:
         """`x` (a pytree of arrays) copied to every device (NumPy leaves stay exact)."""
         return self.distributor.put_replicated(x)

@@ -30,6 +30,7 @@ from typing import Any
 
 import jax
 
+from ._agreement import ProgramAgreement
 from ._errors import UsageError
 from ._exit_codes import LOST_WORKER_EXIT_CODE
 from ._strategy import Strategy
@@ -187,30 +188,45 @@ def resolve_cluster(env: dict[str, str] | None = None) -> ClusterResolver:
 
 
 class _Watchdog:
-    """Counts heartbeats of every worker in the coordination service; names a silent one and exits."""
+    """Counts heartbeats of every worker in the coordination service; names a silent one and exits.
+
+    At exit (`finish`) a worker publishes that it is done and waits, still beating, until every
+    worker is: a chief that saves files long after the others finished is not cut off by the
+    runtime's shutdown barrier (which aborts every worker after its time-out).
+    """
 
     def __init__(self, rank: int, num: int, timeout: float):
         from jax._src import distributed
 
         self._client = distributed.global_state.client
         self._rank, self._num, self._timeout = rank, num, timeout
-        self._done = threading.Event()
+        self._finishing = False
+        self._done = threading.Event()  # ends the heartbeat loop
         self._thread = threading.Thread(target=self._loop, name="lockstep-watchdog", daemon=True)
-        atexit.register(self.stop)
+        atexit.register(self.finish)  # after JAX's own exit handler is registered: runs before it
 
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
-        if not self._done.is_set():
-            self._done.set()
-            try:
-                self._client.key_value_set(f"lockstep/done/{self._rank}", "1", allow_overwrite=True)
-            except Exception:  # noqa: BLE001 - the coordinator may already be gone at exit
-                pass
+    def finish(self) -> None:
+        """Publishes that this worker is done, then waits for every other worker to be done."""
+        if self._finishing:
+            return
+        self._finishing = True
+        try:
+            self._client.key_value_set(f"lockstep/done/{self._rank}", "1", allow_overwrite=True)
+            delay = 0.01
+            while len(self._client.key_value_dir_get("lockstep/done/")) < self._num:
+                time.sleep(delay)  # the heartbeat loop keeps running: a lost peer ends this process, named
+                delay = min(2 * delay, 0.5)
+        except Exception:  # noqa: BLE001 - the coordinator is gone: the heartbeat loop names it
+            time.sleep(3 * _BEAT_INTERVAL)
+        self._done.set()
 
     def _loop(self) -> None:
         last_seen = {r: (None, time.monotonic()) for r in range(self._num)}
+        finished_at: dict[int, float] = {}
+        waiting = _MainThreadWait()
         while not self._done.wait(_BEAT_INTERVAL):
             now = time.monotonic()
             try:
@@ -222,8 +238,18 @@ class _Watchdog:
                     return
                 self._die(f"lost contact with the coordinator (worker 0): {type(e).__name__}: {str(e)[:200]}")
                 return
+            blocked = waiting.seconds(now)
             for r in range(self._num):
-                if r == self._rank or str(r) in done:
+                if r == self._rank:
+                    continue
+                if str(r) in done:
+                    # a peer that has finished cannot join a collective this worker still waits in
+                    since = finished_at.setdefault(r, now)
+                    if not self._finishing and now - since > self._timeout and blocked > self._timeout:
+                        self._die(f"lost worker {r}: it finished its script while this worker has waited "
+                                  f"{blocked:.0f} s in a step it never joined (the workers ran different "
+                                  "numbers of steps)")
+                        return
                     continue
                 count = beats.get(f"lockstep/beat/{r}")
                 seen, since = last_seen[r]
@@ -237,6 +263,28 @@ class _Watchdog:
         print(f"lockstep: worker {self._rank}: {why}; exiting with code {LOST_WORKER_EXIT_CODE}.",
               file=sys.stderr, flush=True)
         os._exit(LOST_WORKER_EXIT_CODE)
+
+
+class _MainThreadWait:
+    """How long the main thread has been stuck in one call inside JAX or lockstep (the same frame
+    at the same instruction, as when blocked on a collective), sampled once a heartbeat."""
+
+    _DIRS = tuple(os.path.dirname(m.__file__ or m.__name__) + os.sep for m in (jax, sys.modules[__package__]))
+
+    def __init__(self) -> None:
+        self._main = threading.main_thread().ident
+        self._where: tuple[Any, int] | None = None  # holding the frame keeps its identity unique
+        self._since = 0.0
+
+    def seconds(self, now: float) -> float:
+        frame = sys._current_frames().get(self._main)  # noqa: SLF001 - the documented way to sample a thread
+        where = None
+        if frame is not None and frame.f_code.co_filename.startswith(self._DIRS):
+            where = (frame, frame.f_lasti)
+        if where is None or self._where is None or where[0] is not self._where[0] or where[1] != self._where[1]:
+            self._where, self._since = where, now
+            return 0.0
+        return now - self._since
 
 
 def _exit_at_once(previous: Any) -> Any:
@@ -258,6 +306,7 @@ def _exit_at_once(previous: Any) -> Any:
 
 
 _INITIALIZED: list[ClusterResolver] = []
+_AGREEMENT: list[ProgramAgreement] = []
 
 
 def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
@@ -342,6 +391,9 @@ class MultiWorkerMirroredStrategy(Strategy):
             # the watchdog names a silent peer before the runtime's own heartbeat aborts this process
             _Watchdog(resolver.process_id, resolver.num_processes, _WATCHDOG * failure_timeout).start()
             sys.excepthook = _exit_at_once(sys.excepthook)
+            _AGREEMENT.append(ProgramAgreement(resolver.process_id, resolver.num_processes, failure_timeout))
+        if _AGREEMENT:  # one numbering of new programs per process, whatever the number of strategies
+            self.extended.agree_on_programs(_AGREEMENT[0].check)
 
     @property
     def num_workers(self) -> int:

@@ -29,6 +29,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
+from ._agreement import describe
 from ._cross_replica import AXIS, to_varying, varies
 from ._loops import loops_vary_their_carry
 from ._values import ReplicaContext, replica_context
@@ -92,6 +93,11 @@ class RunCompiler:
         self._entries: dict[Any, _Entry] = {}
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._lock = threading.Lock()
+        self._agree: Callable[[str], None] | None = None
+
+    def agree_with(self, check: Callable[[str], None] | None) -> None:
+        """`check(description)` runs before each new program (several workers agree on it)."""
+        self._agree = check
 
     def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, *, mask: Any = None,
              count: Any = None, out_kinds: Any = None, with_kwargs: bool = False, check_vma: bool = True
@@ -134,6 +140,9 @@ class RunCompiler:
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
+                if self._agree is not None:
+                    self._agree(describe(fn, [k for k in lk if k != "static"], [signature(x) for x in dyn])
+                                + f" {[type(x).__name__ for x in statics]} {mask is None} {out_kinds}")
                 if len(self._entries) > 256:
                     self._entries.clear()
                 entry = self._entries[key] = self._compile(fn, treedef, lk, statics, dyn, ctx_arrays, out_kinds,

@@ -10,3 +10,19 @@ ls.simulate_cpu_devices(8)
 
 # scripts that worker processes run (started by the multi-process tests), not test modules
 collect_ignore = ["workers"]
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "full_suite: a costly variant run by `make test-full` only "
+                                       "(LOCKSTEP_FULL_SUITE=1), kept out of `make test`'s time budget")
+
+
+def pytest_collection_modifyitems(config, items):
+    if os.environ.get("LOCKSTEP_FULL_SUITE") == "1":
+        return
+    import pytest
+
+    skip = pytest.mark.skip(reason="costly variant: `make test-full` runs it (LOCKSTEP_FULL_SUITE=1)")
+    for item in items:
+        if "full_suite" in item.keywords:
+            item.add_marker(skip)

@@ -7,14 +7,16 @@ import sys
 
 import pytest
 
-# these tests start processes: with `make test`'s two pytest workers, they run one after another
-pytestmark = pytest.mark.xdist_group("processes")
+# the multi-worker example starts worker processes: with `make test`'s two pytest workers it runs
+# in the group of tests that start processes, one after another; the other examples run anywhere
+_PROCESSES = pytest.mark.xdist_group("processes")
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script", ["custom_loop.py", "keras_mirrored.py", "early_stopping.py",
-                                    "f1_training_metric.py", "lstm_multi_worker.py", "resnet_mirrored.py"])
+                                    "f1_training_metric.py", pytest.param("lstm_multi_worker.py", marks=_PROCESSES),
+                                    "resnet_mirrored.py"])
 def test_example_runs_and_agrees(script, tmp_path):
     env = {**os.environ, "KERAS_BACKEND": "jax", "XLA_FLAGS": ""}
     args = [str(tmp_path)] if script == "keras_mirrored.py" else []

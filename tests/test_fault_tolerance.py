@@ -41,18 +41,27 @@ def result(out_dir):
     return np.load(out_dir / "final.npz")["weights"], hist
 
 
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    out = {}
-    for nproc in (1, 2):
-        d = tmp_path_factory.mktemp(f"plain{nproc}")
+class _Uninterrupted(dict):
+    """The uninterrupted job's result per number of processes, run when first asked for."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self._tmp = tmp_path_factory
+
+    def __missing__(self, nproc):
+        d = self._tmp.mktemp(f"plain{nproc}")
         proc = run_job(nproc, d, "plain")
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        out[nproc] = result(d)
-    return out
+        self[nproc] = result(d)
+        return self[nproc]
 
 
-@pytest.mark.parametrize("nproc", [1, 2])
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    return _Uninterrupted(tmp_path_factory)
+
+
+@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.full_suite), 2])
 def test_a_run_killed_mid_epoch_and_restarted_equals_an_uninterrupted_run(nproc, tmp_path, uninterrupted):
     proc = run_job(nproc, tmp_path, "kill")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -131,7 +140,7 @@ WRITER = textwrap.dedent("""
 """)
 
 
-#: kills per run of the checkpoint stress test: a few in `make test`, 20 in `make faults`
+#: kills per run of the checkpoint stress test: a few in `make test`, 20 in `make test-full`
 KILLS = int(os.environ.get("LOCKSTEP_FAULT_TRIALS", "6"))
 
 

@@ -45,8 +45,8 @@ def references():
     return {"x": x, "y": y, "trainer": t, **common.basic_run(t, x, y)}
 
 
-#: workers x devices per worker: 2 and 3 workers in `make test`; every pair in `make faults`
-SHAPES = [(2, 1), (3, 2)] + ([(3, 1), (2, 2)] if os.environ.get("LOCKSTEP_FAULT_TRIALS") else [])
+#: workers x devices per worker: 3 workers x 2 devices in `make test`; every pair in `make test-full`
+SHAPES = [(3, 2)] + [pytest.param(*shape, marks=pytest.mark.full_suite) for shape in [(2, 1), (3, 1), (2, 2)]]
 
 
 @pytest.mark.parametrize("nproc,devices", SHAPES)
@@ -293,6 +293,29 @@ def test_a_worker_that_raises_is_named_first_and_the_job_ends_at_once(tmp_path):
     start = time.monotonic()
     proc = launch(script, nproc=2, failure_timeout=10)
     assert proc.returncode == 1
-    assert "rank 1 exited with code 1;" in proc.stderr, proc.stderr
+    assert "rank 1 exited with code 1 [RuntimeError: boom in rank 1];" in proc.stderr, proc.stderr
     assert "RuntimeError: boom in rank 1" in proc.stdout
     assert time.monotonic() - start < 60  # not the runtime's barrier and collective time-outs
+
+
+def test_one_worker_calling_fit_while_another_evaluates_is_a_named_error_not_a_hang(tmp_path):
+    """Their collectives never met: both waited until the runtime's collective time-out aborted them."""
+    script = tmp_path / "disagree.py"
+    script.write_text(textwrap.dedent("""
+        import numpy as np, jax.numpy as jnp, lockstep as ls
+        s = ls.MultiWorkerMirroredStrategy()
+        m = ls.FunctionalModel(init=lambda k, x: {"w": jnp.zeros((2, 2))}, apply=lambda p, x, training=False: x @ p["w"])
+        t = ls.Trainer(m, strategy=s)
+        x, y = np.ones((40, 2), np.float32), np.zeros(40, int)
+        t.evaluate(x, y, batch_size=4, verbose=0)
+        if s.worker_index == 1:
+            t.predict(x, batch_size=4, verbose=0)  # while worker 0 calls fit
+        t.fit(x, y, batch_size=4, verbose=0)
+    """))
+    start = time.monotonic()
+    proc = launch(script, nproc=2, failure_timeout=10)
+    assert proc.returncode == 1
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert "WorkersDisagreeError: the workers are about to run different programs" in summary, proc.stderr
+    assert "worker 0 runs lockstep.training._steps" in proc.stdout and "worker 1 runs lockstep.training._steps" in proc.stdout
+    assert time.monotonic() - start < 60

@@ -50,7 +50,7 @@ class TrainingCheckpointer:
     def all_steps(self) -> list[int]:
         """Every complete checkpoint's step, oldest first."""
         self._manager.reload()
-        return sorted(self._manager.all_steps(read=True))
+        return sorted(self._manager.all_steps())
 
     def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         """Writes checkpoint `step` (every worker calls this together); returns when it is committed."""
@@ -88,7 +88,10 @@ class TrainingCheckpointer:
 
     def delete_all(self) -> None:
         """Removes every checkpoint (the chief deletes; every worker waits for it)."""
-        for step in self._manager.all_steps(read=True):
+        # the steps this manager saved or read, not a fresh listing: a worker listing the directory
+        # after the chief's first deletion would call `delete` fewer times, and orbax's barriers in
+        # `delete` would then pair different calls on different workers (a flaky failure)
+        for step in self._manager.all_steps():
             self._manager.delete(step)
         self._manager.wait_until_finished()
         self._purge()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ctypes
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -18,6 +19,7 @@ from .._exit_codes import LOST_WORKER_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 _PR_SET_PDEATHSIG = 1
 _PRINT_LOCK = threading.Lock()  # one whole line at a time from the workers' reader threads
+_ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")  # `KeyError: 'x'`
 
 
 def free_port() -> int:
@@ -80,10 +82,14 @@ class _Worker:
         except (ProcessLookupError, PermissionError):
             pass
 
-    def last_lockstep_message(self) -> str | None:
+    def last_message(self) -> str | None:
+        """The worker's last `lockstep:` line, else the last line of a Python traceback it printed."""
         for line in reversed(self.tail):
             if line.startswith("lockstep:"):
                 return line
+        for line in reversed(self.tail):
+            if _ERROR_LINE.match(line):
+                return line[:600]
         return None
 
 
@@ -160,8 +166,10 @@ def _run_group(workers: list[_Worker], script: str, args: Sequence[str], nproc_p
                                 stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=_die_with_parent)
         workers.append(_Worker(rank, proc, out))
     failed: _Worker | None = None
+    finished: list[_Worker] = []  # in the order they exited with code 0
     while True:
         codes = [w.proc.poll() for w in workers]
+        finished += [w for w, rc in zip(workers, codes) if rc == 0 and w not in finished]
         bad = [w for w, rc in zip(workers, codes) if rc not in (None, 0)]
         if bad:
             failed = _first_cause(workers, bad)
@@ -175,13 +183,26 @@ def _run_group(workers: list[_Worker], script: str, args: Sequence[str], nproc_p
         return None
     frozen = [w.rank for w in workers if w.proc.poll() is None and _is_stopped(w.proc.pid)]
     _stop_all(workers, grace)
-    summary = f"lockstep launch: rank {failed.rank} {_describe(failed.proc.returncode)}"
-    message = failed.last_lockstep_message()
-    if message:
-        summary += f" [{message}]"
+    return _summary(failed, frozen, finished, len(workers))
+
+
+def _summary(failed: _Worker, frozen: list[int], finished: list[_Worker], count: int) -> str:
+    """One line, the failed worker first: frozen ranks, else the lost worker a survivor named,
+    else ranks that exited 0 while the others still trained; then the first exit and its message."""
+    rc = failed.proc.returncode
+    message = failed.last_message()
+    parts = []
+    lost = re.search(r"lost worker (\d+)", message or "") if rc == LOST_WORKER_EXIT_CODE else None
     if frozen:
-        summary += f"; frozen (stopped) rank{'s' if len(frozen) > 1 else ''} {', '.join(map(str, frozen))}"
-    return summary + f"; stopped all {len(workers)} worker processes."
+        parts.append(f"frozen (stopped) rank{'s' if len(frozen) > 1 else ''} {', '.join(map(str, frozen))}")
+    elif lost:
+        parts.append(f"rank {lost.group(1)} lost")
+    elif finished and rc in (LOST_WORKER_EXIT_CODE, -signal.SIGABRT):
+        # the others lost a peer that had simply finished: the workers ran different numbers of steps
+        parts.append(f"rank{'s' if len(finished) > 1 else ''} {', '.join(str(w.rank) for w in finished)} exited "
+                     "early (code 0) while the others were still running")
+    parts.append(f"rank {failed.rank} {_describe(rc)}" + (f" [{message}]" if message else ""))
+    return f"lockstep launch: {'; '.join(parts)}; stopped all {count} worker processes."
 
 
 def _first_cause(workers: list[_Worker], bad: list[_Worker], settle: float = 1.0) -> _Worker:

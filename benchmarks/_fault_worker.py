@@ -1,0 +1,119 @@
+"""The worker script of `benchmarks/faults.py`: argv = token, out_dir, scenario, victim rank.
+
+Every worker runs this script under `lockstep launch`. Scenarios:
+
+* collective loop (`kill`, `stop`, `raise`, `exit0`, `slow`): a loop of `strategy.run` steps with
+  an all-reduce; at step 20 the victim SIGKILLs itself, SIGSTOPs itself, raises, leaves the loop
+  and exits 0, or (`slow`) sleeps 0.6 failure timeouts at three steps and must not be declared dead;
+* training (`plain`, `term`, `savekill`): `Trainer.fit` with `BackupAndRestore(save_freq=5)`; the
+  victim SIGTERMs itself at step 12 (`term`), or SIGKILLs itself a random few milliseconds into
+  the backup save of step 15 (`savekill`), on the first attempt only.
+
+Before a fault the victim prints ``FAULT <unix time>``; the harness measures detection from it.
+`token` only marks the processes so that the harness can look for orphans.
+"""
+
+import json
+import os
+import random
+import signal
+import sys
+import threading
+import time
+
+import lockstep as ls
+
+strategy = ls.MultiWorkerMirroredStrategy()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+token, out_dir, scenario, victim = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
+rank = strategy.cluster_resolver.task_id
+attempt = int(os.environ.get("LOCKSTEP_RESTART_COUNT", "0"))
+is_victim = rank == victim and attempt == 0
+
+
+def fault_now() -> None:
+    print(f"FAULT {time.time():.3f}", flush=True)
+
+
+def collective_loop() -> None:
+    batch = next(iter(strategy.experimental_distribute_dataset([np.ones(8, np.float32)])))
+    total = jnp.zeros(())
+    step = lambda t, b: t + ls.get_replica_context().all_reduce("SUM", jnp.sum(b))  # noqa: E731
+    for i in range(60):
+        total = strategy.run(step, args=(total, batch))
+        float(total)  # wait for the collective, as a training loop reading its loss does
+        if is_victim and i == 20:
+            fault_now()
+            if scenario == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif scenario == "stop":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            elif scenario == "raise":
+                raise RuntimeError("injected failure in the middle of training")
+            elif scenario == "exit0":
+                sys.exit(0)
+        if scenario == "slow" and rank == victim and i in (10, 20, 30):
+            time.sleep(0.6 * strategy.failure_timeout)
+        time.sleep(0.02)
+    expected = 60 * 8  # the 8 ones of the global batch, summed over the replicas, 60 times
+    assert float(total) == expected, (float(total), expected)
+
+
+def data(n: int = 1003) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(n, 8)).astype(np.float32)
+    y = (x[:, 0] + 0.5 * x[:, 1] > 0).astype(np.int32) + (x[:, 2] > 1).astype(np.int32)
+    return x, y
+
+
+def model() -> ls.FunctionalModel:
+    def init(rng, x):
+        k1, k2 = jax.random.split(rng)
+        return {"w1": jax.random.normal(k1, (x.shape[-1], 16)) * 0.3, "b1": jnp.zeros(16),
+                "w2": jax.random.normal(k2, (16, 3)) * 0.3, "b2": jnp.zeros(3)}
+    return ls.FunctionalModel(init, lambda p, x, training=False: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"])
+
+
+class Chaos(ls.callbacks.Callback):
+    """Injects the training faults; placed before `BackupAndRestore` in the callback list."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.count += 1
+        if not is_victim:
+            return
+        if scenario == "term" and self.count == 12:
+            fault_now()
+            os.kill(os.getpid(), signal.SIGTERM)  # the backup at the agreed step, then exit 83
+        if scenario == "savekill" and self.count == 15:  # BackupAndRestore saves step 15 right after this
+            delay = random.uniform(0.0, 0.03)
+            threading.Timer(delay, lambda: (fault_now(), os.kill(os.getpid(), signal.SIGKILL))).start()
+            time.sleep(0.0)
+
+
+def train() -> None:
+    x, y = data()
+    t = ls.Trainer(model(), optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
+                   metrics=["accuracy"], strategy=strategy, seed=0)
+    backup = ls.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=5,
+                                           delete_checkpoint=scenario == "plain")
+    hist = t.fit(x, y, batch_size=64, epochs=2, seed=3, verbose=0, callbacks=[Chaos(), backup])
+    if rank == 0:
+        flat = np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(t.get_weights())])
+        np.save(os.path.join(out_dir, "weights.npy"), flat)
+        with open(os.path.join(out_dir, "history.json"), "w") as f:
+            json.dump({k: [float(v) for v in vs] for k, vs in hist.history.items()}, f)
+
+
+if scenario in ("kill", "stop", "raise", "exit0", "slow"):
+    collective_loop()
+else:
+    train()
+print(f"worker {rank} done (attempt {attempt})", flush=True)

@@ -1,0 +1,76 @@
+"""Workers agree on each new compiled program before running it.
+
+Every worker of a multi-worker job must run the same compiled programs in the same order: their
+collectives meet only then. When one worker calls `fit` while another calls `evaluate`, or their
+batches have different shapes, the collectives would wait for each other until the runtime's
+time-out aborts both, naming nobody. So, the first time a worker runs a program, it publishes a
+short description of it (the function and its argument shapes) in the coordination service and
+reads every other worker's description of its program of the same number: different descriptions,
+or a worker that publishes none within the failure timeout, raise `WorkersDisagreeError` naming
+the workers and what each runs. A program every worker has already run is not checked again.
+"""
+
+from __future__ import annotations
+
+import time
+import zlib
+from typing import Any
+
+from ._errors import WorkersDisagreeError
+
+
+def describe(fn: Any, kinds: list[str], signatures: list[Any]) -> str:
+    """A short description of a program, the same on every worker that runs the same code: the
+    function, its batch-like arguments' shapes, and a checksum of every argument's shape.
+
+    >>> describe(len, ["replicated", "rows"], [((2, 3), "float32"), ((8,), "int32")])
+    'builtins.len(1 replicated, rows int32[8]; shapes #1323490905)'
+    """
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    replicated = sum(k == "replicated" for k in kinds)
+    shown = [f"{k} {s[1]}{list(s[0])}" for k, s in zip(kinds, signatures) if k != "replicated" and len(s) == 2]
+    checksum = zlib.crc32(repr((kinds, signatures)).encode())
+    return f"{name}({', '.join([f'{replicated} replicated', *shown])}; shapes #{checksum})"
+
+
+class ProgramAgreement:
+    """Checks, through the coordination service, that all workers run the same new program."""
+
+    def __init__(self, rank: int, num_workers: int, timeout: float):
+        from jax._src import distributed
+
+        self._client = distributed.global_state.client
+        self._rank, self._num, self._timeout = rank, num_workers, timeout
+        self._count = 0
+
+    def check(self, description: str) -> None:
+        """Publishes this worker's next new program and compares it with every other worker's."""
+        n = self._count
+        self._count += 1
+        mine = description[:2000]
+        self._client.key_value_set(f"lockstep/program/{n}/{self._rank}", mine)
+        theirs = self._wait_for_all(f"lockstep/program/{n}/")
+        for r in range(self._num):
+            if r not in theirs:
+                raise WorkersDisagreeError(
+                    f"worker {r} did not start new program number {n} within {self._timeout:g} s, while worker "
+                    f"{self._rank} starts {description}: the workers are running different code (say, one calls "
+                    f"fit while another calls evaluate, or one runs more steps), or worker {r} is that much slower.")
+            if theirs[r] != mine:
+                raise WorkersDisagreeError(
+                    f"the workers are about to run different programs (number {n}): worker {self._rank} runs "
+                    f"{description}, worker {r} runs {theirs[r]}. Every worker must make the same calls with "
+                    "batches of the same shapes (say, all call fit, with the same batch_size).")
+
+    def _wait_for_all(self, prefix: str) -> dict[int, str]:
+        """Every worker's entry under `prefix`, or those there when the time-out expires. Polls
+        (sleeping between reads) rather than blocking in the runtime, which would hold the GIL and
+        starve the watchdog that names a dead or frozen peer."""
+        deadline = time.monotonic() + self._timeout
+        delay = 0.0005
+        while True:
+            found = {int(k.rsplit("/", 1)[-1]): v for k, v in self._client.key_value_dir_get(prefix)}
+            if len(found) >= self._num or time.monotonic() > deadline:
+                return found
+            time.sleep(delay)
+            delay = min(2 * delay, 0.05)
