@@ -319,3 +319,40 @@ def test_one_worker_calling_fit_while_another_evaluates_is_a_named_error_not_a_h
     assert "WorkersDisagreeError: the workers are about to run different programs" in summary, proc.stderr
     assert "worker 0 runs lockstep.training._steps" in proc.stdout and "worker 1 runs lockstep.training._steps" in proc.stdout
     assert time.monotonic() - start < 60
+
+
+def test_a_chief_working_long_after_the_others_finished_is_not_cut_off(tmp_path):
+    """The finished worker waited in the runtime's shutdown barrier, which timed out (after twice
+    the failure timeout, at least 10 s) and aborted every worker, the busy chief included."""
+    script = tmp_path / "tail.py"
+    script.write_text(textwrap.dedent("""
+        import time, numpy as np, jax.numpy as jnp, lockstep as ls
+        s = ls.MultiWorkerMirroredStrategy()
+        b = next(iter(s.experimental_distribute_dataset([np.ones(8, np.float32)])))
+        t = s.run(lambda b: ls.get_replica_context().all_reduce("SUM", jnp.sum(b)), args=(b,))
+        if s.worker_index == 0:
+            time.sleep(14)  # saving files, say: longer than the runtime's shutdown barrier waits
+        print("finished", float(s.experimental_local_results(t)[0]), flush=True)
+    """))
+    proc = launch(script, nproc=2, failure_timeout=4)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("finished 8.0") == 2
+
+
+def test_a_worker_whose_script_ends_early_is_named_and_the_others_do_not_hang(tmp_path):
+    script = tmp_path / "early.py"
+    script.write_text(textwrap.dedent("""
+        import sys, numpy as np, jax.numpy as jnp, lockstep as ls
+        s = ls.MultiWorkerMirroredStrategy()
+        b = next(iter(s.experimental_distribute_dataset([np.ones(8, np.float32)])))
+        for i in range(100 if s.worker_index == 0 else 3):  # worker 1 runs fewer steps
+            float(s.experimental_local_results(s.run(lambda b: ls.get_replica_context().all_reduce("SUM", b.sum()),
+                                                     args=(b,)))[0])
+    """))
+    start = time.monotonic()
+    proc = launch(script, nproc=2, failure_timeout=6)
+    assert proc.returncode == 1
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert summary.startswith("lockstep launch: rank 1 lost; rank 0 exited with code 75"), summary
+    assert "lost worker 1: it finished its script" in summary
+    assert time.monotonic() - start < 60
