@@ -14,7 +14,11 @@ No hangs: a watchdog thread makes a worker whose peer died or froze exit with
 (`failure_timeout`, default `LOCKSTEP_FAILURE_TIMEOUT`, else 20 s) after the peer's last
 heartbeat. The runtime's own heartbeat and collective time-outs are backstops, set to twice the
 failure timeout, so that the watchdog's named exit wins the race: when they fire, they abort the
-process (SIGABRT) without saying which peer was lost.
+process (SIGABRT) without saying which peer was lost. The watchdog also names a peer whose script
+has finished while this worker waits in a step that peer never joins, and at exit every worker
+waits (still beating) until all have finished, instead of the runtime's shutdown barrier, which
+aborts every worker when one finishes more than its time-out later than the others. Before each
+new compiled program, the workers check that they all run the same one (`_agreement`).
 """
 
 from __future__ import annotations
