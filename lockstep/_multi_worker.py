@@ -27,6 +27,7 @@ import atexit
 import json
 import os
 import re
+import socket
 import sys
 import threading
 import time
@@ -333,19 +334,67 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
     devices = os.environ.get("LOCKSTEP_DEVICES_PER_PROC")
     if devices and jax.config.jax_platforms in (None, "", "cpu"):
         jax.config.update("jax_num_cpu_devices", int(devices))
-    join = float(os.environ.get("LOCKSTEP_JOIN_TIMEOUT", max(30, 3 * timeout)))
+    join = float(os.environ.get("LOCKSTEP_JOIN_TIMEOUT", max(30.0, failure_timeout)))
     # lockstep's own deadline for every worker to join, well before the runtime's (which aborts with
     # a core dump and `DEADLINE_EXCEEDED ... RegisterTask`): a worker that never starts is named here
     late = threading.Timer(join, _not_joined, args=(resolver, join))
     late.daemon = True
     late.start()
+    if resolver.process_id == 0:
+        _check_port_free(resolver)
     try:
-        jax.distributed.initialize(resolver.coordinator_address, resolver.num_processes, resolver.process_id,
-                                   initialization_timeout=int(2 * join + 30), heartbeat_timeout_seconds=timeout,
-                                   shutdown_timeout_seconds=max(10, timeout))
+        try:
+            jax.distributed.initialize(resolver.coordinator_address, resolver.num_processes, resolver.process_id,
+                                       initialization_timeout=int(2 * join + 30), heartbeat_timeout_seconds=timeout,
+                                       shutdown_timeout_seconds=max(10, timeout))
+        except Exception as e:
+            if "Failed to start RPC server" in str(e):  # a half-started runtime can crash at exit: end here
+                _cannot_start_coordinator(resolver, "the runtime failed to start its server")
+            raise
+        _check_same_world(resolver)
     finally:
         late.cancel()
     _INITIALIZED.append(resolver)
+
+
+def _check_port_free(resolver: ClusterResolver) -> None:
+    """Worker 0 runs the coordinator: a port already in use is named here (the runtime's own
+    failure to start its server sometimes crashes the process instead)."""
+    port = int(resolver.coordinator_address.rsplit(":", 1)[1])
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closing connection's port is free
+        try:
+            probe.bind(("0.0.0.0", port))
+        except OSError as e:
+            _cannot_start_coordinator(resolver, f"{e.strerror or e}")
+
+
+def _cannot_start_coordinator(resolver: ClusterResolver, why: str) -> None:
+    print(f"lockstep: worker {resolver.process_id}: could not start the coordinator at {resolver.coordinator_address} "
+          f"({why}): its port is in use (or the address is not this machine's); choose a free port in --coordinator "
+          "/ LOCKSTEP_COORDINATOR_ADDRESS; exiting with code 1.", file=sys.stderr, flush=True)
+    os._exit(1)
+
+
+def _check_same_world(resolver: ClusterResolver) -> None:
+    """Every worker must have been started for the same number of workers (mismatched --nnodes or
+    --nproc-per-node, TF_CONFIG or SLURM settings would otherwise hang in the first collective)."""
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    num = resolver.num_processes
+    client.key_value_set(f"lockstep/world/{resolver.process_id}", str(num))
+    while True:  # bounded by the join deadline (its timer ends this process, named)
+        seen = {int(k.rsplit("/", 1)[-1]): int(v) for k, v in client.key_value_dir_get("lockstep/world/")}
+        other = {r: v for r, v in seen.items() if v != num}
+        if other:
+            r, v = sorted(other.items())[0]
+            raise UsageError(
+                f"worker {resolver.process_id} was started for {num} workers, worker {r} for {v}: start every "
+                "worker with the same --nnodes and --nproc-per-node (or TF_CONFIG / SLURM settings).")
+        if len(seen) >= num:
+            return
+        time.sleep(0.05)
 
 
 def _not_joined(resolver: ClusterResolver, seconds: float) -> None:
@@ -366,7 +415,7 @@ class MultiWorkerMirroredStrategy(Strategy):
       failure_timeout: seconds after which a dead or frozen worker ends the job (the runtime's
         heartbeat and collective time-outs, and lockstep's watchdog). Default:
         `LOCKSTEP_FAILURE_TIMEOUT`, else 20. Workers must all join within `LOCKSTEP_JOIN_TIMEOUT`
-        seconds (default: 3 failure timeouts, at least 30), else each exits with code 75 and a
+        seconds (default: the failure timeout, at least 30), else each exits with code 75 and a
         message saying which could not join.
 
     Every worker runs the same script. With NumPy inputs each worker keeps only the rows of its

@@ -4,6 +4,7 @@ import json
 import os
 import pathlib
 import signal
+import socket
 import subprocess
 import sys
 import textwrap
@@ -355,4 +356,44 @@ def test_a_worker_whose_script_ends_early_is_named_and_the_others_do_not_hang(tm
     summary = proc.stderr.strip().splitlines()[-1]
     assert summary.startswith("lockstep launch: rank 1 lost; rank 0 exited with code 75"), summary
     assert "lost worker 1: it finished its script" in summary
+    assert time.monotonic() - start < 60
+
+
+JOINER = "import lockstep as ls\nls.MultiWorkerMirroredStrategy()\nprint('joined', flush=True)\n"
+
+
+def _launch_cmd(script, *options):
+    return [sys.executable, "-m", "lockstep", "launch", "--failure-timeout", "10", *options, str(script)]
+
+
+def test_bad_cluster_settings_are_named_errors_within_seconds(tmp_path):
+    script = tmp_path / "join.py"
+    script.write_text(JOINER)
+    env = {**os.environ, "XLA_FLAGS": "", "LOCKSTEP_JOIN_TIMEOUT": "5"}
+    run = dict(capture_output=True, text=True, timeout=120, env=env)
+    # nodes started with different --nnodes: both named, with both counts
+    port = free_port()
+    common_opts = ["--nproc-per-node", "1", "--coordinator", f"127.0.0.1:{port}"]
+    a = subprocess.Popen(_launch_cmd(script, *common_opts, "--nnodes", "2", "--node-rank", "0"), stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, env=env)
+    b = subprocess.run(_launch_cmd(script, *common_opts, "--nnodes", "3", "--node-rank", "1"), **run)
+    a_out, a_err = a.communicate(timeout=120)
+    assert a.returncode == 1 and b.returncode == 1
+    assert "worker 0 was started for 2 workers, worker 1 for 3" in a_err.splitlines()[-1], a_err[-2000:]
+    assert "worker 1 was started for 3 workers, worker 0 for 2" in b.stderr.splitlines()[-1], b.stderr[-2000:]
+    # the coordinator's port is taken by another program
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        proc = subprocess.run(_launch_cmd(script, "--nproc-per-node", "2", "--coordinator",
+                                          f"127.0.0.1:{busy.getsockname()[1]}"), **run)
+    assert proc.returncode == 1
+    assert "rank 0 exited with code 1 [lockstep: worker 0: could not start the coordinator" in proc.stderr
+    assert "its port is in use" in proc.stderr
+    # a node pointed at a coordinator nobody runs: named within the join time-out
+    start = time.monotonic()
+    proc = subprocess.run(_launch_cmd(script, "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1",
+                                      "--coordinator", f"127.0.0.1:{free_port()}"), **run)
+    assert proc.returncode == 1 and "joined" not in proc.stdout
+    assert "could not join the coordinator at 127.0.0.1:" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
     assert time.monotonic() - start < 60
