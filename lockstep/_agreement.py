@@ -7,16 +7,21 @@ time-out aborts both, naming nobody. So, the first time a worker runs a program,
 short description of it (the function and its argument shapes) in the coordination service and
 reads every other worker's description of its program of the same number: different descriptions,
 or a worker that publishes none within the failure timeout, raise `WorkersDisagreeError` naming
-the workers and what each runs. A program every worker has already run is not checked again.
+the workers and what each runs. A worker that is waited for but whose script has already
+finished ends the waiting worker with the lost-worker exit code (75) and a line naming it, as the
+watchdog does. A program every worker has already run is not checked again.
 """
 
 from __future__ import annotations
 
+import os
+import sys
 import time
 import zlib
 from typing import Any
 
 from ._errors import WorkersDisagreeError
+from ._exit_codes import LOST_WORKER_EXIT_CODE
 
 
 def describe(fn: Any, kinds: list[str], signatures: list[Any]) -> str:
@@ -72,5 +77,17 @@ class ProgramAgreement:
             found = {int(k.rsplit("/", 1)[-1]): v for k, v in self._client.key_value_dir_get(prefix)}
             if len(found) >= self._num or time.monotonic() > deadline:
                 return found
+            if delay >= 0.05:  # waiting a while: a missing worker whose script has finished never comes
+                done = {int(k.rsplit("/", 1)[-1]) for k, _ in self._client.key_value_dir_get("lockstep/done/")}
+                gone = sorted(done - set(found))
+                if gone:
+                    self._lost(gone[0], prefix)
             time.sleep(delay)
             delay = min(2 * delay, 0.05)
+
+    def _lost(self, worker: int, prefix: str) -> None:
+        """Ends this worker as the watchdog ends one that lost a peer (the same exit code and words)."""
+        print(f"lockstep: worker {self._rank}: lost worker {worker}: it finished its script while this worker "
+              f"waits for it to start program number {prefix.rstrip('/').rsplit('/', 1)[-1]} (the workers ran "
+              f"different numbers of steps); exiting with code {LOST_WORKER_EXIT_CODE}.", file=sys.stderr, flush=True)
+        os._exit(LOST_WORKER_EXIT_CODE)

@@ -355,7 +355,7 @@ def test_a_worker_whose_script_ends_early_is_named_and_the_others_do_not_hang(tm
     assert proc.returncode == 1
     summary = proc.stderr.strip().splitlines()[-1]
     assert summary.startswith("lockstep launch: rank 1 lost; rank 0 exited with code 75"), summary
-    assert "lost worker 1: it finished its script" in summary
+    assert "lost worker 1: it finished its script" in summary  # seen by the watchdog or the program check
     assert time.monotonic() - start < 60
 
 
