@@ -40,7 +40,7 @@ def fault_now() -> None:
 
 
 def collective_loop() -> None:
-    batch = next(iter(strategy.experimental_distribute_dataset([np.ones(8, np.float32)])))
+    batch = next(iter(strategy.experimental_distribute_dataset([np.ones(12, np.float32)])))  # 2 or 3 divide 12
     total = jnp.zeros(())
     step = lambda t, b: t + ls.get_replica_context().all_reduce("SUM", jnp.sum(b))  # noqa: E731
     for i in range(60):
@@ -59,7 +59,7 @@ def collective_loop() -> None:
         if scenario == "slow" and rank == victim and i in (10, 20, 30):
             time.sleep(0.6 * strategy.failure_timeout)
         time.sleep(0.02)
-    expected = 60 * 8  # the 8 ones of the global batch, summed over the replicas, 60 times
+    expected = 60 * 12  # the 12 ones of the global batch (no padding row), summed over the replicas, 60 times
     assert float(total) == expected, (float(total), expected)
 
 

@@ -125,6 +125,12 @@ def _orphans(token: str) -> int:
     return found
 
 
+def _tail(out: list[tuple[float, str]], chars: int = 600) -> str:
+    """The workers' last output lines, stack dumps left out (for the table's notes on wrong outcomes)."""
+    lines = [line for _, line in out if "    @ " not in line and line.strip()]
+    return " / ".join(lines[-6:])[-chars:]
+
+
 def _fault_time(out: list[tuple[float, str]]) -> float | None:
     for _, line in out:
         if "] FAULT " in line:
@@ -188,7 +194,7 @@ def run_trial(scenario: str, workers: int, reference: tuple[np.ndarray, dict] | 
             return Trial(False, "hang", orphans=orphans)
         if scenario == "slow":
             ok = rc == 0 and "lost worker" not in text
-            return Trial(ok, "" if ok else f"rc={rc}: {summary or text[-300:]}", orphans=orphans)
+            return Trial(ok, "" if ok else f"rc={rc}: {summary or text[-300:]} | {_tail(out)}", orphans=orphans)
         if fault is None:
             return Trial(False, f"no fault injected (rc={rc}): {text[-300:]}", orphans=orphans)
         if scenario == "term-restart":
@@ -216,7 +222,7 @@ def run_trial(scenario: str, workers: int, reference: tuple[np.ndarray, dict] | 
             ok = ok and "injected failure" in summary
         if scenario == "exit0":
             ok = ok and "finished its script" in summary
-        trial = Trial(ok, "" if ok else f"rc={rc}: {summary or text[-300:]}", detection=_since(fault, detected),
+        trial = Trial(ok, "" if ok else f"rc={rc}: {summary or text[-300:]} | {_tail(out)}", detection=_since(fault, detected),
                       orphans=orphans)
         if scenario in ("term", "savekill"):
             trial.corrupt = _check_checkpoints(os.path.join(out_dir, "backup"))
@@ -283,7 +289,7 @@ def write_table(rows: list[Row], path: str, trials: int, elapsed: float) -> None
     failures = [(row, t) for row in rows for t in row.trials if not t.correct]
     if failures:
         lines += ["", "## Incorrect outcomes", ""]
-        lines += [f"- {row.scenario}, {row.workers} workers: {t.why[:400]}" for row, t in failures]
+        lines += [f"- {row.scenario}, {row.workers} workers: {t.why[:1000]}" for row, t in failures]
     with open(path, "w") as f:
         f.write("\n".join(lines) + "\n")
 

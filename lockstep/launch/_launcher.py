@@ -217,7 +217,10 @@ def _first_cause(workers: list[_Worker], bad: list[_Worker], settle: float = 1.0
             return own[0]
         if time.monotonic() > deadline:  # else one killed from outside (not the runtime's own abort)
             killed = [w for w, rc in codes if rc is not None and rc < 0 and rc != -signal.SIGABRT]
-            return killed[0] if killed else bad[0]
+            # else a survivor whose watchdog named the lost worker, rather than one whose collective
+            # merely broke when that survivor left (several workers: only the first knows who is lost)
+            named = [w for w, rc in codes if rc == LOST_WORKER_EXIT_CODE and "lost worker" in (w.last_message() or "")]
+            return (killed or named or bad)[0]
         time.sleep(0.05)
 
 
