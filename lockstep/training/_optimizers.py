@@ -38,12 +38,21 @@ def get_optimizer(optimizer: Any, trainable_variables: Any = None) -> optax.Grad
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
     if type(optimizer).__module__.startswith("keras") and hasattr(optimizer, "stateless_apply"):
+        optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer: lockstep scales
         if not trainable_variables:
             raise TypeError("a Keras optimizer object needs a Keras model (its variables); for a FunctionalModel "
                             "pass an optax transformation or a name.")
         return from_keras(optimizer, trainable_variables)
     raise TypeError(f"`optimizer` must be a name, a Keras optimizer or an optax.GradientTransformation, got "
                     f"{type(optimizer).__name__}.")
+
+
+def loss_scale_settings(optimizer: Any) -> tuple[float, int]:
+    """(initial scale, growth steps) of a Keras `LossScaleOptimizer` (Keras' `compile` wraps the
+    optimizer in one under ``mixed_float16``), else Keras' defaults (2**15, 2000)."""
+    if hasattr(optimizer, "inner_optimizer") and hasattr(optimizer, "dynamic_growth_steps"):
+        return float(optimizer.initial_scale), int(optimizer.dynamic_growth_steps)
+    return 2.0**15, 2000
 
 
 class KerasOptimizerState(NamedTuple):
@@ -68,7 +77,8 @@ def from_keras(optimizer: Any, trainable_variables: Any) -> optax.GradientTransf
         raise ValueError(
             f"the Keras optimizer {type(optimizer).__name__} has gradient_accumulation_steps="
             f"{optimizer.gradient_accumulation_steps}: Keras averages micro-steps without weighting them by their "
-            "sample counts, which is not the single-device step; leave it unset.")
+            "sample counts, which is not the single-device step; leave it unset and pass "
+            f"`ls.Trainer(..., gradient_accumulation_steps={optimizer.gradient_accumulation_steps})`, which is.")
     if not optimizer.built:
         optimizer.build(list(trainable_variables))
     lr_at = next((i for i, v in enumerate(optimizer.variables) if v.path.rsplit("/", 1)[-1] == "learning_rate"),

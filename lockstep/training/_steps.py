@@ -25,6 +25,7 @@ from .._cross_replica import AXIS, all_reduce
 from .._reduce import ReduceOp
 from ..losses import masked_average_loss
 from ..metrics import Mean, MetricCollection
+from ._precision import loss_scale_of
 
 Apply = Callable[[Any, Any, bool], tuple[Any, Any, jax.Array | None]]
 LossFn = Callable[[Any, Any], jax.Array]
@@ -35,6 +36,10 @@ CHECK_VMA = False
 #: The kinds of the steps' arguments and results (see `lockstep._run`).
 TRAIN_KINDS = ("replicated", "replicated", "per_replica", "rows", "rows", "replicated")
 TRAIN_OUT = ("replicated", "replicated", "per_replica")
+ACCUMULATE_KINDS = ("replicated", "replicated", "per_replica", "per_replica", "rows", "rows", "replicated")
+ACCUMULATE_OUT = ("replicated", "per_replica", "per_replica")
+APPLY_KINDS = ("replicated", "replicated", "per_replica", "replicated")
+APPLY_OUT = ("replicated", "replicated", "per_replica")
 EVAL_KINDS = ("replicated", "per_replica", "rows", "rows", "replicated")
 PREDICT_KINDS = ("replicated", "rows")
 
@@ -92,6 +97,27 @@ def _agree_non_trainable(values: Any, mask: jax.Array) -> Any:
     return jax.tree.map(agree, values)
 
 
+def _local_gradients(apply: Apply, loss_fn: LossFn, num_replicas: int, params: dict[str, Any], x: Any, y: Any,
+                     sw: Any, mask: jax.Array, count: jax.Array, scale: jax.Array | None) -> tuple[Any, tuple[Any, ...]]:
+    """This replica's share of the gradient of the step's mean loss (its sum over replicas is the
+    global gradient), unscaled when a loss `scale` is given; and (y_pred, per-example losses, new
+    non-trainable state, penalty)."""
+
+    def objective(trainable: Any) -> tuple[jax.Array, Any]:
+        y_pred, non_trainable, penalty = apply({"trainable": trainable, "non_trainable": params["non_trainable"]},
+                                               x, True)
+        per_example = loss_fn(y, y_pred)
+        loss = masked_average_loss(per_example, mask, count, sample_weight=sw)
+        if penalty is not None:  # a model's own penalties count once per step: 1/R on each replica
+            loss = loss + penalty / num_replicas
+        return (loss if scale is None else loss * scale), (y_pred, per_example, non_trainable, penalty)
+
+    (_, aux), grads = jax.value_and_grad(objective, has_aux=True)(params["trainable"])
+    if scale is not None:
+        grads = jax.tree.map(lambda g: g / scale, grads)
+    return grads, aux
+
+
 def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransformation,
                     loss_tracker: Mean, metrics: MetricCollection, num_replicas: int) -> Callable[..., Any]:
     """One optimisation step on one replica's rows, with the gradient summed over replicas."""
@@ -99,18 +125,8 @@ def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTran
     def train_step(params: dict[str, Any], opt_state: Any, state: dict[str, Any], data: Any, mask: jax.Array,
                    count: jax.Array) -> Any:
         x, y, sw = unpack(data)
-
-        def objective(trainable: Any) -> tuple[jax.Array, Any]:
-            y_pred, non_trainable, penalty = apply({"trainable": trainable, "non_trainable": params["non_trainable"]},
-                                                   x, True)
-            per_example = loss_fn(y, y_pred)
-            loss = masked_average_loss(per_example, mask, count, sample_weight=sw)
-            if penalty is not None:  # a model's own penalties count once per step: 1/R on each replica
-                loss = loss + penalty / num_replicas
-            return loss, (y_pred, per_example, non_trainable, penalty)
-
-        (_, (y_pred, per_example, non_trainable, penalty)), grads = jax.value_and_grad(objective, has_aux=True)(
-            params["trainable"])
+        grads, (y_pred, per_example, non_trainable, penalty) = _local_gradients(
+            apply, loss_fn, num_replicas, params, x, y, sw, mask, count, loss_scale_of(opt_state))
         grads = jax.lax.psum(grads, AXIS)  # this replica's share -> the global gradient (CHECK_VMA off)
         updates, opt_state = optimizer.update(grads, opt_state, params["trainable"])
         trainable = optax.apply_updates(params["trainable"], updates)
@@ -120,6 +136,40 @@ def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTran
         return new_params, opt_state, logs
 
     return train_step
+
+
+def make_accumulate_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,
+                         num_replicas: int) -> Callable[..., Any]:
+    """One micro-batch of gradient accumulation: this replica's gradient of the micro-batch's
+    *summed* loss (its mean-loss gradient times the micro-batch's real count) added to its local
+    accumulator; the weights stay, the non-trainable state and the logs advance."""
+
+    def accumulate_step(params: dict[str, Any], opt_state: Any, acc: Any, state: dict[str, Any], data: Any,
+                        mask: jax.Array, count: jax.Array) -> Any:
+        x, y, sw = unpack(data)
+        grads, (y_pred, per_example, non_trainable, penalty) = _local_gradients(
+            apply, loss_fn, num_replicas, params, x, y, sw, mask, count, loss_scale_of(opt_state))
+        acc = jax.tree.map(lambda a, g: a + g * count, acc, grads)
+        new_params = {"trainable": params["trainable"], "non_trainable": _agree_non_trainable(non_trainable, mask)}
+        logs = update_logs(loss_tracker, metrics, state, y, y_pred, per_example, sw, mask,
+                           global_penalty(penalty, num_replicas))
+        return new_params, acc, logs
+
+    return accumulate_step
+
+
+def make_apply_step(optimizer: optax.GradientTransformation) -> Callable[..., Any]:
+    """The update at the end of an accumulation group: the accumulators summed over replicas and
+    divided once by the group's real sample count; the accumulators start again from zero."""
+
+    def apply_step(params: dict[str, Any], opt_state: Any, acc: Any, count: jax.Array) -> Any:
+        grads = jax.tree.map(lambda a: a / count, jax.lax.psum(acc, AXIS))
+        updates, opt_state = optimizer.update(grads, opt_state, params["trainable"])
+        trainable = optax.apply_updates(params["trainable"], updates)
+        return ({"trainable": trainable, "non_trainable": params["non_trainable"]}, opt_state,
+                jax.tree.map(jnp.zeros_like, acc))
+
+    return apply_step
 
 
 def make_eval_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,
@@ -148,7 +198,9 @@ def make_predict_step(apply: Apply) -> Callable[..., Any]:
 
 def make_steps(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransformation, loss_tracker: Mean,
                metrics: MetricCollection, num_replicas: int) -> dict[str, Callable[..., Any]]:
-    """The train, eval and predict steps of one model, loss, optimizer and metrics."""
+    """The train (or accumulate + apply), eval and predict steps of one model, loss, optimizer and metrics."""
     return {"train": make_train_step(apply, loss_fn, optimizer, loss_tracker, metrics, num_replicas),
+            "accumulate": make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
+            "apply": make_apply_step(optimizer),
             "eval": make_eval_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
             "predict": make_predict_step(apply)}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -33,10 +34,15 @@ from ._inputs import (
 )
 from ._compiled import settings as compiled_settings
 from ._labels import LabelCheck, checked
-from ._model import adapt, output_shape
-from ._optimizers import get_optimizer, learning_rate_of, set_learning_rate
+from ._model import FunctionalModel, adapt, output_shape
+from ._optimizers import get_optimizer, learning_rate_of, loss_scale_settings, set_learning_rate
+from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
 from ._state import LiveState, TrainState
 from ._steps import (
+    ACCUMULATE_KINDS,
+    ACCUMULATE_OUT,
+    APPLY_KINDS,
+    APPLY_OUT,
     CHECK_VMA,
     EVAL_KINDS,
     PREDICT_KINDS,
@@ -122,11 +128,12 @@ def _check_takes_labels(metric: Metric) -> None:
 
 
 def _with_progress_bar(cbs: list[Callback], verbose: int | str, train: Iterable[Any], epochs: int,
-                       steps_per_epoch: int | None) -> list[Callback]:
-    """`cbs` with a progress bar first when `verbose` asks for one (on the chief only)."""
+                       steps_per_epoch: int | None, accumulation: int) -> list[Callback]:
+    """`cbs` with a progress bar first when `verbose` asks for one (on the chief only); it counts
+    optimizer steps (groups of `accumulation` batches)."""
     if (1 if verbose == "auto" else int(verbose)) and is_chief():
         bar = ProgbarLogger(1 if verbose == "auto" else int(verbose))
-        steps = len(train) if hasattr(train, "__len__") else None  # type: ignore[arg-type]
+        steps = -(-len(train) // accumulation) if hasattr(train, "__len__") else None  # type: ignore[arg-type]
         bar.set_params(epochs, min(steps, steps_per_epoch) if steps and steps_per_epoch else steps or steps_per_epoch)
         cbs.insert(0, bar)
     return cbs
@@ -149,6 +156,13 @@ def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> Non
             "`sample_weight` weighs the loss and every metric in lockstep; Keras 3 weighs only `weighted_metrics` "
             f"(its `metrics` ignore sample weights): {sorted(metrics.metrics)} are weighted here.", UserWarning,
             stacklevel=3)
+
+
+def _groups(batches: Iterable[Any], k: int) -> Iterator[list[Any]]:
+    """Consecutive groups of `k` batches (the last one may be shorter)."""
+    it = iter(batches)
+    while group := list(itertools.islice(it, k)):
+        yield group
 
 
 def _load_weights(path: str, like: Any, opt_state: Any) -> Any:
@@ -182,6 +196,19 @@ class Trainer:
         the real rows of the whole global batch (two small all-reduces per layer): the step is the
         one-device step. ``"per_replica"``: each replica's own rows, as TF's `MirroredStrategy`
         does — cheaper, but the step then depends on the number of replicas.
+      gradient_accumulation_steps: k >= 1 (Keras' name). `fit` then makes one optimizer update per
+        k batches of `batch_size`: the gradients of the k batches are summed over batches and
+        replicas and divided once by their real sample count, so the update is one device's step
+        on the k batches' samples together (an epoch's short last group too). Callbacks,
+        `steps_per_epoch`, `global_step` and backups count optimizer steps; logs stay running
+        values over every sample seen. `BatchNormalization` normalises each batch by its own
+        statistics (as Keras' accumulation does), and its moving averages advance once per batch.
+      dtype_policy: ``"float32"``, ``"mixed_bfloat16"`` or ``"mixed_float16"`` for a
+        `FunctionalModel` (default float32); a Keras model trains under its own dtype policy
+        (`keras.config.set_dtype_policy` before building it). Parameters, optimizer state, losses
+        and metric states stay float32; ``"mixed_float16"`` adds dynamic loss scaling, and a step
+        with non-finite gradients is skipped on every replica and worker alike (logged as
+        ``skipped_steps``). See `lockstep.training._precision`.
 
     >>> import jax, jax.numpy as jnp, numpy as np, lockstep as ls
     >>> model = ls.FunctionalModel(
@@ -202,7 +229,13 @@ class Trainer:
     def __init__(self, model: Any, optimizer: str | optax.GradientTransformation | None = None,
                  loss: str | Callable[..., Any] | None = None,
                  metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
-                 strategy: Strategy | None = None, seed: int = 0, batch_statistics: str = "global"):
+                 strategy: Strategy | None = None, seed: int = 0, batch_statistics: str = "global",
+                 gradient_accumulation_steps: int = 1, dtype_policy: str | None = None):
+        if (not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool)
+                or gradient_accumulation_steps < 1):
+            raise ValueError("`gradient_accumulation_steps` must be a positive integer, got "
+                             f"gradient_accumulation_steps={gradient_accumulation_steps!r}.")
+        self._accumulation = gradient_accumulation_steps
         self.strategy = strategy or _strategy_for(model)
         if not isinstance(self.strategy, Strategy):
             raise TypeError(f"`strategy` must be a lockstep strategy, got {type(strategy).__name__}.")
@@ -211,10 +244,14 @@ class Trainer:
         self._adapter = adapt(model, seed, batch_statistics)
         optimizer, loss, metrics = compiled_settings(model, optimizer, loss, metrics)  # model.compile's
         self._optimizer = get_optimizer(optimizer, getattr(model, "trainable_variables", None))
+        self.dtype_policy = resolve_policy(model, dtype_policy)
+        if self.dtype_policy == "mixed_float16":
+            self._optimizer = with_loss_scaling(self._optimizer, *loss_scale_settings(optimizer))
         self._loss_fn = _losses.get(loss)
         self._labels = LabelCheck(loss)  # labels checked on the host against a named loss
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._steps: dict[str, Callable[..., Any]] = {}
+        self._acc: Any = None  # per-replica gradient accumulators (gradient_accumulation_steps > 1)
         self.stop_training = False
         self.history: History | None = None
         self._live = LiveState(self._engine)  # the training state: plain global arrays and counters
@@ -230,7 +267,8 @@ class Trainer:
             self._labels.num_classes = pred_shape[-1] if pred_shape else 1
             self._all.build(np.shape(y), pred_shape)
         if not self._steps:
-            self._steps = make_steps(self._adapter.apply, self._loss_fn, self._optimizer, self._loss_tracker,
+            apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
+            self._steps = make_steps(apply, self._loss_fn, self._optimizer, self._loss_tracker,
                                      self._metrics, self.strategy.num_replicas_in_sync)
 
     def get_metric(self, name: str) -> Metric | None:
@@ -302,7 +340,7 @@ class Trainer:
         val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size)
         first, train = peek(train)
         self._build(first)
-        cbs = _with_progress_bar(list(callbacks or []), verbose, train, epochs, steps_per_epoch)
+        cbs = _with_progress_bar(list(callbacks or []), verbose, train, epochs, steps_per_epoch, self._accumulation)
         train = checked(train, self._labels, y, "y" if y is not None else "x", first)
         checked([], self._labels, validation_labels(validation_data), "validation_data")  # arrays: now, not after an epoch
         history = self.history = History()
@@ -311,6 +349,8 @@ class Trainer:
         self._live.callbacks, self.stop_training = cbs, False
         self._live.epoch, self._live.step, self._live.global_step, self._live.seed = initial_epoch, 0, 0, seed
         self._live.metric_state = self._fresh_state()
+        self._acc = None if self._accumulation == 1 else self._engine.per_replica_copies(
+            jax.tree.map(lambda p: np.zeros(p.shape, p.dtype), self._live.params["trainable"]))
         cblist.on_train_begin()
         self._live.take_pending(cbs)  # a restore() made before fit or in on_train_begin takes effect here
         logs: dict[str, Any] = {}
@@ -333,14 +373,13 @@ class Trainer:
         if not skip:
             self._live.metric_state = self._fresh_state()
         ran = False
-        train_step = self._steps["train"]
-        for step, batch in enumerate(epoch_batches(self.strategy, train, epoch, skip, steps_per_epoch), start=skip):
+        k = self._accumulation
+        batches = epoch_batches(self.strategy, train, epoch, skip * k, None if steps_per_epoch is None else
+                                steps_per_epoch * k)
+        for step, group in enumerate(_groups(batches, k), start=skip):
             ran = True
             cblist.on_train_batch_begin(step)
-            live = self._live
-            live.params, live.opt_state, live.metric_state = self._engine.run_arrays(
-                train_step, (live.params, live.opt_state, live.metric_state, batch.data, batch.mask, batch.count),
-                TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
+            self._train_on(group)
             self._live.step, self._live.global_step = step + 1, self._live.global_step + 1
             cblist.on_train_batch_end(step, _LazyLogs(lambda s=self._live.metric_state: self._read(s)))
             if self.stop_training:
@@ -351,11 +390,33 @@ class Trainer:
                 "pass a re-iterable (a list, lockstep.data.batches, a tf.data dataset) or `steps_per_epoch`.")
         self._live.epoch, self._live.step = epoch + 1, 0
         logs = self._read(self._live.metric_state)
+        if (skipped := skipped_steps(self._live.opt_state)) is not None:
+            logs["skipped_steps"] = skipped  # mixed_float16: steps skipped for non-finite gradients so far
         if val is not None:
             logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val, cblist).items()})
         cblist.on_epoch_end(epoch, logs)
         self.stop_training = bool(broadcast_from_chief(np.asarray(self.stop_training)))  # every worker agrees
         return logs
+
+    def _train_on(self, group: list[Any]) -> None:
+        """One optimizer step on a group of distributed batches (one batch without accumulation)."""
+        live, run = self._live, self._engine.run_arrays
+        if self._accumulation == 1:
+            (batch,) = group
+            live.params, live.opt_state, live.metric_state = run(
+                self._steps["train"], (live.params, live.opt_state, live.metric_state, batch.data, batch.mask,
+                                       batch.count), TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count,
+                check_vma=CHECK_VMA)
+            return
+        for batch in group:
+            live.params, self._acc, live.metric_state = run(
+                self._steps["accumulate"], (live.params, live.opt_state, self._acc, live.metric_state, batch.data,
+                                            batch.mask, batch.count), ACCUMULATE_KINDS, ACCUMULATE_OUT,
+                mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
+        count = self._engine.put_replicated(np.float32(sum(b.step.num_real for b in group)))
+        live.params, live.opt_state, self._acc = run(
+            self._steps["apply"], (live.params, live.opt_state, self._acc, count), APPLY_KINDS, APPLY_OUT,
+            check_vma=CHECK_VMA)
 
     # --- evaluate / predict --------------------------------------------------------------------
     def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList, y: Any = None,
