@@ -101,3 +101,84 @@ def test_keras_optimizer_accumulation_points_to_the_trainer_argument():
                   loss="sparse_categorical_crossentropy")
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2\)"):
         ls.Trainer(model)
+
+
+class _Interrupted(Exception):
+    pass
+
+
+class InterruptedBatches(ls.data.Batches):
+    """Global batches that raise (as a killed worker stops) after `after` batches of epoch 1."""
+
+    def __init__(self, after):
+        super().__init__((X, Y), B, shuffle=True, seed=3, drop_remainder=False)
+        self.after = after
+
+    def iterate(self, epoch, start=0):
+        for i, batch in enumerate(super().iterate(epoch, start), start=start):
+            if epoch == 1 and i == self.after:
+                raise _Interrupted(f"stopped before batch {i} of epoch {epoch}")
+            yield batch
+
+
+def test_a_run_stopped_in_the_middle_of_a_group_resumes_from_the_last_update_exactly(tmp_path):
+    """Backups land on update boundaries: stopped after 2 of a group's 4 batches, the resumed run
+    redoes the whole group and ends where the uninterrupted run ends."""
+
+    def trainer():
+        return ls.Trainer(mlp(), optimizer=optax.adam(0.01), loss="sparse_categorical_crossentropy_from_logits",
+                          metrics=["accuracy"], strategy=ls.MirroredStrategy(4), gradient_accumulation_steps=4)
+
+    uninterrupted = trainer()
+    want = uninterrupted.fit(ls.data.batches((X, Y), B, shuffle=True, seed=3), epochs=EPOCHS, verbose=0).history
+    first = trainer()
+    with pytest.raises(_Interrupted):
+        first.fit(InterruptedBatches(after=6), epochs=EPOCHS, verbose=0,
+                  callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=1)])
+    assert first.train_state.epoch == 1 and first.train_state.step == 1  # the last whole group of epoch 1
+    resumed = trainer()
+    got = resumed.fit(ls.data.batches((X, Y), B, shuffle=True, seed=3), epochs=EPOCHS, verbose=0,
+                      callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=1)]).history
+    for a, b in zip(jax.tree.leaves(resumed.get_weights()), jax.tree.leaves(uninterrupted.get_weights())):
+        np.testing.assert_array_equal(a, b)
+    assert got == want
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 4])
+def test_a_custom_loop_accumulates_exactly_with_accumulation_groups(replicas):
+    """`ls.data.accumulation_groups` + `compute_average_loss(global_batch_size=group.num_samples)`:
+    the custom loop's updates equal one device's steps on batches of 4 * 64."""
+    model, opt = mlp(), optax.adam(0.01)
+
+    def grads_of(params, batch, group_size):
+        features, labels = batch
+
+        def loss_fn(p):
+            per_example = ls.losses.sparse_categorical_crossentropy(labels, model.apply(p, features), from_logits=True)
+            return ls.compute_average_loss(per_example, global_batch_size=group_size)
+        return jax.grad(loss_fn)(params)
+
+    def train(strategy, batch_size, k):
+        params = model.init(jax.random.key(0), X[:1])
+        opt_state = opt.init(params)
+        dist = strategy.experimental_distribute_dataset(ls.data.batches((X, Y), batch_size))
+        for group in ls.data.accumulation_groups(dist, k):
+            grads = None
+            for batch in group.batches:
+                g = strategy.experimental_local_results(
+                    strategy.run(grads_of, args=(params, batch, group.num_samples)))[0]
+                grads = g if grads is None else jax.tree.map(jnp.add, grads, g)
+            updates, opt_state = opt.update(grads, opt_state, params)
+            params = optax.apply_updates(params, updates)
+        return params
+
+    got = train(ls.MirroredStrategy(replicas), B, 4)
+    want = train(ls.OneDeviceStrategy(), 4 * B, 1)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("bad", [0, 2.0, None])
+def test_accumulation_groups_names_a_bad_k(bad):
+    with pytest.raises(ValueError, match="`k` must be a positive integer"):
+        next(ls.data.accumulation_groups([], bad))

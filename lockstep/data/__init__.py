@@ -1,6 +1,8 @@
 """Input pipelines: global batches from arrays; distribution happens in the strategy."""
 
+from ._accumulation import AccumulationGroup as AccumulationGroup
+from ._accumulation import accumulation_groups as accumulation_groups
 from ._batches import Batches as Batches
 from ._batches import batches as batches
 
-__all__ = ["Batches", "batches"]
+__all__ = ["AccumulationGroup", "Batches", "accumulation_groups", "batches"]

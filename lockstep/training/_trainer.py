@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import inspect
-import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -20,6 +19,7 @@ from ..callbacks import Callback, History, ProgbarLogger
 from ..callbacks._callback import CallbackList, is_chief
 from ..callbacks._progbar import format_logs
 from ..checkpoint import atomic_path, load_tree, save_tree
+from ..data import AccumulationGroup, accumulation_groups
 from ..metrics import Mean, Metric, MetricCollection
 from ..metrics import get as get_metric
 from ..metrics._base import synced_result
@@ -156,13 +156,6 @@ def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> Non
             "`sample_weight` weighs the loss and every metric in lockstep; Keras 3 weighs only `weighted_metrics` "
             f"(its `metrics` ignore sample weights): {sorted(metrics.metrics)} are weighted here.", UserWarning,
             stacklevel=3)
-
-
-def _groups(batches: Iterable[Any], k: int) -> Iterator[list[Any]]:
-    """Consecutive groups of `k` batches (the last one may be shorter)."""
-    it = iter(batches)
-    while group := list(itertools.islice(it, k)):
-        yield group
 
 
 def _load_weights(path: str, like: Any, opt_state: Any) -> Any:
@@ -376,7 +369,7 @@ class Trainer:
         k = self._accumulation
         batches = epoch_batches(self.strategy, train, epoch, skip * k, None if steps_per_epoch is None else
                                 steps_per_epoch * k)
-        for step, group in enumerate(_groups(batches, k), start=skip):
+        for step, group in enumerate(accumulation_groups(batches, k), start=skip):
             ran = True
             cblist.on_train_batch_begin(step)
             self._train_on(group)
@@ -398,22 +391,22 @@ class Trainer:
         self.stop_training = bool(broadcast_from_chief(np.asarray(self.stop_training)))  # every worker agrees
         return logs
 
-    def _train_on(self, group: list[Any]) -> None:
+    def _train_on(self, group: AccumulationGroup) -> None:
         """One optimizer step on a group of distributed batches (one batch without accumulation)."""
         live, run = self._live, self._engine.run_arrays
         if self._accumulation == 1:
-            (batch,) = group
+            (batch,) = group.batches
             live.params, live.opt_state, live.metric_state = run(
                 self._steps["train"], (live.params, live.opt_state, live.metric_state, batch.data, batch.mask,
                                        batch.count), TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count,
                 check_vma=CHECK_VMA)
             return
-        for batch in group:
+        for batch in group.batches:
             live.params, self._acc, live.metric_state = run(
                 self._steps["accumulate"], (live.params, live.opt_state, self._acc, live.metric_state, batch.data,
                                             batch.mask, batch.count), ACCUMULATE_KINDS, ACCUMULATE_OUT,
                 mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
-        count = self._engine.put_replicated(np.float32(sum(b.step.num_real for b in group)))
+        count = self._engine.put_replicated(np.float32(group.num_samples))
         live.params, live.opt_state, self._acc = run(
             self._steps["apply"], (live.params, live.opt_state, self._acc, count), APPLY_KINDS, APPLY_OUT,
             check_vma=CHECK_VMA)
