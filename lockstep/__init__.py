@@ -26,6 +26,7 @@ _EXPORTS: dict[str, str] = {
     "MirroredStrategy": "._strategy",
     "OneDeviceStrategy": "._strategy",
     "Strategy": "._strategy",
+    "TPUStrategy": "._strategy",
     "StrategyExtended": "._extended",
     "ValueContext": "._strategy",
     "get_strategy": "._strategy",
@@ -87,6 +88,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._strategy import MirroredStrategy as MirroredStrategy
     from ._strategy import OneDeviceStrategy as OneDeviceStrategy
     from ._strategy import Strategy as Strategy
+    from ._strategy import TPUStrategy as TPUStrategy
     from ._extended import StrategyExtended as StrategyExtended
     from ._strategy import ValueContext as ValueContext
     from ._strategy import get_strategy as get_strategy

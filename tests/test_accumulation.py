@@ -182,3 +182,31 @@ def test_a_custom_loop_accumulates_exactly_with_accumulation_groups(replicas):
 def test_accumulation_groups_names_a_bad_k(bad):
     with pytest.raises(ValueError, match="`k` must be a positive integer"):
         next(ls.data.accumulation_groups([], bad))
+
+
+def bn_model(strategy):
+    with strategy.scope():
+        keras.utils.set_random_seed(2)
+        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+                                 keras.layers.Activation("relu"), keras.layers.Dense(3)])
+
+
+def test_batch_norm_normalises_each_batch_globally_and_moves_once_per_batch():
+    """BatchNorm under accumulation: each batch of b is normalised by its own statistics over all
+    replicas (so 4 replicas equal 1), and the moving averages advance once per batch (with a zero
+    learning rate, they end where a plain run with batches of b leaves them)."""
+
+    def run(replicas, k, lr):
+        strategy = ls.MirroredStrategy(replicas)
+        trainer = ls.Trainer(bn_model(strategy), optimizer=optax.sgd(lr),
+                             loss="sparse_categorical_crossentropy_from_logits", strategy=strategy,
+                             gradient_accumulation_steps=k)
+        trainer.fit(X, Y, batch_size=B, epochs=1, verbose=0)
+        return trainer.get_weights()
+
+    for got, want in zip(run(4, 2, 0.1), run(1, 2, 0.1)):
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    frozen_accumulated, frozen_plain = run(4, 4, 0.0), run(1, 1, 0.0)
+    for got, want in zip(frozen_accumulated, frozen_plain):  # moving mean / variance included
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-6)
+    assert not np.allclose(frozen_plain[2 + 2], 0.0)  # the moving mean did move

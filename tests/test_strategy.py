@@ -389,3 +389,31 @@ def test_prefetching_keeps_order_stops_early_and_surfaces_errors(monkeypatch):
             pass
     with pytest.raises(ValueError, match="same leading"):
         list(s.experimental_distribute_dataset([(np.ones(4), np.ones(3))]))
+
+
+def test_tpu_strategy_without_a_tpu_names_mirrored_strategy():
+    with pytest.raises(RuntimeError, match=r"TPUStrategy needs TPU devices.*8 cpu device.*MirroredStrategy\(\)"):
+        ls.TPUStrategy()
+    with pytest.raises(ValueError, match=r"`tpu` must be None, '' or 'local'.*grpc://10.0.0.2:8470"):
+        ls.TPUStrategy("grpc://10.0.0.2:8470")
+
+
+def test_tpu_strategy_is_the_mirrored_engine_on_the_devices_it_finds(monkeypatch):
+    """CPU devices stand in for TPU cores (no TPU here): TPUStrategy then trains exactly as
+    MirroredStrategy does on the same devices."""
+    import lockstep._strategy as strategy_module
+
+    monkeypatch.setattr(strategy_module, "_tpu_devices", lambda: list(jax.devices()[:4]))
+    x = np.random.default_rng(0).normal(size=(103, 5)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+
+    def weights(strategy):
+        model = ls.FunctionalModel(lambda key, x: {"w": jax.random.normal(key, (5, 2)) * 0.1},
+                                   lambda p, x, training=False: x @ p["w"])
+        trainer = ls.Trainer(model, loss="sparse_categorical_crossentropy_from_logits", strategy=strategy)
+        trainer.fit(x, y, batch_size=16, epochs=2, verbose=0)
+        return trainer.get_weights()["w"]
+
+    tpu = ls.TPUStrategy()
+    assert tpu.num_replicas_in_sync == 4
+    np.testing.assert_array_equal(weights(tpu), weights(ls.MirroredStrategy(4)))
