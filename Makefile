@@ -20,6 +20,7 @@ demo: $(STAMP)
 
 bench: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/bench.py
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/efficiency.py
 
 # two pytest workers; the tests that start processes run one after another in one of them
 test: $(STAMP)
