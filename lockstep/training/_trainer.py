@@ -18,8 +18,7 @@ from .._strategy import Strategy, get_strategy
 from ..callbacks import Callback, History, ProgbarLogger
 from ..callbacks._callback import CallbackList, is_chief
 from ..callbacks._progbar import format_logs
-from ..checkpoint import atomic_path, load_tree, save_tree
-from ..data import AccumulationGroup, accumulation_groups
+from ..data import accumulation_groups
 from ..metrics import Mean, Metric, MetricCollection
 from ..metrics import get as get_metric
 from ..metrics._base import synced_result
@@ -38,19 +37,9 @@ from ._model import FunctionalModel, adapt, output_shape
 from ._optimizers import get_optimizer, learning_rate_of, loss_scale_settings, set_learning_rate
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
 from ._state import LiveState, TrainState
-from ._steps import (
-    ACCUMULATE_KINDS,
-    ACCUMULATE_OUT,
-    APPLY_KINDS,
-    APPLY_OUT,
-    CHECK_VMA,
-    EVAL_KINDS,
-    PREDICT_KINDS,
-    TRAIN_KINDS,
-    TRAIN_OUT,
-    make_steps,
-    unpack,
-)
+from ._step_runner import StepRunner, checked_accumulation
+from ._weight_files import WeightFiles
+from ._steps import make_steps, unpack
 
 
 class _LazyLogs(Mapping[str, Any]):
@@ -158,15 +147,7 @@ def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> Non
             stacklevel=3)
 
 
-def _load_weights(path: str, like: Any, opt_state: Any) -> Any:
-    """The weights in a `save_weights` file, or in a `save` file (weights beside optimizer state)."""
-    try:
-        return load_tree(path, like)[0]
-    except ValueError:
-        return load_tree(path, {"weights": like, "opt_state": opt_state})[0]["weights"]
-
-
-class Trainer:
+class Trainer(WeightFiles):
     """Trains, evaluates and predicts with a model on a strategy, Keras style.
 
     Every number it reports — losses, metrics, evaluation results, predictions, callback
@@ -189,19 +170,11 @@ class Trainer:
         the real rows of the whole global batch (two small all-reduces per layer): the step is the
         one-device step. ``"per_replica"``: each replica's own rows, as TF's `MirroredStrategy`
         does — cheaper, but the step then depends on the number of replicas.
-      gradient_accumulation_steps: k >= 1 (Keras' name). `fit` then makes one optimizer update per
-        k batches of `batch_size`: the gradients of the k batches are summed over batches and
-        replicas and divided once by their real sample count, so the update is one device's step
-        on the k batches' samples together (an epoch's short last group too). Callbacks,
-        `steps_per_epoch`, `global_step` and backups count optimizer steps; logs stay running
-        values over every sample seen. `BatchNormalization` normalises each batch by its own
-        statistics (as Keras' accumulation does), and its moving averages advance once per batch.
-      dtype_policy: ``"float32"``, ``"mixed_bfloat16"`` or ``"mixed_float16"`` for a
-        `FunctionalModel` (default float32); a Keras model trains under its own dtype policy
-        (`keras.config.set_dtype_policy` before building it). Parameters, optimizer state, losses
-        and metric states stay float32; ``"mixed_float16"`` adds dynamic loss scaling, and a step
-        with non-finite gradients is skipped on every replica and worker alike (logged as
-        ``skipped_steps``). See `lockstep.training._precision`.
+      gradient_accumulation_steps: one optimizer update per k batches: exactly one device's step on
+        their samples together (see `lockstep.training._step_runner`); callbacks, `steps_per_epoch`,
+        `global_step` and backups count updates.
+      dtype_policy: ``"float32"``, ``"mixed_bfloat16"`` or ``"mixed_float16"`` for a `FunctionalModel`;
+        a Keras model keeps its own policy (see `lockstep.training._precision`).
 
     >>> import jax, jax.numpy as jnp, numpy as np, lockstep as ls
     >>> model = ls.FunctionalModel(
@@ -224,11 +197,7 @@ class Trainer:
                  metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
                  strategy: Strategy | None = None, seed: int = 0, batch_statistics: str = "global",
                  gradient_accumulation_steps: int = 1, dtype_policy: str | None = None):
-        if (not isinstance(gradient_accumulation_steps, int) or isinstance(gradient_accumulation_steps, bool)
-                or gradient_accumulation_steps < 1):
-            raise ValueError("`gradient_accumulation_steps` must be a positive integer, got "
-                             f"gradient_accumulation_steps={gradient_accumulation_steps!r}.")
-        self._accumulation = gradient_accumulation_steps
+        self._accumulation = checked_accumulation(gradient_accumulation_steps)
         self.strategy = strategy or _strategy_for(model)
         if not isinstance(self.strategy, Strategy):
             raise TypeError(f"`strategy` must be a lockstep strategy, got {type(strategy).__name__}.")
@@ -238,13 +207,12 @@ class Trainer:
         optimizer, loss, metrics = compiled_settings(model, optimizer, loss, metrics)  # model.compile's
         self._optimizer = get_optimizer(optimizer, getattr(model, "trainable_variables", None))
         self.dtype_policy = resolve_policy(model, dtype_policy)
-        if self.dtype_policy == "mixed_float16":
+        if self.dtype_policy == "mixed_float16":  # dynamic loss scaling (a Keras LossScaleOptimizer's settings)
             self._optimizer = with_loss_scaling(self._optimizer, *loss_scale_settings(optimizer))
         self._loss_fn = _losses.get(loss)
         self._labels = LabelCheck(loss)  # labels checked on the host against a named loss
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
-        self._steps: dict[str, Callable[..., Any]] = {}
-        self._acc: Any = None  # per-replica gradient accumulators (gradient_accumulation_steps > 1)
+        self._runner: StepRunner | None = None  # the compiled steps, once the model is built
         self.stop_training = False
         self.history: History | None = None
         self._live = LiveState(self._engine)  # the training state: plain global arrays and counters
@@ -259,10 +227,11 @@ class Trainer:
             pred_shape = output_shape(self._adapter, self._live.params, x)
             self._labels.num_classes = pred_shape[-1] if pred_shape else 1
             self._all.build(np.shape(y), pred_shape)
-        if not self._steps:
+        if self._runner is None:
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
-            self._steps = make_steps(apply, self._loss_fn, self._optimizer, self._loss_tracker,
-                                     self._metrics, self.strategy.num_replicas_in_sync)
+            self._runner = StepRunner(self._engine, make_steps(apply, self._loss_fn, self._optimizer, self._loss_tracker,
+                                                               self._metrics, self.strategy.num_replicas_in_sync),
+                                      self._accumulation)
 
     def get_metric(self, name: str) -> Metric | None:
         """The metric logged under `name` (``"loss"`` included), or None."""
@@ -342,8 +311,7 @@ class Trainer:
         self._live.callbacks, self.stop_training = cbs, False
         self._live.epoch, self._live.step, self._live.global_step, self._live.seed = initial_epoch, 0, 0, seed
         self._live.metric_state = self._fresh_state()
-        self._acc = None if self._accumulation == 1 else self._engine.per_replica_copies(
-            jax.tree.map(lambda p: np.zeros(p.shape, p.dtype), self._live.params["trainable"]))
+        self._runner.start(self._live.params)
         cblist.on_train_begin()
         self._live.take_pending(cbs)  # a restore() made before fit or in on_train_begin takes effect here
         logs: dict[str, Any] = {}
@@ -372,7 +340,7 @@ class Trainer:
         for step, group in enumerate(accumulation_groups(batches, k), start=skip):
             ran = True
             cblist.on_train_batch_begin(step)
-            self._train_on(group)
+            self._runner.update(self._live, group)
             self._live.step, self._live.global_step = step + 1, self._live.global_step + 1
             cblist.on_train_batch_end(step, _LazyLogs(lambda s=self._live.metric_state: self._read(s)))
             if self.stop_training:
@@ -391,26 +359,6 @@ class Trainer:
         self.stop_training = bool(broadcast_from_chief(np.asarray(self.stop_training)))  # every worker agrees
         return logs
 
-    def _train_on(self, group: AccumulationGroup) -> None:
-        """One optimizer step on a group of distributed batches (one batch without accumulation)."""
-        live, run = self._live, self._engine.run_arrays
-        if self._accumulation == 1:
-            (batch,) = group.batches
-            live.params, live.opt_state, live.metric_state = run(
-                self._steps["train"], (live.params, live.opt_state, live.metric_state, batch.data, batch.mask,
-                                       batch.count), TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count,
-                check_vma=CHECK_VMA)
-            return
-        for batch in group.batches:
-            live.params, self._acc, live.metric_state = run(
-                self._steps["accumulate"], (live.params, live.opt_state, self._acc, live.metric_state, batch.data,
-                                            batch.mask, batch.count), ACCUMULATE_KINDS, ACCUMULATE_OUT,
-                mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
-        count = self._engine.put_replicated(np.float32(group.num_samples))
-        live.params, live.opt_state, self._acc = run(
-            self._steps["apply"], (live.params, live.opt_state, self._acc, count), APPLY_KINDS, APPLY_OUT,
-            check_vma=CHECK_VMA)
-
     # --- evaluate / predict --------------------------------------------------------------------
     def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList, y: Any = None,
                           arg: str = "validation_data") -> dict[str, Any]:
@@ -420,9 +368,7 @@ class Trainer:
         state = self._fresh_state()
         cblist.on_test_begin()
         for step, batch in enumerate(distribute(self.strategy, data)):
-            args = (self._live.params, state, batch.data, batch.mask, batch.count)
-            state = self._engine.run_arrays(self._steps["eval"], args, EVAL_KINDS, "per_replica", mask=batch.mask,
-                                            count=batch.count, check_vma=CHECK_VMA)
+            state = self._runner.evaluate(self._live.params, state, batch)
             cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
         logs = self._read(state)
         cblist.on_test_end(logs)
@@ -454,9 +400,7 @@ class Trainer:
         cblist.on_predict_begin()
         outputs = []
         for step, batch in enumerate(distribute(self.strategy, data)):
-            out = self._engine.run_arrays(self._steps["predict"], (self._live.params, batch.data), PREDICT_KINDS,
-                                          "per_replica", mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
-            outputs.append(_host(self._engine.real_rows(out, batch.step)))
+            outputs.append(self._runner.predict(self._live.params, batch))
             cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})
         cblist.on_predict_end()
         if not outputs:
@@ -493,23 +437,3 @@ class Trainer:
     def learning_rate(self, value: float) -> None:
         self._require_built()
         set_learning_rate(self._live.opt_state, value, self._engine.put_replicated)
-
-    def save_weights(self, path: str) -> None:
-        """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
-        save_tree(path, self.get_weights())
-
-    def load_weights(self, path: str) -> None:
-        """Reads weights written by `save_weights` (or by `save`)."""
-        self.set_weights(_load_weights(path, self.get_weights(), _host(self._live.opt_state)))
-
-    def save(self, path: str, epoch: int | None = None) -> None:
-        """Writes the training state atomically: a Keras `.keras` file for a Keras model and a
-        `.keras` path; else weights, optimizer state and epoch (`.npz` layout)."""
-        self._require_built()
-        if path.endswith(".keras") and hasattr(self.model, "save"):
-            self._adapter.sync_to_model(_host(self._live.params))
-            with atomic_path(path) as tmp:
-                self.model.save(tmp)
-            return
-        extra = {} if epoch is None else {"epoch": epoch}
-        save_tree(path, {"weights": self.get_weights(), "opt_state": _host(self._live.opt_state)}, **extra)

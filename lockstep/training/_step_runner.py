@@ -1,0 +1,93 @@
+"""`StepRunner`: a `Trainer`'s compiled steps, dispatched on distributed batches.
+
+It owns the steps (`_steps`), the kinds of their arguments, and the per-replica gradient
+accumulators: `update` makes one optimizer update from a group of batches — one train step, or,
+with gradient accumulation, one accumulate step per batch and one apply step.
+
+Gradient accumulation (``Trainer(..., gradient_accumulation_steps=k)``, Keras' name): `fit` with
+``batch_size=b`` makes one update per k batches of b. Each batch adds its gradient of the
+*summed* loss to per-replica accumulators (no collective); the apply step sums them over replicas
+and divides once by the group's real sample count, so the update is one device's step on the
+k*b samples together — an epoch's short last group with its own count. Callbacks,
+`steps_per_epoch`, `global_step` and `TrainState.step` count updates, so `BackupAndRestore`
+backups land on update boundaries only (a run stopped inside a group redoes that group). Logs
+stay running values over every sample seen. `BatchNormalization` normalises each batch of b by
+that batch's own statistics (over all replicas), as Keras' accumulation does, and its moving
+averages advance once per batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..data import AccumulationGroup
+from ._steps import (
+    ACCUMULATE_KINDS,
+    ACCUMULATE_OUT,
+    APPLY_KINDS,
+    APPLY_OUT,
+    CHECK_VMA,
+    EVAL_KINDS,
+    PREDICT_KINDS,
+    TRAIN_KINDS,
+    TRAIN_OUT,
+)
+
+
+def checked_accumulation(k: Any) -> int:
+    """`gradient_accumulation_steps` when it is a positive integer, else a ValueError naming it."""
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise ValueError(f"`gradient_accumulation_steps` must be a positive integer, got gradient_accumulation_steps={k!r}.")
+    return k
+
+
+class StepRunner:
+    """Runs `steps` (from `make_steps`) on `engine` (`strategy.extended`), `accumulation` batches
+    per optimizer update."""
+
+    def __init__(self, engine: Any, steps: dict[str, Callable[..., Any]], accumulation: int):
+        self._engine = engine
+        self._steps = steps
+        self._accumulation = accumulation
+        self._acc: Any = None  # per-replica gradient sums of the group in progress
+
+    def start(self, params: Any) -> None:
+        """Fresh (zero) accumulators for a `fit` on `params`: a `fit` interrupted mid-group leaves none behind."""
+        self._acc = None if self._accumulation == 1 else self._engine.per_replica_copies(
+            jax.tree.map(lambda p: np.zeros(p.shape, p.dtype), params["trainable"]))
+
+    def update(self, live: Any, group: AccumulationGroup) -> None:
+        """One optimizer update of `live` (a `LiveState`) from `group`'s batches."""
+        run = self._engine.run_arrays
+        if self._accumulation == 1:
+            (batch,) = group.batches
+            live.params, live.opt_state, live.metric_state = run(
+                self._steps["train"], (live.params, live.opt_state, live.metric_state, batch.data, batch.mask,
+                                       batch.count), TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count,
+                check_vma=CHECK_VMA)
+            return
+        for batch in group.batches:
+            live.params, self._acc, live.metric_state = run(
+                self._steps["accumulate"], (live.params, live.opt_state, self._acc, live.metric_state, batch.data,
+                                            batch.mask, batch.count), ACCUMULATE_KINDS, ACCUMULATE_OUT,
+                mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
+        count = self._engine.put_replicated(np.float32(group.num_samples))
+        live.params, live.opt_state, self._acc = run(
+            self._steps["apply"], (live.params, live.opt_state, self._acc, count), APPLY_KINDS, APPLY_OUT,
+            check_vma=CHECK_VMA)
+
+    def evaluate(self, params: Any, state: Any, batch: Any) -> Any:
+        """The running loss and metric states after `batch`."""
+        return self._engine.run_arrays(self._steps["eval"], (params, state, batch.data, batch.mask, batch.count),
+                                       EVAL_KINDS, "per_replica", mask=batch.mask, count=batch.count,
+                                       check_vma=CHECK_VMA)
+
+    def predict(self, params: Any, batch: Any) -> Any:
+        """The model's outputs on `batch`'s real rows, on the host."""
+        out = self._engine.run_arrays(self._steps["predict"], (params, batch.data), PREDICT_KINDS, "per_replica",
+                                      mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
+        return jax.tree.map(np.asarray, self._engine.real_rows(out, batch.step))
