@@ -123,7 +123,8 @@ def main() -> int:
              f"Machine: {machine()}. Command: `python benchmarks/efficiency.py{' --quick' if args.quick else ''}` "
              f"(`make bench`), {time.perf_counter() - started:.0f} s; {n} samples, the CNN of `bench.py`, "
              f"{epochs} epochs (samples/s of the median epoch after the first), {args.rounds} interleaved rounds, "
-             "medians; simulated CPU devices share the machine's cores.", "",
+             "medians; simulated CPU devices share the machine's cores. Wall-time ratios on this shared 2-core "
+             "machine drift widely (see the ranges); peak memory does not.", "",
              "## Accumulation: one update per 256 samples", "", *acc, "",
              "Both rows make the same updates (tests/test_accumulation.py checks the weights agree to float32 "
              "rounding). The accumulated row runs 4 compiled micro-steps and one update step per 256 samples "
