@@ -22,14 +22,19 @@ class TrainState:
     Attributes:
       params: ``{"trainable": ..., "non_trainable": ...}``, arrays replicated on every device.
       opt_state: the optax optimizer state, replicated.
-      metric_state: the running loss and metric states of the epoch in progress, one entry per
-        replica (global arrays whose leading axis is the replica), or None outside `fit`.
+      metric_state: the running loss and metric states of the epoch in progress, reduced over
+        replicas and workers (the state one device would hold, whatever the number of replicas),
+        or None outside `fit`. `restore` gives it to the first replica and the empty state to
+        the others, so a state taken on W x R replicas resumes on W' x R'.
       epoch: epochs completed.
-      step: batches completed in the epoch in progress.
+      step: optimizer steps completed in the epoch in progress.
       global_step: optimizer steps taken in this `fit` (over all epochs).
       seed: the seed of `fit`'s shuffling (the order of an epoch derives from seed and epoch).
       callbacks: each callback's `get_state()`, keyed by class name and rank among callbacks of
         that class (``"EarlyStopping.0"``).
+      batch_size: the global batch size of `fit` (None: batches came whole from an iterable).
+      accumulation: batches per optimizer step (`gradient_accumulation_steps`). A resume with
+        another `batch_size` or `accumulation` is refused: the data order and positions depend on them.
 
     >>> import lockstep as ls
     >>> s = ls.TrainState(params={"trainable": [], "non_trainable": []}, opt_state=(), metric_state=None,
@@ -46,6 +51,8 @@ class TrainState:
     global_step: int
     seed: int
     callbacks: dict[str, dict[str, Any]]
+    batch_size: int | None = None
+    accumulation: int = 1
 
     def replace(self, **changes: Any) -> "TrainState":
         """A copy with `changes` applied."""
@@ -54,7 +61,7 @@ class TrainState:
 
 jax.tree_util.register_dataclass(
     TrainState, data_fields=["params", "opt_state", "metric_state", "callbacks"],
-    meta_fields=["epoch", "step", "global_step", "seed"])
+    meta_fields=["epoch", "step", "global_step", "seed", "batch_size", "accumulation"])
 
 
 def callback_key(callbacks: list[Any]) -> dict[str, Any]:
@@ -69,17 +76,25 @@ def callback_key(callbacks: list[Any]) -> dict[str, Any]:
     return out
 
 
+def _synced(metrics: Any, state: Any) -> Any:
+    return metrics.sync(state)
+
+
 class LiveState:
     """A `Trainer`'s training state as it runs: plain global arrays placed by `engine`
     (`strategy.extended`) and the position counters; `snapshot` / `restore` convert to and from
-    `TrainState`."""
+    `TrainState`. `metrics` (a `MetricCollection`) reduces the per-replica metric state for a
+    snapshot and gives the empty state to the replicas a restored state does not go to."""
 
-    def __init__(self, engine: Any):
+    def __init__(self, engine: Any, metrics: Any):
         self._engine = engine
+        self._metrics = metrics
         self.params: Any = None
         self.opt_state: Any = None
         self.metric_state: Any = None
         self.epoch = self.step = self.global_step = self.seed = 0
+        self.batch_size: int | None = None
+        self.accumulation = 1
         self.callbacks: list[Any] = []
         self._pending: TrainState | None = None
 
@@ -91,9 +106,27 @@ class LiveState:
         self.opt_state = self._engine.put_replicated(init_optimizer(self.params["trainable"]))
 
     def snapshot(self) -> TrainState:
-        return TrainState(params=self.params, opt_state=self.opt_state, metric_state=self.metric_state,
+        metrics = None if self.metric_state is None else self._engine.run_to_host(
+            _synced, (self._metrics, self.metric_state), ("replicated", "per_replica"))
+        return TrainState(params=self.params, opt_state=self.opt_state, metric_state=metrics,
                           epoch=self.epoch, step=self.step, global_step=self.global_step, seed=self.seed,
-                          callbacks={k: cb.get_state() for k, cb in callback_key(self.callbacks).items()})
+                          callbacks={k: cb.get_state() for k, cb in callback_key(self.callbacks).items()},
+                          batch_size=self.batch_size, accumulation=self.accumulation)
+
+    def _spread(self, reduced: Any) -> Any:
+        """Reduced metric state as per-replica state: the first replica holds it, the others the empty state."""
+        empty = self._metrics.init()
+        r = self._engine.distributor.num_replicas
+
+        def stack(name: str, field: str, value: Any, blank: Any) -> np.ndarray:
+            value, blank = np.asarray(value), np.asarray(blank)
+            if value.shape != blank.shape:
+                raise ValueError(f"metric `{name}` keeps rows ({field!r}, reduction 'cat'): its state cannot be "
+                                 "restored in the middle of an epoch; back up at epoch ends (save_freq='epoch').")
+            return np.stack([value] + [blank] * (r - 1))
+        return self._engine.place_per_replica(
+            {name: {field: stack(name, field, v, empty[name][field]) for field, v in fields.items()}
+             for name, fields in reduced.items()})
 
     def restore(self, state: TrainState) -> None:
         """Weights and optimizer state at once; the rest when `take_pending` is called."""
@@ -113,9 +146,16 @@ class LiveState:
         state, self._pending = self._pending, None
         if state is None:
             return
+        for name, saved, now in (("global batch size", state.batch_size, self.batch_size),
+                                 ("gradient_accumulation_steps", state.accumulation, self.accumulation)):
+            if saved is not None and now is not None and saved != now:
+                raise ValueError(
+                    f"the restored state was taken with {name} {saved}, and this fit uses {now}: the data order "
+                    f"and the step positions depend on it. Resume with {name} {saved} (the number of workers "
+                    "and replicas may change).")
         self.epoch, self.step, self.global_step, self.seed = state.epoch, state.step, state.global_step, state.seed
         if state.step and state.metric_state is not None:  # mid-epoch: the epoch's running metrics go on
-            self.metric_state = self._engine.place_per_replica(state.metric_state)
+            self.metric_state = self._spread(state.metric_state)
         for key, cb in callback_key(callbacks).items():
             if key in state.callbacks:  # a callback new since the state was taken keeps its fresh state
                 cb.set_state(state.callbacks[key])

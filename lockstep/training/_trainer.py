@@ -215,7 +215,7 @@ class Trainer(WeightFiles):
         self._runner: StepRunner | None = None  # the compiled steps, once the model is built
         self.stop_training = False
         self.history: History | None = None
-        self._live = LiveState(self._engine)  # the training state: plain global arrays and counters
+        self._live = LiveState(self._engine, self._all)  # the training state: plain global arrays and counters
 
     # --- building ------------------------------------------------------------------------
     def _build(self, batch: Any) -> None:
@@ -310,6 +310,7 @@ class Trainer(WeightFiles):
         cblist = CallbackList(cbs, self)
         self._live.callbacks, self.stop_training = cbs, False
         self._live.epoch, self._live.step, self._live.global_step, self._live.seed = initial_epoch, 0, 0, seed
+        self._live.batch_size, self._live.accumulation = getattr(train, "batch_size", None), self._accumulation
         self._live.metric_state = self._fresh_state()
         self._runner.start(self._live.params)
         cblist.on_train_begin()
