@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._cross_replica import AXIS, allgather_sizes
-from ._layout import StepInfo, batch_length, pad_and_mask, padded_per_replica, to_numpy
+from ._layout import BatchRows, StepInfo, batch_length, pad_and_mask, padded_per_replica, to_numpy
 from ._values import DistributedBatch
 
 if TYPE_CHECKING:
@@ -98,17 +98,29 @@ class BatchDistributor:
         return [jax.make_array_from_process_local_data(self.split, x, (global_rows, *x.shape[1:])) for x in local]
 
     def global_batch(self, batch: Any, padded_size: int | None = None) -> DistributedBatch:
-        """One global batch (the same on every worker), padded to `padded_size` rows at least."""
-        leaves, treedef = jax.tree.flatten(batch)
-        if not leaves:
-            raise ValueError(f"`batch` must hold at least one array, got {batch!r}.")
-        leaves = [to_numpy(x) for x in leaves]
-        n = batch_length(leaves)
+        """One global batch (the same on every worker), padded to `padded_size` rows at least.
+
+        `batch` is the batch's arrays, or a `BatchRows`, of which this worker reads only the rows
+        of its own replicas.
+        """
+        if isinstance(batch, BatchRows):
+            n = batch.num_real
+        else:
+            leaves, treedef = jax.tree.flatten(batch)
+            if not leaves:
+                raise ValueError(f"`batch` must hold at least one array, got {batch!r}.")
+            leaves = [to_numpy(x) for x in leaves]
+            n = batch_length(leaves)
         r = self.num_replicas
         b = padded_per_replica(n, r, padded_size)
         ids = self.local_replica_ids
         lo, hi = ids[0] * b, (ids[-1] + 1) * b  # a process's replicas are contiguous in the mesh
-        rows, mask = pad_and_mask(leaves, n, lo, hi)
+        if isinstance(batch, BatchRows):  # read this worker's real rows only, and pad them
+            real = max(min(hi, n) - lo, 0)
+            leaves, treedef = jax.tree.flatten(batch.read(lo, lo + real) if real else batch.blank())
+            rows, mask = pad_and_mask([to_numpy(x) for x in leaves], real, 0, hi - lo)
+        else:
+            rows, mask = pad_and_mask(leaves, n, lo, hi)
         key = (lo, hi, n, b)
         layout = self._layouts.get(key)  # full batches repeat one layout: build and place it once
         if layout is None:

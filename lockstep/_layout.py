@@ -76,6 +76,19 @@ def pad_and_mask(leaves: list[np.ndarray], num_real: int, start: int, stop: int
     return rows, (np.arange(start, stop) < num_real).astype(np.float32)
 
 
+class BatchRows:
+    """A global batch of `num_real` rows that each worker reads only part of: `read(lo, hi)` gives
+    rows ``lo:hi`` (the batch's pytree of arrays), `blank()` one row of the same shapes and dtypes
+    (padding for a worker that holds none of the batch's real rows)."""
+
+    __slots__ = ("num_real", "read", "blank")
+
+    def __init__(self, num_real: int, read: Any, blank: Any):
+        self.num_real = num_real
+        self.read = read
+        self.blank = blank
+
+
 def batch_length(leaves: list[np.ndarray]) -> int:
     """The common leading dimension of a batch's arrays.
 

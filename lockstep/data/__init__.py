@@ -4,5 +4,6 @@ from ._accumulation import AccumulationGroup as AccumulationGroup
 from ._accumulation import accumulation_groups as accumulation_groups
 from ._batches import Batches as Batches
 from ._batches import batches as batches
+from ._indexed import IndexedBatches as IndexedBatches
 
-__all__ = ["AccumulationGroup", "Batches", "accumulation_groups", "batches"]
+__all__ = ["AccumulationGroup", "Batches", "IndexedBatches", "accumulation_groups", "batches"]

@@ -8,6 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._layout import BatchRows
+
 
 class Batches:
     """A re-iterable sequence of global batches over a pytree of arrays.
@@ -54,6 +56,20 @@ class Batches:
     def __iter__(self) -> Iterator[Any]:
         epoch, self.epoch = self.epoch, self.epoch + 1
         return self.iterate(epoch)
+
+    def rows(self, epoch: int, start: int = 0) -> Iterator[BatchRows]:
+        """Batches of pass `epoch` from batch `start` on, each read only where a worker needs rows."""
+        order = self.order(epoch)
+
+        def batch(lo: int, hi: int) -> BatchRows:
+            def read(a: int, b: int) -> Any:
+                if not self.shuffle:
+                    return jax.tree.unflatten(self._treedef, [leaf[lo + a:lo + b] for leaf in self._leaves])
+                return jax.tree.unflatten(self._treedef, [np.take(leaf, order[lo + a:lo + b], axis=0)
+                                                          for leaf in self._leaves])
+            return BatchRows(hi - lo, read, lambda: read(0, 1))
+        for i in range(start, len(self)):
+            yield batch(i * self.batch_size, min((i + 1) * self.batch_size, self._n))
 
 
 def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int = 0,

@@ -15,6 +15,7 @@ from .._datasets import DistributedDataset
 from .._layout import padded_per_replica
 from ..data import Batches
 from ..data import batches as make_batches
+from ..data import IndexedBatches
 
 if TYPE_CHECKING:
     from .._strategy import Strategy
@@ -50,6 +51,11 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
         if y is not None or sample_weight is not None:
             raise ValueError(f"when `{arg}` is a distributed dataset, `y` and `sample_weight` must be None.")
         return x
+    if IndexedBatches.accepts(x):  # a grain.MapDataset (or data source) of samples: read per worker, by index
+        if y is not None or sample_weight is not None:
+            raise ValueError(f"when `{arg}` is a {type(x).__name__} of samples, `y` and `sample_weight` must be None "
+                             "(each sample carries them).")
+        return IndexedBatches(x, 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
     if isinstance(x, (list, tuple)) and y is not None:
         raise TypeError(
             f"`{arg}` is a Python {type(x).__name__} and `y` is given: pass NumPy arrays (`np.asarray({arg})`), "
@@ -135,7 +141,9 @@ def peek(data: Iterable[Any]) -> tuple[Any, Iterable[Any]]:
     if isinstance(data, DistributedDataset):
         first, inner = peek(data.source)
         return first, data.with_source(inner)
-    if isinstance(data, Batches):
+    if isinstance(data, IndexedBatches):
+        first = data.blank()  # one sample's shapes (zeros): enough to build the model
+    elif isinstance(data, Batches):
         first = next(iter(data.iterate(0)), None)  # re-iterable: no epoch consumed
     elif iter(data) is data:
         it = iter(data)
@@ -149,6 +157,9 @@ def peek(data: Iterable[Any]) -> tuple[Any, Iterable[Any]]:
 
 
 def distribute(strategy: "Strategy", data: Iterable[Any]) -> DistributedDataset:
+    """`data` as distributed batches; indexed sources and unshuffled arrays are read per worker."""
+    if isinstance(data, IndexedBatches) or (isinstance(data, Batches) and not data.shuffle):
+        return DistributedDataset(strategy, data.rows(0))
     return data if isinstance(data, DistributedDataset) else strategy.experimental_distribute_dataset(data)
 
 
@@ -160,10 +171,10 @@ def epoch_batches(strategy: "Strategy", train: Iterable[Any], epoch: int, skip: 
     and every batch is padded to the full batch size, so one compiled step serves them all.
     """
     stop = None if steps is None else max(steps - skip, 0)
-    if isinstance(train, Batches):
+    if isinstance(train, (Batches, IndexedBatches)):  # each worker reads only the rows it keeps
         r = strategy.num_replicas_in_sync
         padded = padded_per_replica(train.batch_size, r) * r
-        out = itertools.islice(DistributedDataset(strategy, train.iterate(epoch, skip), padded_size=padded), stop)
+        out = itertools.islice(DistributedDataset(strategy, train.rows(epoch, skip), padded_size=padded), stop)
     else:
         out = itertools.islice(distribute(strategy, train), skip, None if steps is None else steps)
     return out if steps is None else _warn_if_short(out, steps, skip, epoch)
