@@ -16,6 +16,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("script", ["custom_loop.py", "keras_mirrored.py", "early_stopping.py",
                                     "f1_training_metric.py", pytest.param("lstm_multi_worker.py", marks=_PROCESSES),
+                                    pytest.param("grain_files.py", marks=_PROCESSES),
                                     "resnet_mirrored.py"])
 def test_example_runs_and_agrees(script, tmp_path):
     env = {**os.environ, "KERAS_BACKEND": "jax", "XLA_FLAGS": ""}
