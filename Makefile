@@ -21,6 +21,7 @@ demo: $(STAMP)
 bench: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/bench.py
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/efficiency.py
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/input.py
 
 # two pytest workers; the tests that start processes run one after another in one of them
 test: $(STAMP)

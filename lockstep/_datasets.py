@@ -266,7 +266,8 @@ class DistributedDataset:
 
     def _distributed(self, distributor: BatchDistributor) -> Iterator[DistributedBatch]:
         padded = self._padded_size
-        for batch in self._dataset:
+        next_rows = getattr(self._dataset, "next_rows", None)  # lockstep's batches: each worker reads its rows
+        for batch in (next_rows() if callable(next_rows) else self._dataset):
             dist = distributor.global_batch(batch, padded)
             if padded is None:
                 padded = dist.step.padded_size

@@ -57,6 +57,11 @@ class Batches:
         epoch, self.epoch = self.epoch, self.epoch + 1
         return self.iterate(epoch)
 
+    def next_rows(self) -> Iterator[BatchRows]:
+        """The next pass (as `iter()` gives it), as `rows`: for distributed datasets."""
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return self.rows(epoch)
+
     def rows(self, epoch: int, start: int = 0) -> Iterator[BatchRows]:
         """Batches of pass `epoch` from batch `start` on, each read only where a worker needs rows."""
         order = self.order(epoch)

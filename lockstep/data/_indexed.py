@@ -19,7 +19,9 @@ class IndexedBatches:
     The global order is defined once per pass from `seed` and the pass number (as
     `lockstep.data.batches`); the workers take the same steps, and each reads (so decodes and
     transforms) only the samples of its own replicas' rows: over one pass, every sample is read
-    once, by one worker. Reading the shapes costs one more read of sample 0 per worker.
+    once, by one worker. Reading the shapes costs one more read of sample 0 per worker. `fit`,
+    `evaluate` and `predict` take a `grain.MapDataset` as `x` (with `batch_size`) and make this;
+    `strategy.experimental_distribute_dataset(IndexedBatches(...))` reads per worker too.
 
     >>> import numpy as np, lockstep as ls
     >>> samples = [(np.float32(i), np.int32(i % 2)) for i in range(5)]
@@ -48,6 +50,7 @@ class IndexedBatches:
         if self._n < 1:
             raise ValueError(f"the source of samples is empty (len {self._n}).")
         self._blank: Any = None
+        self.epoch = 0  # passes begun by `iter()` / `next_rows()`
 
     @property
     def num_samples(self) -> int:
@@ -73,6 +76,11 @@ class IndexedBatches:
             self._blank = jax.tree.map(np.zeros_like, self.read([0]))
         return self._blank
 
+    def next_rows(self) -> Iterator[BatchRows]:
+        """The next pass, each worker reading only its rows (what a distributed dataset iterates)."""
+        epoch, self.epoch = self.epoch, self.epoch + 1
+        return self.rows(epoch)
+
     def rows(self, epoch: int, start: int = 0) -> Iterator[BatchRows]:
         """Batches of pass `epoch` from batch `start` on; a worker reads only the rows it keeps."""
         order = self.order(epoch)
@@ -82,6 +90,7 @@ class IndexedBatches:
             yield BatchRows(len(idx), lambda a, b, idx=idx: self.read(idx[a:b]), self.blank)
 
     def __iter__(self) -> Iterator[Any]:
-        """Whole batches of pass 0 (every sample read here: for a look at the data, not for training)."""
-        for batch in self.rows(0):
+        """Whole batches of the next pass (every sample read here: for a look at the data; a
+        distributed dataset reads per worker)."""
+        for batch in self.next_rows():
             yield batch.read(0, batch.num_real)
