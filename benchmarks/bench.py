@@ -81,6 +81,24 @@ class EpochTimer:
         self.ends.append((time.perf_counter(), time.process_time()))
 
 
+def lockstep_timer(ls, times: EpochTimer, t_start: float):
+    """A lockstep callback that records epoch boundaries and the time to the first step's end."""
+    import jax
+
+    class Timer(ls.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            times.begin()
+
+        def on_train_batch_end(self, batch_i, logs=None):
+            if times.first_step is None:
+                jax.block_until_ready(self.trainer.train_state.params)
+                times.first_step = time.perf_counter() - t_start
+
+        def on_epoch_end(self, epoch, logs=None):
+            times.end()
+    return Timer()
+
+
 def keras_timer(keras, times: EpochTimer, t_start: float):
     """A Keras callback that records epoch boundaries and the time to the first step's end."""
     class KTimer(keras.callbacks.Callback):
@@ -112,25 +130,14 @@ def child_fit(system: str, model: str, devices: int, n: int, epochs: int, batch:
     if system in ("lockstep", "lockstep_per_replica"):
         strategy = ls.MirroredStrategy(devices)
 
-        class Timer(ls.callbacks.Callback):
-            def on_epoch_begin(self, epoch, logs=None):
-                times.begin()
-
-            def on_train_batch_end(self, batch_i, logs=None):
-                if times.first_step is None:
-                    jax.block_until_ready(self.trainer.train_state.params)
-                    times.first_step = time.perf_counter() - t_start
-
-            def on_epoch_end(self, epoch, logs=None):
-                times.end()
-
         with strategy.scope():
             km = keras_model(model)
         trainer = ls.Trainer(km, optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
                              metrics=["accuracy"],
                              batch_statistics="per_replica" if system == "lockstep_per_replica" else "global")
         assert trainer.strategy.num_replicas_in_sync == devices
-        trainer.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=0, callbacks=[Timer()])
+        trainer.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=0,
+                    callbacks=[lockstep_timer(ls, times, t_start)])
     elif system == "jax_loop":
         # what a JAX user writes for data parallelism: shard_map over the devices, a pmean of the
         # gradients, optax; batches sharded on the host side, dispatch bounded

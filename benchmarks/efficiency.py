@@ -26,7 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import ROOT, EpochTimer, keras_model, machine, make_data, summary  # noqa: E402
+from bench import ROOT, EpochTimer, keras_model, lockstep_timer, machine, make_data, summary  # noqa: E402
 
 ACCUMULATION = {"batch 256": (256, 1), "4 x 64 accumulated": (64, 4)}
 PRECISION = ["float32", "mixed_bfloat16", "mixed_float16"]
@@ -44,24 +44,13 @@ def child(kind: str, setting: str, devices: int, n: int, epochs: int) -> dict:
     t_start = time.perf_counter()
     batch, k, policy = (*ACCUMULATION[setting], "float32") if kind == "accumulation" else (256, 1, setting)
 
-    class Timer(ls.callbacks.Callback):
-        def on_epoch_begin(self, epoch, logs=None):
-            times.begin()
-
-        def on_train_batch_end(self, batch_i, logs=None):
-            if times.first_step is None:
-                times.first_step = time.perf_counter() - t_start
-
-        def on_epoch_end(self, epoch, logs=None):
-            times.end()
-
     strategy = ls.MirroredStrategy(devices)
     keras.config.set_dtype_policy(policy)
     with strategy.scope():
         model = keras_model("cnn")
     trainer = ls.Trainer(model, optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
                          metrics=["accuracy"], gradient_accumulation_steps=k)
-    history = trainer.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, callbacks=[Timer()])
+    history = trainer.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, callbacks=[lockstep_timer(ls, times, t_start)])
     return {**summary(times, n), "final_loss": history.history["loss"][-1]}
 
 
