@@ -114,8 +114,8 @@ class InterruptedBatches(ls.data.Batches):
         super().__init__((X, Y), B, shuffle=True, seed=3, drop_remainder=False)
         self.after = after
 
-    def iterate(self, epoch, start=0):
-        for i, batch in enumerate(super().iterate(epoch, start), start=start):
+    def rows(self, epoch, start=0):
+        for i, batch in enumerate(super().rows(epoch, start), start=start):
             if epoch == 1 and i == self.after:
                 raise _Interrupted(f"stopped before batch {i} of epoch {epoch}")
             yield batch

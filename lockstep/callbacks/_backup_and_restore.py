@@ -120,7 +120,7 @@ class BackupAndRestore(Callback):
     # --- restoring ---------------------------------------------------------------------------
     def _restore_latest(self) -> None:
         """Hands the newest backup, if any, to the trainer (`trainer.restore`)."""
-        from ..checkpoint import flatten_train_state, unflatten_train_state
+        from ..checkpoint import METRIC_STATE_PREFIX, flatten_train_state, unflatten_train_state
 
         assert self.trainer is not None and self._store is not None
         step = self._store.latest_step()
@@ -128,7 +128,10 @@ class BackupAndRestore(Callback):
             return
         like = self.trainer.train_state
         arrays_like, _ = flatten_train_state(like)
-        shardings = {k: v.sharding for k, v in arrays_like.items() if isinstance(v, jax.Array)}
+        # the metric state (one entry per replica) comes back whole, replicated: it may have been
+        # taken on another number of replicas, and the trainer reduces it then (`TrainState`)
+        shardings = {k: v.sharding for k, v in arrays_like.items()
+                     if isinstance(v, jax.Array) and not k.startswith(METRIC_STATE_PREFIX)}
         replicated = jax.sharding.NamedSharding(self.trainer.strategy.mesh, jax.sharding.PartitionSpec())
         arrays, meta = self._store.restore(step, shardings, default_sharding=replicated)
         self.trainer.restore(unflatten_train_state(arrays, meta, like))

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 
 _ARRAY_TREES = ("params", "opt_state", "metric_state")
 _PREFIX = {"params": "params", "opt_state": "opt_state", "metric_state": "metrics"}
+#: Names of the metric state's arrays start with this (one entry per replica along axis 0).
+METRIC_STATE_PREFIX = "metrics/"
 
 
 def _split_state(state: dict[str, Any], prefix: str, arrays: dict[str, Any]) -> dict[str, Any]:

@@ -22,10 +22,11 @@ class TrainState:
     Attributes:
       params: ``{"trainable": ..., "non_trainable": ...}``, arrays replicated on every device.
       opt_state: the optax optimizer state, replicated.
-      metric_state: the running loss and metric states of the epoch in progress, reduced over
-        replicas and workers (the state one device would hold, whatever the number of replicas),
-        or None outside `fit`. `restore` gives it to the first replica and the empty state to
-        the others, so a state taken on W x R replicas resumes on W' x R'.
+      metric_state: the running loss and metric states of the epoch in progress, one entry per
+        replica (global arrays whose leading axis is the replica), or None outside `fit`. Restored
+        onto another number of replicas (W x R taken, W' x R' now), the entries are reduced with
+        each field's declared reduction and the result goes to the first replica, the empty state
+        to the others; on the same number they are restored as they were (bit for bit).
       epoch: epochs completed.
       step: optimizer steps completed in the epoch in progress.
       global_step: optimizer steps taken in this `fit` (over all epochs).
@@ -76,15 +77,14 @@ def callback_key(callbacks: list[Any]) -> dict[str, Any]:
     return out
 
 
-def _synced(metrics: Any, state: Any) -> Any:
-    return metrics.sync(state)
+_HOST_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
 
 
 class LiveState:
     """A `Trainer`'s training state as it runs: plain global arrays placed by `engine`
     (`strategy.extended`) and the position counters; `snapshot` / `restore` convert to and from
-    `TrainState`. `metrics` (a `MetricCollection`) reduces the per-replica metric state for a
-    snapshot and gives the empty state to the replicas a restored state does not go to."""
+    `TrainState`. `metrics` (a `MetricCollection`) says how to reduce a restored per-replica
+    metric state taken on another number of replicas, and gives the empty state."""
 
     def __init__(self, engine: Any, metrics: Any):
         self._engine = engine
@@ -106,27 +106,31 @@ class LiveState:
         self.opt_state = self._engine.put_replicated(init_optimizer(self.params["trainable"]))
 
     def snapshot(self) -> TrainState:
-        metrics = None if self.metric_state is None else self._engine.run_to_host(
-            _synced, (self._metrics, self.metric_state), ("replicated", "per_replica"))
-        return TrainState(params=self.params, opt_state=self.opt_state, metric_state=metrics,
+        return TrainState(params=self.params, opt_state=self.opt_state, metric_state=self.metric_state,
                           epoch=self.epoch, step=self.step, global_step=self.global_step, seed=self.seed,
                           callbacks={k: cb.get_state() for k, cb in callback_key(self.callbacks).items()},
                           batch_size=self.batch_size, accumulation=self.accumulation)
 
-    def _spread(self, reduced: Any) -> Any:
-        """Reduced metric state as per-replica state: the first replica holds it, the others the empty state."""
-        empty = self._metrics.init()
+    def _per_replica(self, saved: Any) -> Any:
+        """Saved per-replica metric state on this run's replicas: as it was on the same number of
+        replicas; else reduced over the saved replicas (each field's declared reduction) into the
+        first replica, the others given the empty state."""
         r = self._engine.distributor.num_replicas
+        leaves = jax.tree.leaves(saved)
+        if not leaves or np.shape(leaves[0])[0] == r:
+            return self._engine.place_per_replica(saved)
+        empty = self._metrics.init()
 
-        def stack(name: str, field: str, value: Any, blank: Any) -> np.ndarray:
-            value, blank = np.asarray(value), np.asarray(blank)
-            if value.shape != blank.shape:
-                raise ValueError(f"metric `{name}` keeps rows ({field!r}, reduction 'cat'): its state cannot be "
-                                 "restored in the middle of an epoch; back up at epoch ends (save_freq='epoch').")
-            return np.stack([value] + [blank] * (r - 1))
+        def moved(name: str, field: str, value: Any) -> np.ndarray:
+            reduction = self._metrics.metrics[name].state_specs[field].reduction
+            if reduction not in _HOST_REDUCE:
+                raise ValueError(f"metric `{name}` keeps rows ({field!r}, reduction {reduction!r}): its state cannot "
+                                 "move to another number of replicas in the middle of an epoch; back up at epoch "
+                                 "ends (save_freq='epoch') or resume on the same number of replicas.")
+            whole = _HOST_REDUCE[reduction](np.asarray(value), axis=0)
+            return np.stack([whole] + [np.asarray(empty[name][field])] * (r - 1))
         return self._engine.place_per_replica(
-            {name: {field: stack(name, field, v, empty[name][field]) for field, v in fields.items()}
-             for name, fields in reduced.items()})
+            {name: {field: moved(name, field, v) for field, v in fields.items()} for name, fields in saved.items()})
 
     def restore(self, state: TrainState) -> None:
         """Weights and optimizer state at once; the rest when `take_pending` is called."""
@@ -155,7 +159,7 @@ class LiveState:
                     "and replicas may change).")
         self.epoch, self.step, self.global_step, self.seed = state.epoch, state.step, state.global_step, state.seed
         if state.step and state.metric_state is not None:  # mid-epoch: the epoch's running metrics go on
-            self.metric_state = self._spread(state.metric_state)
+            self.metric_state = self._per_replica(state.metric_state)
         for key, cb in callback_key(callbacks).items():
             if key in state.callbacks:  # a callback new since the state was taken keeps its fresh state
                 cb.set_state(state.callbacks[key])
