@@ -42,16 +42,9 @@ class Batches:
         return np.random.default_rng([self.seed, epoch]).permutation(self._n)
 
     def iterate(self, epoch: int, start: int = 0) -> Iterator[Any]:
-        """Batches of pass number `epoch`, from batch index `start` on."""
-        order = self.order(epoch)
-        contiguous = not self.shuffle
-        for i in range(start, len(self)):
-            lo, hi = i * self.batch_size, min((i + 1) * self.batch_size, self._n)
-            if contiguous:
-                parts = [leaf[lo:hi] for leaf in self._leaves]
-            else:
-                parts = [np.take(leaf, order[lo:hi], axis=0) for leaf in self._leaves]
-            yield jax.tree.unflatten(self._treedef, parts)
+        """Batches of pass number `epoch`, from batch index `start` on (whole: every row read)."""
+        for batch in self.rows(epoch, start):
+            yield batch.read(0, batch.num_real)
 
     def __iter__(self) -> Iterator[Any]:
         epoch, self.epoch = self.epoch, self.epoch + 1
