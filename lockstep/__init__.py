@@ -40,6 +40,7 @@ _EXPORTS: dict[str, str] = {
     "simulate_cpu_devices": "._devices",
     "compute_average_loss": ".losses",
     "cross_replica_moments": "._moments",
+    "DataPosition": ".training",
     "FunctionalModel": ".training",
     "TrainState": ".training",
     "Trainer": ".training",
@@ -97,6 +98,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._values import ReplicaContext as ReplicaContext
     from ._values import get_replica_context as get_replica_context
     from .losses import compute_average_loss as compute_average_loss
+    from .training import DataPosition as DataPosition
     from .training import FunctionalModel as FunctionalModel
     from .training import TrainState as TrainState
     from .training import Trainer as Trainer

@@ -21,7 +21,7 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._cross_replica import AXIS, allgather_sizes
-from ._layout import BatchRows, StepInfo, batch_length, pad_and_mask, padded_per_replica, to_numpy
+from ._layout import BatchRows, StepInfo, batch_length, pad_and_mask, padded_per_replica, rows_digest, to_numpy
 from ._values import DistributedBatch
 
 if TYPE_CHECKING:
@@ -115,8 +115,8 @@ class BatchDistributor:
         b = padded_per_replica(n, r, padded_size)
         ids = self.local_replica_ids
         lo, hi = ids[0] * b, (ids[-1] + 1) * b  # a process's replicas are contiguous in the mesh
+        real = max(min(hi, n) - lo, 0)
         if isinstance(batch, BatchRows):  # read this worker's real rows only, and pad them
-            real = max(min(hi, n) - lo, 0)
             leaves, treedef = jax.tree.flatten(batch.read(lo, lo + real) if real else batch.blank())
             rows, mask = pad_and_mask([to_numpy(x) for x in leaves], real, 0, hi - lo)
         else:
@@ -128,8 +128,10 @@ class BatchDistributor:
                 self._layouts.clear()
             layout = self._layouts[key] = (self.place_split([mask], r * b)[0], StepInfo.contiguous(r, b, n),
                                            self._count(n))
-        return DistributedBatch(self.place_split(rows, r * b), treedef, layout[0], layout[1], self._strategy,
+        dist = DistributedBatch(self.place_split(rows, r * b), treedef, layout[0], layout[1], self._strategy,
                                 layout[2])
+        dist.digest = lambda: rows_digest([x[:real] for x in rows], lo)
+        return dist
 
     def local_batches(self, dataset: Iterable[Any]) -> Iterator[DistributedBatch]:
         """Per-worker pipelines: agree on sizes each step; a finished worker sends padding only."""
@@ -152,6 +154,8 @@ class BatchDistributor:
             sizes = allgather_sizes(n)
             if not sizes.any():
                 return
+            if per_replica == 0 and len(sizes) > 1:  # the first step: are the pipelines sharded?
+                _check_sharded(leaves, sizes)
             if template is None:
                 raise ValueError(f"worker {jax.process_index()}'s pipeline yielded no batch while other workers' "
                                  "did: give every worker at least one batch.")
@@ -160,7 +164,29 @@ class BatchDistributor:
             rows, mask = pad_and_mask(leaves if n else template, n, 0, mine * per_replica)
             step = StepInfo.of_workers(sizes, self.replicas_per_process, per_replica)
             placed = self.place_split([*rows, mask], step.padded_size)
-            yield DistributedBatch(placed[:-1], treedef, placed[-1], step, self._strategy, self._count(step.num_real))
+            dist = DistributedBatch(placed[:-1], treedef, placed[-1], step, self._strategy, self._count(step.num_real))
+            start = int(sizes[:jax.process_index()].sum())
+            dist.digest = lambda rows=rows, n=n, start=start: rows_digest([x[:n] for x in rows], start)
+            yield dist
+
+
+def _check_sharded(leaves: list[np.ndarray], sizes: np.ndarray) -> None:
+    """Per-worker pipelines whose first batches are equal are not sharded: every sample would count
+    once per worker. All workers see the same checksums, so all raise together (no hang)."""
+    mine = rows_digest(leaves, 0) % (2**31 - 1) if len(leaves) else 0
+    digests = allgather_sizes(mine)
+    seen: dict[int, int] = {}
+    for w, (d, k) in enumerate(zip(digests, sizes)):
+        if k and int(d) in seen:
+            raise ValueError(
+                f"workers {seen[int(d)]} and {w} got the same first batch from their per-worker pipelines: each "
+                "worker's pipeline must give its own part of the data, or every sample counts once per worker. Shard "
+                "it by worker: grain.sharding.ShardByJaxProcess() for a Grain DataLoader, "
+                "dataset[ctx.input_pipeline_id::ctx.num_input_pipelines] for a Grain MapDataset, "
+                "dataset.shard(ctx.num_input_pipelines, ctx.input_pipeline_id) for tf.data (ctx: the InputContext); "
+                "or give the global data to fit / experimental_distribute_dataset, which split it.")
+        if k:
+            seen[int(d)] = w
 
 
 #: Global batches prepared (sliced, padded, placed on the devices) ahead of the step that uses

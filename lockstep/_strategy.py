@@ -122,6 +122,7 @@ class Strategy:
         """
         if not isinstance(dataset, Iterable):
             raise TypeError(f"`dataset` must be an iterable of batches, got {type(dataset).__name__}.")
+        _refuse_grain(dataset)
         return DistributedDataset(self, dataset)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]
@@ -456,3 +457,19 @@ def get_strategy() -> Strategy:
     if not _DEFAULT:
         _DEFAULT.append(OneDeviceStrategy())
     return _DEFAULT[0]
+
+
+def _refuse_grain(dataset: Any) -> None:
+    """Grain datasets are not global batches: name the call that takes each kind."""
+    from .data import IndexedBatches, WorkerPipeline
+
+    if IndexedBatches.accepts(dataset):
+        raise TypeError(
+            f"`dataset` is a {type(dataset).__name__} of samples (random access): wrap it as "
+            "ls.data.IndexedBatches(dataset, batch_size) for global batches that each worker reads only its rows of, "
+            "or pass it to fit / evaluate / predict with batch_size.")
+    if WorkerPipeline.accepts(dataset):
+        raise TypeError(
+            f"`dataset` is a {type(dataset).__name__}, a per-worker pipeline (sharded by worker, as Grain does): "
+            "distribute it with `strategy.distribute_datasets_from_function(lambda ctx: dataset)`, or pass it to "
+            "fit / evaluate / predict, which also save its iterator state in backups.")

@@ -134,11 +134,13 @@ class DistributedBatch:
       count: the step's real sample count, a replicated float32 scalar (losses divide by it).
     """
 
-    __slots__ = ("_leaves", "_treedef", "_mask", "_count", "_step", "_strategy", "origin")
+    __slots__ = ("_leaves", "_treedef", "_mask", "_count", "_step", "_strategy", "origin", "digest")
 
     def __init__(self, leaves: list[jax.Array], treedef: Any, mask: jax.Array, step: StepInfo,
                  strategy: "Strategy", count: jax.Array, origin: "DistributedBatch | None" = None):
         self.origin = origin or self  # the whole batch that parts unpacked from it share
+        #: this worker's part of the batch's `rows_digest` (a callable: computed only when asked)
+        self.digest: Any = None
         self._leaves = leaves
         self._treedef = treedef
         self._mask = mask

@@ -197,18 +197,40 @@ def _linear():
                               apply=lambda p, x, training=False: x @ p["w"])
 
 
-def test_steps_per_epoch_beyond_the_data_warns_as_keras_does():
-    """10 samples in batches of 4 are 3 steps; `steps_per_epoch=5` ran 3 silently."""
+def test_steps_per_epoch_goes_on_across_epochs_and_passes_as_a_repeated_dataset():
+    """10 samples in batches of 4 are 3 steps; `steps_per_epoch=5` ran 3 silently, and epoch 2
+    started the data again where Keras continues it. Now the stream goes on across epochs and into
+    the next pass (with a warning: Keras stops training there), and the weights are those of the
+    same 10 batches in one epoch."""
+    x, y = np.random.default_rng(0).normal(size=(10, 3)).astype(np.float32), np.arange(10) % 2
     t = ls.Trainer(_linear(), optimizer="sgd", strategy=ls.MirroredStrategy(2))
-    x, y = np.ones((10, 3), np.float32), np.zeros(10, int)
-    with pytest.warns(UserWarning, match=r"ran out after 3 of `steps_per_epoch=5` steps in epoch [12]"):
-        t.fit(x, y, batch_size=4, epochs=2, steps_per_epoch=5, verbose=0)
-    assert t.global_step == 6
+    with pytest.warns(UserWarning, match=r"a pass over the training data ended inside epoch 1, before "
+                                         r"`steps_per_epoch=5` steps"):
+        t.fit(x, y, batch_size=4, epochs=2, steps_per_epoch=5, shuffle=False, verbose=0)
+    assert t.global_step == 10
+    cuts = [(0, 4), (4, 8), (8, 10)] * 4
+    ref = ls.Trainer(_linear(), optimizer="sgd", strategy=ls.OneDeviceStrategy())
+    ref.fit([(x[a:b], y[a:b]) for a, b in cuts[:10]], epochs=1, verbose=0)
+    np.testing.assert_allclose(t.get_weights()["w"], ref.get_weights()["w"], rtol=1e-6)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        t.fit(x, y, batch_size=4, epochs=2, steps_per_epoch=3, verbose=0)  # exactly enough: no warning
+        t2 = ls.Trainer(_linear(), optimizer="sgd", strategy=ls.MirroredStrategy(2))
+        t2.fit(x, y, batch_size=4, epochs=3, steps_per_epoch=1, shuffle=False, verbose=0)  # epoch 2 goes on
+        ref2 = ls.Trainer(_linear(), optimizer="sgd", strategy=ls.OneDeviceStrategy())
+        ref2.fit([(x[a:b], y[a:b]) for a, b in cuts[:3]], epochs=1, verbose=0)
+        np.testing.assert_allclose(t2.get_weights()["w"], ref2.get_weights()["w"], rtol=1e-6)
         gen = ((x[:4], y[:4]) for _ in range(4))  # a generator goes on across epochs, as in Keras
         t.fit(gen, epochs=2, steps_per_epoch=2, verbose=0)
+
+
+def test_a_generator_shorter_than_promised_is_an_error():
+    """Keras warns and stops; a run that silently trained fewer steps than asked is an error here."""
+    t = ls.Trainer(_linear(), optimizer="sgd", strategy=ls.MirroredStrategy(2))
+    x, y = np.ones((4, 3), np.float32), np.zeros(4, int)
+    gen = ((x, y) for _ in range(3))
+    with pytest.raises(ValueError, match=r"ran out after 1 of `steps_per_epoch=2` steps in epoch 2"):
+        t.fit(gen, epochs=2, steps_per_epoch=2, verbose=0)
+    assert t.global_step == 3
 
 
 def test_a_used_up_generator_in_a_distributed_dataset_is_an_error_on_the_next_pass():

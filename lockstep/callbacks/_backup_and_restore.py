@@ -82,9 +82,9 @@ class BackupAndRestore(Callback):
         from ..checkpoint import flatten_train_state
 
         assert self.trainer is not None and self._store is not None
-        state = self.trainer.train_state
-        if self._saved_step == state.global_step:
+        if self._saved_step == self.trainer.global_step:
             return
+        state = self.trainer.shared_train_state()  # every worker's data position: all save at this step
         arrays, meta = flatten_train_state(state)
         self._store.save(state.global_step, arrays, meta)
         self._saved_step = state.global_step

@@ -61,7 +61,8 @@ def flatten_train_state(state: "TrainState") -> tuple[dict[str, Any], dict[str, 
     callbacks = {key: _split_state(cb_state, f"callbacks/{key}/", arrays)
                  for key, cb_state in state.callbacks.items()}
     meta = {"epoch": state.epoch, "step": state.step, "global_step": state.global_step, "seed": state.seed,
-            "batch_size": state.batch_size, "accumulation": state.accumulation, "callbacks": callbacks}
+            "batch_size": state.batch_size, "accumulation": state.accumulation, "callbacks": callbacks,
+            "data": None if state.data is None else state.data.to_json()}
     return arrays, meta
 
 
@@ -73,8 +74,10 @@ def unflatten_train_state(arrays: dict[str, Any], meta: dict[str, Any], like: "T
         treedef = jax.tree.structure(getattr(like, field))
         trees[field] = jax.tree.unflatten(
             treedef, [arrays[f"{_PREFIX[field]}/{i:05d}"] for i in range(treedef.num_leaves)])
+    from ..training import DataPosition  # here: training imports checkpoint
+
     callbacks = {key: _join_state(cb_state, arrays) for key, cb_state in meta["callbacks"].items()}
-    batch_size = meta.get("batch_size")
+    batch_size, data = meta.get("batch_size"), meta.get("data")
     return like.replace(epoch=int(meta["epoch"]), step=int(meta["step"]), global_step=int(meta["global_step"]),
-                        seed=int(meta["seed"]), batch_size=None if batch_size is None else int(batch_size),
+                        data=None if data is None else DataPosition.from_json(data), seed=int(meta["seed"]), batch_size=None if batch_size is None else int(batch_size),
                         accumulation=int(meta.get("accumulation", 1)), callbacks=callbacks, **trees)

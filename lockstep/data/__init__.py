@@ -5,5 +5,6 @@ from ._accumulation import accumulation_groups as accumulation_groups
 from ._batches import Batches as Batches
 from ._batches import batches as batches
 from ._indexed import IndexedBatches as IndexedBatches
+from ._worker_pipeline import WorkerPipeline as WorkerPipeline
 
-__all__ = ["AccumulationGroup", "Batches", "IndexedBatches", "accumulation_groups", "batches"]
+__all__ = ["AccumulationGroup", "Batches", "IndexedBatches", "WorkerPipeline", "accumulation_groups", "batches"]

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import itertools
-import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -12,10 +11,9 @@ import numpy as np
 
 from .._cross_replica import allgather_sizes
 from .._datasets import DistributedDataset
-from .._layout import padded_per_replica
 from ..data import Batches
 from ..data import batches as make_batches
-from ..data import IndexedBatches
+from ..data import IndexedBatches, WorkerPipeline
 
 if TYPE_CHECKING:
     from .._strategy import Strategy
@@ -56,6 +54,11 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
             raise ValueError(f"when `{arg}` is a {type(x).__name__} of samples, `y` and `sample_weight` must be None "
                              "(each sample carries them).")
         return IndexedBatches(x, 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
+    if WorkerPipeline.accepts(x):  # a grain.IterDataset / DataLoader: this worker's own batches
+        if y is not None or sample_weight is not None or batch_size is not None:
+            raise ValueError(f"when `{arg}` is a {type(x).__name__} (a per-worker pipeline of batches), `y`, "
+                             "`sample_weight` and `batch_size` must be None: its batches carry them.")
+        return WorkerPipeline(x)
     if isinstance(x, (list, tuple)) and y is not None:
         raise TypeError(
             f"`{arg}` is a Python {type(x).__name__} and `y` is given: pass NumPy arrays (`np.asarray({arg})`), "
@@ -145,6 +148,8 @@ def peek(data: Iterable[Any]) -> tuple[Any, Iterable[Any]]:
         first = data.blank()  # one sample's shapes (zeros): enough to build the model
     elif isinstance(data, Batches):
         first = next(iter(data.iterate(0)), None)  # re-iterable: no epoch consumed
+    elif isinstance(data, WorkerPipeline):
+        first = next(data.iterator(), None)
     elif iter(data) is data:
         it = iter(data)
         first = next(it, None)
@@ -160,33 +165,6 @@ def distribute(strategy: "Strategy", data: Iterable[Any]) -> DistributedDataset:
     """`data` as distributed batches; indexed sources and unshuffled arrays are read per worker."""
     if isinstance(data, IndexedBatches) or (isinstance(data, Batches) and not data.shuffle):
         return DistributedDataset(strategy, data.rows(0))
+    if isinstance(data, WorkerPipeline):
+        return DistributedDataset(strategy, data.iterator(), per_worker=True)
     return data if isinstance(data, DistributedDataset) else strategy.experimental_distribute_dataset(data)
-
-
-def epoch_batches(strategy: "Strategy", train: Iterable[Any], epoch: int, skip: int, steps: int | None
-                  ) -> Iterable[Any]:
-    """Epoch `epoch`'s distributed batches from batch `skip` on (at most `steps` in all).
-
-    Array inputs are shuffled from (seed, epoch) alone, so a resumed run sees the same order,
-    and every batch is padded to the full batch size, so one compiled step serves them all.
-    """
-    stop = None if steps is None else max(steps - skip, 0)
-    if isinstance(train, (Batches, IndexedBatches)):  # each worker reads only the rows it keeps
-        r = strategy.num_replicas_in_sync
-        padded = padded_per_replica(train.batch_size, r) * r
-        out = itertools.islice(DistributedDataset(strategy, train.rows(epoch, skip), padded_size=padded), stop)
-    else:
-        out = itertools.islice(distribute(strategy, train), skip, None if steps is None else steps)
-    return out if steps is None else _warn_if_short(out, steps, skip, epoch)
-
-
-def _warn_if_short(batches: Iterable[Any], steps: int, done: int, epoch: int) -> Iterator[Any]:
-    """`batches`, with Keras' warning when they run out before `steps` (the loop was not stopped)."""
-    for batch in batches:
-        done += 1
-        yield batch
-    if done < steps:
-        warnings.warn(
-            f"the training data ran out after {done} of `steps_per_epoch={steps}` steps in epoch {epoch + 1}; "
-            "the epoch ends short (as Keras: 'Your input ran out of data'). Lower `steps_per_epoch`, or pass "
-            "data with at least `steps_per_epoch` batches an epoch.", UserWarning, stacklevel=2)

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._datasets import DistributedDataset
-from ..data import Batches, IndexedBatches
+from ..data import Batches, IndexedBatches, WorkerPipeline
 from ._steps import unpack
 
 
@@ -101,6 +101,8 @@ def checked(data: Iterable[Any], labels: LabelCheck, y: Any, arg: str, first: An
         return data
     if isinstance(data, DistributedDataset):
         return data.with_source(CheckedBatches(data.source, check))
+    if isinstance(data, WorkerPipeline):
+        return data.with_check(lambda batch, i: _check_batch(check, batch, i))
     return CheckedBatches(data, check)
 
 
@@ -113,7 +115,11 @@ class CheckedBatches:
 
     def __iter__(self) -> Iterator[Any]:
         for i, batch in enumerate(self._data):
-            y = unpack(batch)[1]
-            if y is not None:
-                self._check(y, where=f" of batch {i + 1}")
+            _check_batch(self._check, batch, i)
             yield batch
+
+
+def _check_batch(check: Callable[..., None], batch: Any, i: int) -> None:
+    y = unpack(batch)[1]
+    if y is not None:
+        check(y, where=f" of batch {i + 1}")

@@ -9,6 +9,7 @@ import jax
 import numpy as np
 
 from .._cross_replica import broadcast_from_chief
+from ._data_stream import DataPosition, DataStream
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +37,10 @@ class TrainState:
       batch_size: the global batch size of `fit` (None: batches came whole from an iterable).
       accumulation: batches per optimizer step (`gradient_accumulation_steps`). A resume with
         another `batch_size` or `accumulation` is refused: the data order and positions depend on them.
+      data: the position in the training data (`DataPosition`: pass, batches consumed, a checksum
+        of the last one, Grain iterator states), or None outside `fit`. In a multi-worker job the
+        checksum and iterator states are every worker's in backups (`BackupAndRestore` gathers
+        them); a worker's own `train_state` leaves them out.
 
     >>> import lockstep as ls
     >>> s = ls.TrainState(params={"trainable": [], "non_trainable": []}, opt_state=(), metric_state=None,
@@ -54,6 +59,7 @@ class TrainState:
     callbacks: dict[str, dict[str, Any]]
     batch_size: int | None = None
     accumulation: int = 1
+    data: DataPosition | None = None
 
     def replace(self, **changes: Any) -> "TrainState":
         """A copy with `changes` applied."""
@@ -62,7 +68,7 @@ class TrainState:
 
 jax.tree_util.register_dataclass(
     TrainState, data_fields=["params", "opt_state", "metric_state", "callbacks"],
-    meta_fields=["epoch", "step", "global_step", "seed", "batch_size", "accumulation"])
+    meta_fields=["epoch", "step", "global_step", "seed", "batch_size", "accumulation", "data"])
 
 
 def callback_key(callbacks: list[Any]) -> dict[str, Any]:
@@ -95,6 +101,7 @@ class LiveState:
         self.epoch = self.step = self.global_step = self.seed = 0
         self.batch_size: int | None = None
         self.accumulation = 1
+        self.stream: DataStream | None = None  # fit's training data
         self.callbacks: list[Any] = []
         self._pending: TrainState | None = None
 
@@ -105,11 +112,13 @@ class LiveState:
         self.params = self._engine.put_replicated(params)
         self.opt_state = self._engine.put_replicated(init_optimizer(self.params["trainable"]))
 
-    def snapshot(self) -> TrainState:
+    def snapshot(self, share: bool = False) -> TrainState:
+        """The state now; `share`: with every worker's data checksum and iterator state (a collective)."""
         return TrainState(params=self.params, opt_state=self.opt_state, metric_state=self.metric_state,
                           epoch=self.epoch, step=self.step, global_step=self.global_step, seed=self.seed,
                           callbacks={k: cb.get_state() for k, cb in callback_key(self.callbacks).items()},
-                          batch_size=self.batch_size, accumulation=self.accumulation)
+                          batch_size=self.batch_size, accumulation=self.accumulation,
+                          data=None if self.stream is None else self.stream.position(share))
 
     def _per_replica(self, saved: Any) -> Any:
         """Saved per-replica metric state on this run's replicas: as it was on the same number of
@@ -158,6 +167,8 @@ class LiveState:
                     f"and the step positions depend on it. Resume with {name} {saved} (the number of workers "
                     "and replicas may change).")
         self.epoch, self.step, self.global_step, self.seed = state.epoch, state.step, state.global_step, state.seed
+        if self.stream is not None:  # a state without a data position (older backups): pass = epoch
+            self.stream.start(state.data or DataPosition(state.epoch, state.step * state.accumulation))
         if state.step and state.metric_state is not None:  # mid-epoch: the epoch's running metrics go on
             self.metric_state = self._per_replica(state.metric_state)
         for key, cb in callback_key(callbacks).items():

@@ -24,7 +24,6 @@ from ..metrics import get as get_metric
 from ..metrics._base import synced_result
 from ._inputs import (
     distribute,
-    epoch_batches,
     peek,
     split_validation,
     to_batches,
@@ -32,6 +31,7 @@ from ._inputs import (
     validation_labels,
 )
 from ._compiled import settings as compiled_settings
+from ._data_stream import DataStream
 from ._labels import LabelCheck, checked
 from ._model import FunctionalModel, adapt, output_shape
 from ._optimizers import get_optimizer, learning_rate_of, loss_scale_settings, set_learning_rate
@@ -264,6 +264,12 @@ class Trainer(WeightFiles):
         self._require_built()
         return self._live.snapshot()
 
+    def shared_train_state(self) -> TrainState:
+        """`train_state` with every worker's data checksum and iterator state: a collective, which
+        every worker calls at the same step (as `BackupAndRestore` does)."""
+        self._require_built()
+        return self._live.snapshot(share=True)
+
     def restore(self, state: TrainState) -> None:
         """Puts `state` (from `train_state`, or a checkpoint of it) back.
 
@@ -311,6 +317,7 @@ class Trainer(WeightFiles):
         self._live.callbacks, self.stop_training = cbs, False
         self._live.epoch, self._live.step, self._live.global_step, self._live.seed = initial_epoch, 0, 0, seed
         self._live.batch_size, self._live.accumulation = getattr(train, "batch_size", None), self._accumulation
+        self._live.stream = DataStream(self.strategy, train, steps_per_epoch, self._accumulation, initial_epoch)
         self._live.metric_state = self._fresh_state()
         self._runner.start(self._live.params)
         cblist.on_train_begin()
@@ -318,7 +325,7 @@ class Trainer(WeightFiles):
         logs: dict[str, Any] = {}
         try:
             for epoch in range(self._live.epoch, epochs):
-                logs = self._fit_epoch(epoch, train, val, cblist, steps_per_epoch)
+                logs = self._fit_epoch(epoch, self._live.stream, val, cblist)
                 if self.stop_training:
                     break
             cblist.on_train_end(logs)
@@ -327,29 +334,20 @@ class Trainer(WeightFiles):
         self._adapter.sync_to_model(_host(self._live.params))
         return history
 
-    def _fit_epoch(self, epoch: int, train: Iterable[Any], val: Iterable[Any] | None, cblist: CallbackList,
-                   steps_per_epoch: int | None) -> dict[str, Any]:
+    def _fit_epoch(self, epoch: int, train: DataStream, val: Iterable[Any] | None, cblist: CallbackList
+                   ) -> dict[str, Any]:
         """One epoch (from step `self._live.step` on, after a resume); returns the epoch's logs."""
         skip = self._live.step
         cblist.on_epoch_begin(epoch)
         if not skip:
             self._live.metric_state = self._fresh_state()
-        ran = False
-        k = self._accumulation
-        batches = epoch_batches(self.strategy, train, epoch, skip * k, None if steps_per_epoch is None else
-                                steps_per_epoch * k)
-        for step, group in enumerate(accumulation_groups(batches, k), start=skip):
-            ran = True
+        for step, group in enumerate(accumulation_groups(train.epoch(epoch, skip), self._accumulation), start=skip):
             cblist.on_train_batch_begin(step)
             self._runner.update(self._live, group)
             self._live.step, self._live.global_step = step + 1, self._live.global_step + 1
             cblist.on_train_batch_end(step, _LazyLogs(lambda s=self._live.metric_state: self._read(s)))
             if self.stop_training:
                 break
-        if not ran and not skip:
-            raise ValueError(
-                f"`x` yielded no batch in epoch {epoch + 1}: a one-shot iterator is used up after one pass; "
-                "pass a re-iterable (a list, lockstep.data.batches, a tf.data dataset) or `steps_per_epoch`.")
         self._live.epoch, self._live.step = epoch + 1, 0
         logs = self._read(self._live.metric_state)
         if (skipped := skipped_steps(self._live.opt_state)) is not None:

@@ -1,0 +1,219 @@
+"""`DataStream`: `fit`'s training data as one stream of batches over the epochs, and its position.
+
+Without `steps_per_epoch` an epoch is one pass over the data. With it, the stream goes on across
+epochs as Keras' does (epoch 2 continues where epoch 1 stopped); when a pass ends inside an
+epoch, the next pass follows (arrays and Grain `MapDataset`s reshuffled from the seed and the
+pass number, other re-iterables started again, as ``repeat()`` would); a one-shot iterator that
+runs out before the promised steps is an error, not a short epoch.
+
+The position (`DataPosition`: pass, batches consumed, a checksum of the last batch consumed and
+the Grain iterator states) goes into every backup. A resume starts the pass at that batch: by
+index for arrays and `MapDataset`s, by setting each worker's iterator state for a Grain
+`IterDataset` / `DataLoader`, else by reading the consumed batches again. Where it reads, the last
+batch consumed is read again first and its checksum compared, so a source that does not give the
+same data again (an unseeded shuffle, changed files) is an error, not a silent skip or repeat.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from .._cross_replica import allgather_sizes
+from .._datasets import DistributedDataset
+from .._layout import padded_per_replica
+from ..data import Batches, IndexedBatches, WorkerPipeline
+from ._inputs import distribute
+
+if TYPE_CHECKING:
+    from .._strategy import Strategy
+    from .._values import DistributedBatch
+
+
+@dataclasses.dataclass(frozen=True)
+class DataPosition:
+    """Where `fit` is in its training data.
+
+    Attributes:
+      pass_index: the pass over the data in progress (a pass's shuffle derives from seed and pass).
+      offset: batches of that pass consumed.
+      fingerprint: checksum of the last batch consumed (every worker's rows), or None.
+      iterators: each worker's Grain iterator state (JSON), in worker order, or None.
+
+    >>> DataPosition(2, 5).to_json()
+    {'pass_index': 2, 'offset': 5, 'fingerprint': None, 'iterators': None}
+    """
+
+    pass_index: int = 0
+    offset: int = 0
+    fingerprint: int | None = None
+    iterators: tuple[str, ...] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pass_index": self.pass_index, "offset": self.offset, "fingerprint": self.fingerprint,
+                "iterators": None if self.iterators is None else list(self.iterators)}
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> "DataPosition":
+        its = d.get("iterators")
+        fp = d.get("fingerprint")
+        return cls(int(d["pass_index"]), int(d["offset"]), None if fp is None else int(fp),
+                   None if its is None else tuple(its))
+
+
+#: Checksums are kept modulo this prime: every worker's part fits the int32 a collective carries.
+_MOD = 2**31 - 1
+
+
+def _allgather_strings(s: str) -> list[str]:
+    """Every worker's `s`, in worker order (two small collectives)."""
+    data = np.frombuffer(s.encode(), np.uint8)
+    lengths = allgather_sizes(len(data))
+    from jax.experimental import multihost_utils
+
+    padded = np.zeros(int(lengths.max()), np.uint8)
+    padded[:len(data)] = data
+    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(len(lengths), -1)
+    return [bytes(row[:n]).decode() for row, n in zip(every, lengths)]
+
+
+class DataStream:
+    """The training batches of a `fit`, epoch by epoch, and the position in them."""
+
+    def __init__(self, strategy: "Strategy", train: Iterable[Any], steps_per_epoch: int | None, k: int,
+                 first_pass: int = 0):
+        self._strategy = strategy
+        self._train = train
+        self._steps = steps_per_epoch
+        self._k = k
+        self._per_epoch = None if steps_per_epoch is None else steps_per_epoch * k
+        self._pass, self._offset = first_pass, 0
+        self._batches: Iterator[Any] | None = None  # the pass in progress
+        self._pipeline: Any = None  # its PipelineIterator (a WorkerPipeline's)
+        self._last: DistributedBatch | None = None
+        self._restored: DataPosition | None = None  # taken up when the pass is opened
+        self._carried: DataPosition | None = None  # the restored position, until a batch is consumed
+        self._warned = False
+
+    def start(self, position: DataPosition) -> None:
+        """Continue from `position` (a restored backup's)."""
+        self._pass, self._offset = position.pass_index, position.offset
+        self._batches, self._last = None, None
+        self._restored = self._carried = position
+
+    def position(self, share: bool = False) -> DataPosition:
+        """The position now. With several workers, the checksum and the iterator states are every
+        worker's only with `share=True`, a collective that every worker must call at the same step."""
+        if self._offset == 0:
+            return DataPosition(self._pass, 0)
+        if self._last is None and self._carried is not None:
+            return self._carried
+        part = None if self._last is None or self._last.digest is None else int(self._last.digest()) % _MOD
+        state = None if self._pipeline is None else self._pipeline.state()
+        if jax.process_count() > 1:
+            if not share:
+                return DataPosition(self._pass, self._offset)
+            part = None if part is None else int(allgather_sizes(part).sum()) % _MOD
+            return DataPosition(self._pass, self._offset, part,
+                                None if state is None else tuple(_allgather_strings(state)))
+        return DataPosition(self._pass, self._offset, part, None if state is None else (state,))
+
+    def epoch(self, epoch: int, done: int = 0) -> Iterator["DistributedBatch"]:
+        """Epoch `epoch`'s batches: the rest of a pass, or of `steps_per_epoch` steps (`done` steps
+        of it taken before a resume)."""
+        if self._per_epoch is None and self._batches is None and self._offset == 0:
+            self._pass = epoch  # an epoch is a pass: its order derives from (seed, epoch)
+        given, crossed = done * self._k, False
+        while self._per_epoch is None or given < self._per_epoch:
+            if self._batches is None:
+                self._batches = self._open()
+            batch = next(self._batches, None)
+            if batch is None:  # the pass ended
+                was_empty = self._offset == 0
+                self._batches, self._pass, self._offset = None, self._pass + 1, 0
+                if self._per_epoch is None or was_empty:  # an epoch is a pass; or a new pass gave nothing
+                    if given == 0 or self._per_epoch is not None:
+                        self._ran_out(epoch, given)
+                    return
+                crossed = given > 0
+                continue
+            if crossed and not self._warned:
+                self._warned = True
+                warnings.warn(
+                    f"a pass over the training data ended inside epoch {epoch + 1}, before "
+                    f"`steps_per_epoch={self._steps}` steps: the next pass follows in the same epoch (as "
+                    "`repeat()` would). Keras stops training here instead ('Your input ran out of data'). "
+                    "Lower `steps_per_epoch` to keep epochs within a pass.", UserWarning, stacklevel=3)
+            self._offset += 1
+            given += 1
+            self._last, self._carried = batch, None
+            yield batch
+
+    def _ran_out(self, epoch: int, given: int) -> None:
+        if self._per_epoch is None:
+            raise ValueError(
+                f"`x` yielded no batch in epoch {epoch + 1}: a one-shot iterator is used up after one pass; "
+                "pass a re-iterable (a list, lockstep.data.batches, a tf.data dataset) or `steps_per_epoch`.")
+        raise ValueError(
+            f"the training data ran out after {given // self._k} of `steps_per_epoch={self._steps}` steps in epoch "
+            f"{epoch + 1}: a one-shot iterator (a generator) is used up. Give `fit` at least steps_per_epoch x "
+            "epochs batches (an endless generator), or a re-iterable (a list, lockstep.data.batches, a Grain or "
+            "tf.data dataset), which the stream starts again when a pass ends.")
+
+    def _open(self) -> Iterator[Any]:
+        """The pass in progress from the current offset (after a resume: checked first)."""
+        restored, self._restored = self._restored, None
+        train, p, o = self._train, self._pass, self._offset
+        check = int(restored is not None and restored.fingerprint is not None and o > 0)
+        batches: Iterator[Any]
+        if isinstance(train, WorkerPipeline):
+            state = self._my_iterator_state(restored) if restored is not None and o > 0 else None
+            self._pipeline = train.iterator(state)
+            batches = iter(DistributedDataset(self._strategy, self._pipeline, per_worker=True))
+            if state is not None:  # the iterator is at the position: nothing to read again
+                return batches
+            batches = itertools.islice(batches, o - check, None)
+        elif isinstance(train, (Batches, IndexedBatches)):  # read by index: each worker reads only its rows
+            r = self._strategy.num_replicas_in_sync
+            padded = padded_per_replica(train.batch_size, r) * r
+            batches = iter(DistributedDataset(self._strategy, train.rows(p, o - check), padded_size=padded))
+        else:
+            batches = itertools.islice(iter(distribute(self._strategy, train)), o - check, None)
+        if check:
+            assert restored is not None
+            self._check(next(batches, None), restored)
+        return batches
+
+    def _my_iterator_state(self, restored: DataPosition) -> str | None:
+        if restored.iterators is None:
+            return None
+        if len(restored.iterators) != jax.process_count():
+            raise ValueError(
+                f"the backup holds the iterator states of {len(restored.iterators)} workers' pipelines and this job "
+                f"has {jax.process_count()} workers: a per-worker pipeline (a Grain IterDataset or DataLoader, "
+                "sharded by worker) cannot move to another number of workers. Resume on "
+                f"{len(restored.iterators)} workers, or give fit a grain.MapDataset (random access: lockstep "
+                "shards it, and it resumes on any number of workers).")
+        return restored.iterators[jax.process_index()]
+
+    def _check(self, batch: Any, restored: DataPosition) -> None:
+        """The last batch consumed before the backup, read again, must be the one trained on."""
+        where = f"batch {restored.offset} of pass {restored.pass_index + 1}"
+        if batch is None:
+            raise ValueError(f"cannot resume: the training data now ends before {where}, the last one trained on "
+                             "before the backup. Resume with the same data.")
+        part = int(batch.digest()) % _MOD if batch.digest is not None else 0
+        now = int(allgather_sizes(part).sum()) % _MOD
+        if now != restored.fingerprint:
+            raise ValueError(
+                f"cannot resume: the training data differs from what was trained on before the backup ({where}, "
+                "the last one trained on, read again, has another checksum). The source is not deterministic (a "
+                "shuffle without a seed, random augmentation outside the model), the data changed, or a per-worker "
+                "pipeline is split differently on this number of workers. Seed every random step of the pipeline, "
+                "resume with the same data and workers, or delete the backup to start over.")

@@ -1,0 +1,193 @@
+"""Grain `IterDataset` / `DataLoader` input: each worker's own batches, its iterator state in backups;
+and the training data as one stream across epochs (`steps_per_epoch`), checked on resume."""
+
+import collections
+import sys
+import pathlib
+
+import grain
+import jax
+import numpy as np
+import pytest
+
+import lockstep as ls
+
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE / "workers"))
+import common  # noqa: E402
+
+N, B = 203, 32
+crossing = pytest.mark.filterwarnings("ignore:a pass over the training data ended inside")
+SERIAL = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # no read-ahead: reads can be counted
+
+
+class CountingSource:
+    def __init__(self, x, y):
+        self.x, self.y, self.reads = x, y, collections.Counter()
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.reads[int(i)] += 1
+        return self.x[i], self.y[i]
+
+
+def iter_dataset(source):
+    return grain.MapDataset.source(source).map(lambda s: (s[0] * 2.0, s[1])).to_iter_dataset(SERIAL).batch(B)
+
+
+def data_loader(source):
+    return grain.DataLoader(data_source=source, sampler=grain.samplers.IndexSampler(N, num_epochs=1),
+                            operations=[grain.transforms.Batch(B)], worker_count=0)
+
+
+def weights_close(a, b):
+    for u, v in zip(jax.tree.leaves(a.get_weights()), jax.tree.leaves(b.get_weights())):
+        np.testing.assert_allclose(u, v, rtol=1e-5, atol=1e-6)
+
+
+def weights_equal(a, b):
+    for u, v in zip(jax.tree.leaves(a.get_weights()), jax.tree.leaves(b.get_weights())):
+        np.testing.assert_array_equal(u, v)
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 4])
+@pytest.mark.parametrize("kind", ["iter_dataset", "data_loader"])
+def test_grain_pipelines_train_evaluate_and_predict_as_the_same_arrays(kind, replicas):
+    x, y = common.data(N)
+    scale = 2.0 if kind == "iter_dataset" else 1.0
+    make = {"iter_dataset": iter_dataset, "data_loader": data_loader}[kind]
+    got = common.trainer(ls.MirroredStrategy(replicas))
+    got_hist = got.fit(make(CountingSource(x, y)), epochs=2, verbose=0).history
+    want = common.trainer(ls.MirroredStrategy(replicas))
+    want_hist = want.fit(scale * x, y, batch_size=B, epochs=2, shuffle=False, verbose=0).history
+    weights_equal(got, want)  # the same batches, layout and programs: bit for bit
+    assert got_hist == want_hist
+    assert got.evaluate(make(CountingSource(x, y))) == want.evaluate(scale * x, y, batch_size=B)
+    np.testing.assert_array_equal(got.predict(make(CountingSource(x, y))), want.predict(scale * x, batch_size=B))
+
+
+def test_a_grain_pipeline_with_batch_size_is_refused():
+    x, y = common.data(20)
+    with pytest.raises(ValueError, match=r"`y`, `sample_weight` and `batch_size` must be None: its batches carry"):
+        common.trainer(ls.MirroredStrategy(2)).fit(iter_dataset(CountingSource(x, y)), batch_size=8, verbose=0)
+
+
+class _Stop(Exception):
+    pass
+
+
+class StopAt(ls.callbacks.Callback):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.global_step == self.step:
+            raise _Stop
+
+
+def backup(path, freq=3):
+    return ls.callbacks.BackupAndRestore(path, save_freq=freq)
+
+
+@crossing
+@pytest.mark.parametrize("steps_per_epoch", [None, 5])
+def test_a_resume_sets_the_iterator_state_and_reads_nothing_again(steps_per_epoch, tmp_path):
+    """7 batches a pass. Stopped at step 8 (backup at 6); the resumed run sets the iterator to the
+    backup's state: batches 1..5 of the pass in progress are not read again, and the run ends as
+    the uninterrupted one, bit for bit."""
+    x, y = common.data(N)
+    kw = dict(epochs=3, verbose=0, steps_per_epoch=steps_per_epoch)
+    want = common.trainer(ls.MirroredStrategy(3))
+    want_hist = want.fit(iter_dataset(CountingSource(x, y)), **kw).history
+    with pytest.raises(_Stop):
+        common.trainer(ls.MirroredStrategy(3)).fit(iter_dataset(CountingSource(x, y)), callbacks=[
+            backup(tmp_path), StopAt(8)], **kw)
+    source = CountingSource(x, y)
+    got = common.trainer(ls.MirroredStrategy(3))
+    first = collections.Counter()
+
+    class Reads(ls.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if not first:
+                first.update(source.reads)
+
+    got_hist = got.fit(iter_dataset(source), callbacks=[backup(tmp_path), Reads()], **kw).history
+    # float32 tolerance: a resumed pass that begins with the short last batch pads it less (per-worker
+    # pipelines pad to the largest batch seen), so its sums run in another order
+    weights_close(got, want)
+    for k, v in want_hist.items():
+        np.testing.assert_allclose(got_hist[k], v, rtol=1e-5, atol=1e-6)
+    # before the first resumed step: the shape probe (batch 0) and the batch at the position only
+    at = 6 if steps_per_epoch else 6 % 7  # the backup's position in its pass
+    assert set(first) == set(range(B)) | set(range(at * B, min((at + 1) * B, N)))
+
+
+def test_the_iterator_states_of_other_workers_are_refused(tmp_path):
+    x, y = common.data(N)
+    t = common.trainer(ls.MirroredStrategy(2))
+    t.fit(iter_dataset(CountingSource(x, y)), epochs=1, steps_per_epoch=2, verbose=0)
+    state = t.train_state
+    assert state.data.offset == 2 and len(state.data.iterators) == 1
+    moved = state.replace(epoch=0, step=1, data=ls.DataPosition(0, 2, None, state.data.iterators * 2))
+
+    class Restore(ls.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.model.restore(moved)
+
+    with pytest.raises(ValueError, match=r"iterator states of 2 workers' pipelines and this job has 1 workers"):
+        common.trainer(ls.MirroredStrategy(2)).fit(iter_dataset(CountingSource(x, y)), epochs=1, verbose=0,
+                                                   callbacks=[Restore()])
+
+
+class Unseeded:
+    """A re-iterable whose order changes on every pass (a shuffle without a seed)."""
+
+    def __init__(self, x, y):
+        self.x, self.y = x, y
+
+    def __iter__(self):
+        order = np.random.default_rng().permutation(len(self.x))
+        for lo in range(0, len(order), B):
+            yield self.x[order[lo:lo + B]], self.y[order[lo:lo + B]]
+
+
+@pytest.mark.parametrize("source", ["unseeded", "changed_arrays"])
+def test_data_that_differs_on_resume_is_an_error(source, tmp_path):
+    x, y = common.data(N)
+    data = Unseeded(x, y) if source == "unseeded" else x
+    kw = dict(epochs=2, verbose=0) if source == "unseeded" else dict(y=y, batch_size=B, epochs=2, verbose=0)
+    with pytest.raises(_Stop):
+        common.trainer(ls.MirroredStrategy(2)).fit(data, callbacks=[backup(tmp_path), StopAt(4)], **kw)
+    if source == "changed_arrays":
+        data = x[::-1].copy()
+    with pytest.raises(ValueError, match=r"the training data differs from what was trained on before the backup "
+                                         r"\(batch 3 of pass 1"):
+        common.trainer(ls.MirroredStrategy(2)).fit(data, callbacks=[backup(tmp_path)], **kw)
+
+
+@crossing
+def test_a_deterministic_re_iterable_resumes_by_reading_again(tmp_path):
+    """A plain iterable of batches (no iterator state) is read again up to the position; the
+    checksum of the last batch read again matches, and the run equals the uninterrupted one."""
+    x, y = common.data(N)
+    batches = [(x[lo:lo + B], y[lo:lo + B]) for lo in range(0, N, B)]
+    want = common.trainer(ls.MirroredStrategy(4))
+    want.fit(batches, epochs=2, steps_per_epoch=5, verbose=0)
+    with pytest.raises(_Stop):
+        common.trainer(ls.MirroredStrategy(4)).fit(batches, epochs=2, steps_per_epoch=5, verbose=0,
+                                                   callbacks=[backup(tmp_path, 4), StopAt(6)])
+    got = common.trainer(ls.MirroredStrategy(2))  # and on another number of replicas
+    got.fit(batches, epochs=2, steps_per_epoch=5, verbose=0, callbacks=[backup(tmp_path, 4)])
+    weights_close(got, want)
+
+
+def test_experimental_distribute_dataset_points_grain_datasets_to_the_right_call():
+    x, y = common.data(20)
+    s = ls.MirroredStrategy(2)
+    with pytest.raises(TypeError, match=r"ls.data.IndexedBatches\(dataset, batch_size\)"):
+        s.experimental_distribute_dataset(grain.MapDataset.source(CountingSource(x, y)))
+    with pytest.raises(TypeError, match="distribute_datasets_from_function"):
+        s.experimental_distribute_dataset(iter_dataset(CountingSource(x, y)))
