@@ -2,8 +2,11 @@
 and the training data as one stream across epochs (`steps_per_epoch`), checked on resume."""
 
 import collections
-import sys
+import json
+import os
 import pathlib
+import subprocess
+import sys
 
 import grain
 import jax
@@ -191,3 +194,47 @@ def test_experimental_distribute_dataset_points_grain_datasets_to_the_right_call
         s.experimental_distribute_dataset(grain.MapDataset.source(CountingSource(x, y)))
     with pytest.raises(TypeError, match="distribute_datasets_from_function"):
         s.experimental_distribute_dataset(iter_dataset(CountingSource(x, y)))
+
+
+def _launch(workers, tmp_path, mode):
+    cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(workers), "--failure-timeout", "10",
+           str(HERE / "workers" / "grain_iter_job.py"), str(tmp_path), mode]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+
+
+@pytest.mark.xdist_group("processes")
+@pytest.mark.parametrize("workers", [2, pytest.param(3, marks=pytest.mark.full_suite)])
+def test_per_worker_iter_datasets_read_their_shard_and_train_as_one_process(workers, tmp_path):
+    proc = _launch(workers, tmp_path, "train")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    x, y = common.data(N)
+    shards = [np.arange(N)[w::workers] for w in range(workers)]
+    local = [[s[lo:lo + 16] for lo in range(0, len(s), 16)] for s in shards]
+    steps = max(len(b) for b in local)
+    for w in range(workers):
+        reads = json.loads((tmp_path / f"reads{w}.json").read_text())
+        probe = list(shards[w][:16])  # the shape probe reads the first batch
+        assert reads["fit"] == probe + list(shards[w]) * 2, f"worker {w} read other samples than its shard's"
+        assert reads["evaluate"] == probe + list(shards[w])
+        # stopped at step 5 (backup at 4), resumed from the iterator state: batch 4 (index 3) is not read again
+        assert reads["stopped"] == probe + list(np.concatenate(local[w][:5]))
+        assert reads["resumed"] == probe + list(np.concatenate(local[w][4:])) + list(shards[w])
+    glob = [np.concatenate([local[w][i] for w in range(workers) if i < len(local[w])]) for i in range(steps)]
+    ref = common.trainer(ls.MirroredStrategy(workers))
+    ref_hist = ref.fit([(2.0 * x[i], y[i]) for i in glob], epochs=2, verbose=0).history
+    result = json.loads((tmp_path / "result.json").read_text())
+    final = np.load(tmp_path / "final.npz")
+    for got in (final["weights"], final["resumed"]):
+        np.testing.assert_allclose(got, common.flat(ref.get_weights()), rtol=1e-5, atol=1e-6)
+    for k, v in ref_hist.items():
+        np.testing.assert_allclose(result["history"][k], v, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(result["resumed"][k], v, rtol=1e-5, atol=1e-6)
+    for k, v in ref.evaluate(2.0 * x, y, batch_size=32).items():
+        np.testing.assert_allclose(result["evaluate"][k], v, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.xdist_group("processes")
+def test_unsharded_per_worker_pipelines_are_refused(tmp_path):
+    proc = _launch(2, tmp_path, "unsharded")
+    assert proc.returncode != 0
+    assert "workers 0 and 1 got the same first batch from their per-worker pipelines" in proc.stdout + proc.stderr
