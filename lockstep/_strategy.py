@@ -123,6 +123,10 @@ class Strategy:
         if not isinstance(dataset, Iterable):
             raise TypeError(f"`dataset` must be an iterable of batches, got {type(dataset).__name__}.")
         _refuse_grain(dataset)
+        from .data import TFDatasetBatches
+
+        if TFDatasetBatches.accepts(dataset):  # each worker converts only its rows of each global batch
+            dataset = TFDatasetBatches(dataset)
         return DistributedDataset(self, dataset)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]

@@ -13,7 +13,7 @@ from .._cross_replica import allgather_sizes
 from .._datasets import DistributedDataset
 from ..data import Batches
 from ..data import batches as make_batches
-from ..data import IndexedBatches, WorkerPipeline
+from ..data import IndexedBatches, TFDatasetBatches, WorkerPipeline
 
 if TYPE_CHECKING:
     from .._strategy import Strategy
@@ -54,6 +54,11 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
             raise ValueError(f"when `{arg}` is a {type(x).__name__} of samples, `y` and `sample_weight` must be None "
                              "(each sample carries them).")
         return IndexedBatches(x, 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
+    if TFDatasetBatches.accepts(x):  # a tf.data.Dataset of global batches: each worker converts its rows
+        if y is not None or sample_weight is not None or batch_size is not None:
+            raise ValueError(f"when `{arg}` is a tf.data dataset, `y`, `sample_weight` and `batch_size` must be None "
+                             "(as in Keras: batch the dataset with the global batch size).")
+        return TFDatasetBatches(x)
     if WorkerPipeline.accepts(x):  # a grain.IterDataset / DataLoader: this worker's own batches
         if y is not None or sample_weight is not None or batch_size is not None:
             raise ValueError(f"when `{arg}` is a {type(x).__name__} (a per-worker pipeline of batches), `y`, "

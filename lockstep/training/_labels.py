@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from .._datasets import DistributedDataset
-from ..data import Batches, IndexedBatches, WorkerPipeline
+from ..data import Batches, IndexedBatches, TFDatasetBatches, WorkerPipeline
 from ._steps import unpack
 
 
@@ -94,7 +94,7 @@ def checked(data: Iterable[Any], labels: LabelCheck, y: Any, arg: str, first: An
     if labels.kind is None or not labels.num_classes:
         return data
     check = functools.partial(check_labels, labels.kind, num_classes=labels.num_classes, arg=arg)
-    if isinstance(data, IndexedBatches):  # read per worker by index: its labels are not seen whole on the host
+    if isinstance(data, (IndexedBatches, TFDatasetBatches)):  # read per worker: labels not seen whole on the host
         return data
     if y is not None or (isinstance(data, Batches) and first is not None):
         check(y if y is not None else unpack(first)[1])
