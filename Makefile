@@ -25,7 +25,7 @@ bench: $(STAMP)
 
 # two pytest workers; the tests that start processes run one after another in one of them
 test: $(STAMP)
-	KERAS_BACKEND=jax $(BIN)/python -m pytest -q -n 2 --dist loadgroup
+	KERAS_BACKEND=jax $(BIN)/python -m pytest -q -n 2 --dist loadgroup --durations=15
 
 # the whole suite with its costly variants (every model and worker shape, 20 kills)
 test-full: $(STAMP)

@@ -23,6 +23,9 @@ N, B = 203, 32
 x, y = common.data(N)
 ds = tf.data.Dataset.from_tensor_slices((x, y)).map(lambda a, b: (a * 2.0, b))
 ds = ds.shuffle(N, seed=3 if mode == "seeded" else None, reshuffle_each_iteration=False).batch(B)
+# the same shuffle of the indices (its order depends on the seeds only): the order the test replays
+order = tf.data.Dataset.range(N).shuffle(N, seed=3, reshuffle_each_iteration=False)
+order = [int(i) for i in order.as_numpy_iterator()]
 
 rows = []
 next_rows = ls.data.TFDatasetBatches.next_rows
@@ -49,6 +52,6 @@ with open(os.path.join(out_dir, f"rows{rank}.json"), "w") as f:
 if rank == 0:
     np.savez(os.path.join(out_dir, "final.npz"), weights=common.flat(t.get_weights()))
     with open(os.path.join(out_dir, "result.json"), "w") as f:
-        json.dump({"history": {k: [float(v) for v in vs] for k, vs in hist.history.items()},
+        json.dump({"order": order, "history": {k: [float(v) for v in vs] for k, vs in hist.history.items()},
                    "evaluate": {k: float(v) for k, v in ev.items()}}, f)
 print(f"worker {rank} finished", flush=True)
