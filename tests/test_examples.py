@@ -17,7 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 @pytest.mark.parametrize("script", ["custom_loop.py", "keras_mirrored.py", "early_stopping.py",
                                     "f1_training_metric.py", pytest.param("lstm_multi_worker.py", marks=_PROCESSES),
                                     pytest.param("grain_files.py", marks=_PROCESSES),
-                                    "resnet_mirrored.py"])
+                                    # ResNet50 on 4 replicas is also in test_keras_applications (CI time)
+                                    pytest.param("resnet_mirrored.py", marks=pytest.mark.full_suite)])
 def test_example_runs_and_agrees(script, tmp_path):
     env = {**os.environ, "KERAS_BACKEND": "jax", "XLA_FLAGS": ""}
     args = [str(tmp_path)] if script == "keras_mirrored.py" else []
