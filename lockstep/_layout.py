@@ -90,12 +90,18 @@ class BatchRows:
         self.blank = blank
 
 
+#: Row checksums are kept modulo this prime, so every worker's part fits the int32 that a
+#: collective (`allgather_sizes`) carries.
+DIGEST_MODULUS = 2**31 - 1
+
+
 def rows_digest(leaves: list[np.ndarray], start: int) -> int:
     """A checksum of real rows (`leaves`, rows of a global batch from row `start` on), additive over
-    workers: the sum of the parts the workers hold is the whole batch's, however it is split.
+    workers: the sum of the parts the workers hold, modulo `DIGEST_MODULUS`, is the whole batch's,
+    however it is split.
 
     >>> x = np.arange(6.0).reshape(3, 2)
-    >>> rows_digest([x], 0) == rows_digest([x[:1]], 0) + rows_digest([x[1:]], 1)
+    >>> rows_digest([x], 0) == (rows_digest([x[:1]], 0) + rows_digest([x[1:]], 1)) % DIGEST_MODULUS
     True
     """
     n = int(np.shape(leaves[0])[0]) if leaves else 0
@@ -106,7 +112,7 @@ def rows_digest(leaves: list[np.ndarray], start: int) -> int:
         for f in flat:
             h = zlib.crc32(f[i], h)
         total += h
-    return total
+    return total % DIGEST_MODULUS
 
 
 def batch_length(leaves: list[np.ndarray]) -> int:

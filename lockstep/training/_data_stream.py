@@ -27,7 +27,7 @@ import numpy as np
 
 from .._cross_replica import allgather_sizes
 from .._datasets import DistributedDataset
-from .._layout import padded_per_replica
+from .._layout import DIGEST_MODULUS, padded_per_replica
 from ..data import Batches, IndexedBatches, WorkerPipeline
 from ._inputs import distribute
 
@@ -67,12 +67,16 @@ class DataPosition:
                    None if its is None else tuple(its))
 
 
-#: Checksums are kept modulo this prime: every worker's part fits the int32 a collective carries.
-_MOD = 2**31 - 1
+def _whole_digest(batch: "DistributedBatch") -> int:
+    """The checksum of a distributed batch: every worker's part added up (a small collective)."""
+    part = batch.digest() if batch.digest is not None else 0
+    return int(allgather_sizes(part).sum()) % DIGEST_MODULUS
 
 
 def _allgather_strings(s: str) -> list[str]:
     """Every worker's `s`, in worker order (two small collectives)."""
+    if jax.process_count() == 1:
+        return [s]
     data = np.frombuffer(s.encode(), np.uint8)
     lengths = allgather_sizes(len(data))
     from jax.experimental import multihost_utils
@@ -114,15 +118,10 @@ class DataStream:
             return DataPosition(self._pass, 0)
         if self._last is None and self._carried is not None:
             return self._carried
-        part = None if self._last is None or self._last.digest is None else int(self._last.digest()) % _MOD
-        state = None if self._pipeline is None else self._pipeline.state()
-        if jax.process_count() > 1:
-            if not share:
-                return DataPosition(self._pass, self._offset)
-            part = None if part is None else int(allgather_sizes(part).sum()) % _MOD
-            return DataPosition(self._pass, self._offset, part,
-                                None if state is None else tuple(_allgather_strings(state)))
-        return DataPosition(self._pass, self._offset, part, None if state is None else (state,))
+        if jax.process_count() > 1 and not share:
+            return DataPosition(self._pass, self._offset)
+        return DataPosition(self._pass, self._offset, None if self._last is None else _whole_digest(self._last),
+                            None if self._pipeline is None else tuple(_allgather_strings(self._pipeline.state())))
 
     def epoch(self, epoch: int, done: int = 0) -> Iterator["DistributedBatch"]:
         """Epoch `epoch`'s batches: the rest of a pass, or of `steps_per_epoch` steps (`done` steps
@@ -208,9 +207,7 @@ class DataStream:
         if batch is None:
             raise ValueError(f"cannot resume: the training data now ends before {where}, the last one trained on "
                              "before the backup. Resume with the same data.")
-        part = int(batch.digest()) % _MOD if batch.digest is not None else 0
-        now = int(allgather_sizes(part).sum()) % _MOD
-        if now != restored.fingerprint:
+        if _whole_digest(batch) != restored.fingerprint:
             raise ValueError(
                 f"cannot resume: the training data differs from what was trained on before the backup ({where}, "
                 "the last one trained on, read again, has another checksum). The source is not deterministic (a "
