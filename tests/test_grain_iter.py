@@ -18,22 +18,12 @@ import lockstep as ls
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
+from test_elastic_resume import StopAt, _Stop  # noqa: E402
+from test_grain import CountingSource  # noqa: E402
 
 N, B = 203, 32
 crossing = pytest.mark.filterwarnings("ignore:a pass over the training data ended inside")
 SERIAL = grain.ReadOptions(num_threads=0, prefetch_buffer_size=0)  # no read-ahead: reads can be counted
-
-
-class CountingSource:
-    def __init__(self, x, y):
-        self.x, self.y, self.reads = x, y, collections.Counter()
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        self.reads[int(i)] += 1
-        return self.x[i], self.y[i]
 
 
 def iter_dataset(source):
@@ -75,20 +65,6 @@ def test_a_grain_pipeline_with_batch_size_is_refused():
     x, y = common.data(20)
     with pytest.raises(ValueError, match=r"`y`, `sample_weight` and `batch_size` must be None: its batches carry"):
         common.trainer(ls.MirroredStrategy(2)).fit(iter_dataset(CountingSource(x, y)), batch_size=8, verbose=0)
-
-
-class _Stop(Exception):
-    pass
-
-
-class StopAt(ls.callbacks.Callback):
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.global_step == self.step:
-            raise _Stop
 
 
 def backup(path, freq=3):

@@ -18,6 +18,7 @@ tf = pytest.importorskip("tensorflow")  # `pip install lockstep[tf]`; `make test
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
+from test_elastic_resume import StopAt, _Stop  # noqa: E402
 
 N, B = 203, 32
 
@@ -55,16 +56,6 @@ def test_a_tf_dataset_with_batch_size_is_refused():
         common.trainer(ls.MirroredStrategy(2)).fit(dataset(x, y), batch_size=8, verbose=0)
 
 
-class _Stop(Exception):
-    pass
-
-
-class StopAt(ls.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.global_step == 5:
-            raise _Stop
-
-
 @pytest.mark.parametrize("seeded", [True, False])
 def test_a_resumed_tf_pipeline_must_give_the_same_data(seeded, tmp_path):
     """A seeded shuffle resumes exactly (the consumed batches are read again, the last one checked);
@@ -79,7 +70,7 @@ def test_a_resumed_tf_pipeline_must_give_the_same_data(seeded, tmp_path):
     want.fit(shuffled(), epochs=1, verbose=0)
     with pytest.raises(_Stop):
         common.trainer(ls.MirroredStrategy(2)).fit(shuffled(), epochs=1, verbose=0, callbacks=[
-            ls.callbacks.BackupAndRestore(tmp_path, save_freq=4), StopAt()])
+            ls.callbacks.BackupAndRestore(tmp_path, save_freq=4), StopAt(5)])
     got = common.trainer(ls.MirroredStrategy(2))
     if not seeded:
         with pytest.raises(ValueError, match="the training data differs from what was trained on before the backup"):

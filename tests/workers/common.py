@@ -75,3 +75,19 @@ def validation_parts(num_workers):
 
 
 ES = {"monitor": "val_loss", "patience": 1, "min_delta": 0.0}
+
+
+class LoggingSource:
+    """A random-access source of `data(n)`'s samples that logs every index read, in order (the
+    worker jobs' instrumented Grain source)."""
+
+    def __init__(self, n):
+        self.x, self.y = data(n)
+        self.reads = []
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        self.reads.append(int(i))
+        return self.x[i], self.y[i]

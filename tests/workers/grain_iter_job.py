@@ -26,20 +26,7 @@ rank, workers = jax.process_index(), jax.process_count()
 N, LOCAL_BATCH = 203, 16
 
 
-class CountingSource:
-    def __init__(self):
-        self.x, self.y = common.data(N)
-        self.reads = []
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        self.reads.append(int(i))
-        return self.x[i], self.y[i]
-
-
-source = CountingSource()
+source = common.LoggingSource(N)
 
 
 def dataset(sharded=True):

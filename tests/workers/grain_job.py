@@ -19,23 +19,7 @@ import common  # noqa: E402
 out_dir = sys.argv[1]
 rank = strategy.cluster_resolver.task_id
 
-
-class CountingSource:
-    """Samples of `common.data()`, logging every index read."""
-
-    def __init__(self):
-        self.x, self.y = common.data(203)
-        self.reads = []
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        self.reads.append(int(i))
-        return self.x[i], self.y[i]
-
-
-source = CountingSource()
+source = common.LoggingSource(203)
 dataset = grain.MapDataset.source(source).map(lambda s: (s[0] * 2.0, s[1]))  # decoding/transforms run per read
 t = common.trainer(strategy)
 hist = t.fit(dataset, batch_size=32, epochs=2, seed=4, verbose=0)
