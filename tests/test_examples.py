@@ -15,7 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("script", ["custom_loop.py", "keras_mirrored.py", "early_stopping.py",
-                                    "f1_training_metric.py", pytest.param("lstm_multi_worker.py", marks=_PROCESSES),
+                                    "f1_training_metric.py", pytest.param("lstm_multi_worker.py", marks=[_PROCESSES, pytest.mark.full_suite]),
                                     pytest.param("grain_files.py", marks=_PROCESSES),
                                     # ResNet50 on 4 replicas is also in test_keras_applications (CI time)
                                     pytest.param("resnet_mirrored.py", marks=pytest.mark.full_suite)])
