@@ -100,11 +100,17 @@ def rows_digest(leaves: list[np.ndarray], start: int) -> int:
     workers: the sum of the parts the workers hold, modulo `DIGEST_MODULUS`, is the whole batch's,
     however it is split.
 
+    A worker that holds none of a batch's real rows (a short last batch) contributes 0.
+
     >>> x = np.arange(6.0).reshape(3, 2)
     >>> rows_digest([x], 0) == (rows_digest([x[:1]], 0) + rows_digest([x[1:]], 1)) % DIGEST_MODULUS
     True
+    >>> rows_digest([x[3:]], 3)
+    0
     """
     n = int(np.shape(leaves[0])[0]) if leaves else 0
+    if n == 0:
+        return 0
     flat = [np.ascontiguousarray(x).reshape(n, -1).view(np.uint8) for x in leaves]
     total = 0
     for i in range(n):

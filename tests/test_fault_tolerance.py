@@ -207,3 +207,23 @@ def test_preemption_in_one_process_saves_once_exits_83_and_resumes_exactly(tmp_p
     for a, b in zip(jax.tree.leaves(t.get_weights()), jax.tree.leaves(ref.get_weights())):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert hist.history == ref_hist.history
+
+
+
+def test_backups_and_kills_at_steps_where_a_worker_holds_no_row_resume_exactly(tmp_path):
+    """Digits on 2 workers, batch 64: the 5-row last batch of each epoch is all worker 0's. Killed
+    after step 58, such a step and a backup step (before the fix, worker 1 crashed in that backup),
+    and restarted, the run ends as the uninterrupted one."""
+    import zero_rows_job
+
+    proc = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", "--max-restarts", "1",
+                           "--failure-timeout", "10", zero_rows_job.__file__, str(tmp_path)],
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "rank 1 killed by SIGKILL" in proc.stderr and "restart 1 of 1" in proc.stderr
+    weights, hist = result(tmp_path)
+    ref, ref_hist = zero_rows_job.run(ls.MirroredStrategy(2))  # one process, the same 2 replicas, uninterrupted
+    assert hist["restored_from"] == 58
+    assert np.max(np.abs(weights - common.flat(ref.get_weights()))) <= 1e-6
+    np.testing.assert_allclose([v for k in sorted(hist["history"]) for v in hist["history"][k]],
+                               [v for k in sorted(ref_hist.history) for v in ref_hist.history[k]], rtol=1e-6)

@@ -25,11 +25,11 @@ def data(n=N, seed=0):
     return x, y
 
 
-def model():
+def model(classes=3):
     def init(rng, x):
         k1, k2 = jax.random.split(rng)
         return {"w1": jax.random.normal(k1, (x.shape[-1], 16)) * 0.3, "b1": jnp.zeros(16),
-                "w2": jax.random.normal(k2, (16, 3)) * 0.3, "b2": jnp.zeros(3)}
+                "w2": jax.random.normal(k2, (16, classes)) * 0.3, "b2": jnp.zeros(classes)}
     return ls.FunctionalModel(init, lambda p, x, training=False: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"])
 
 

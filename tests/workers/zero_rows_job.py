@@ -1,0 +1,52 @@
+"""scikit-learn's digits on 2 workers x 1 device, batch 64: each epoch's last batch has 5 rows, all
+of them worker 0's, so worker 1 holds no real row at steps 29, 58, ... (the issue's report).
+argv = out_dir. Backups every 2 steps; on the first attempt the last worker SIGKILLs itself right
+after step 58, a backup step where it holds no row. The restart reads that batch again to check it
+(worker 1's part of the checksum: nothing). `run` is the job, shared with the one-process reference.
+"""
+
+import json
+import os
+import signal
+import sys
+
+sys.path.insert(0, os.path.dirname(__file__))
+
+import lockstep as ls  # noqa: E402
+import numpy as np  # noqa: E402
+from sklearn.datasets import load_digits  # noqa: E402
+
+import common  # noqa: E402
+
+
+class Chaos(ls.callbacks.Callback):
+    def __init__(self, rank, attempt):
+        super().__init__()
+        self.rank, self.attempt = rank, attempt
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.rank == 1 and self.attempt == 0 and self.model.global_step == 58:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def run(strategy, callbacks=()):
+    x, y = load_digits(return_X_y=True)
+    t = ls.Trainer(common.model(10), optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
+                   metrics=["accuracy"], strategy=strategy)
+    hist = t.fit((x / 16.0).astype(np.float32), y, batch_size=64, epochs=3, shuffle=True, seed=2, verbose=0,
+                 callbacks=list(callbacks))
+    return t, hist
+
+
+if __name__ == "__main__":
+    out_dir = sys.argv[1]
+    strategy = ls.MultiWorkerMirroredStrategy()
+    rank, attempt = strategy.cluster_resolver.task_id, int(os.environ.get("LOCKSTEP_RESTART_COUNT", "0"))
+    backup = ls.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=2)
+    t, hist = run(strategy, [backup, Chaos(rank, attempt)])
+    if rank == 0:
+        np.savez(os.path.join(out_dir, "final.npz"), weights=common.flat(t.get_weights()))
+        with open(os.path.join(out_dir, "history.json"), "w") as f:
+            json.dump({"epoch": hist.epoch, "history": {k: [float(v) for v in vs] for k, vs in hist.history.items()},
+                       "restored_from": backup.restored_from}, f)
+    print(f"worker {rank} finished (attempt {attempt})", flush=True)
