@@ -103,12 +103,13 @@ class DataStream:
         self._last: DistributedBatch | None = None
         self._restored: DataPosition | None = None  # taken up when the pass is opened
         self._carried: DataPosition | None = None  # the restored position, until a batch is consumed
+        self._ended = False  # an epoch-long pass ran out: it stays the position until the next epoch
         self._warned = False
 
     def start(self, position: DataPosition) -> None:
         """Continue from `position` (a restored backup's)."""
         self._pass, self._offset = position.pass_index, position.offset
-        self._batches, self._last = None, None
+        self._batches, self._last, self._ended = None, None, False
         self._restored = self._carried = position
 
     def position(self, share: bool = False) -> DataPosition:
@@ -126,20 +127,24 @@ class DataStream:
     def epoch(self, epoch: int, done: int = 0) -> Iterator["DistributedBatch"]:
         """Epoch `epoch`'s batches: the rest of a pass, or of `steps_per_epoch` steps (`done` steps
         of it taken before a resume)."""
-        if self._per_epoch is None and self._batches is None and self._offset == 0:
-            self._pass = epoch  # an epoch is a pass: its order derives from (seed, epoch)
+        if self._per_epoch is None and self._batches is None and (self._offset == 0 or self._ended):
+            # an epoch is a pass: its order derives from (seed, epoch)
+            self._pass, self._offset, self._ended = epoch, 0, False
         given, crossed = done * self._k, False
         while self._per_epoch is None or given < self._per_epoch:
             if self._batches is None:
                 self._batches = self._open()
             batch = next(self._batches, None)
             if batch is None:  # the pass ended
-                was_empty = self._offset == 0
-                self._batches, self._pass, self._offset = None, self._pass + 1, 0
-                if self._per_epoch is None or was_empty:  # an epoch is a pass; or a new pass gave nothing
-                    if given == 0 or self._per_epoch is not None:
-                        self._ran_out(epoch, given)
+                self._batches = None
+                if self._per_epoch is None:  # an epoch is a pass; a backup taken before the epoch's end
+                    if given == 0:           # (a short accumulation group reads past its last batch)
+                        self._ran_out(epoch, given)  # must still place it in this pass
+                    self._ended = True
                     return
+                if self._offset == 0:  # a new pass gave nothing
+                    self._ran_out(epoch, given)
+                self._pass, self._offset = self._pass + 1, 0
                 crossed = given > 0
                 continue
             if crossed and not self._warned:
