@@ -11,11 +11,16 @@ awkward cases on purpose: N = 1, N prime, a last batch shorter than R (replicas 
 row, at backup and resume steps too), and accumulation groups cut short by the end of an epoch.
 
 `make test` runs `EXAMPLES` examples with a fixed seed (the count is printed); `make test-full`
-runs more. The 2- and 3-worker draws are in `test_exactness_matrix_workers.py`.
+runs more. A smaller draw (4 examples, run one after another in one launch) covers 2 workers x 2 devices
+and, in `make test-full`, 3 workers x 1 device.
 """
 
+import json
 import math
 import os
+import pathlib
+import subprocess
+import sys
 
 import grain
 import jax
@@ -64,10 +69,12 @@ def model():
     return ls.FunctionalModel(init, lambda p, x, training=False: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"])
 
 
-def trainer(replicas, k):
+def trainer(strategy, k):
+    """The example's trainer on `strategy` (a number of replicas: a MirroredStrategy)."""
+    strategy = ls.MirroredStrategy(strategy) if isinstance(strategy, int) else strategy
     return ls.Trainer(model(), optimizer=optax.adam(0.05), loss="sparse_categorical_crossentropy_from_logits",
                       metrics=["accuracy", ls.metrics.F1Score(average="macro", num_classes=3)],
-                      strategy=ls.MirroredStrategy(replicas), gradient_accumulation_steps=k)
+                      strategy=strategy, gradient_accumulation_steps=k)
 
 
 def inputs(kind, x, y, batch):
@@ -91,18 +98,63 @@ def close(got, want, what):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=2e-5, atol=2e-6, err_msg=what)
 
 
+KINDS = ("arrays", "grain", "batches")
+
+
+def settings_of(pick):
+    """One run's settings, each drawn by `pick(lo, hi)` (an integer in [lo, hi]). At most 16 batches
+    an epoch and 8 backups a run keep an example short."""
+    n = pick(1, 300)
+    batch = pick(math.ceil(n / 16), 64)
+    k = pick(1, 4)
+    steps = EPOCHS * math.ceil(math.ceil(n / batch) / k)  # optimizer steps (a group ends with its epoch)
+    return {"n": n, "batch": batch, "replicas": pick(1, 8), "k": k, "kind": KINDS[pick(0, len(KINDS) - 1)],
+            "validation": bool(pick(0, 1)), "save_freq": pick(math.ceil(steps / 8), max(1, steps)),
+            "stop": pick(1, steps + 1)}
+
+
 @st.composite
 def runs(draw):
-    """One run's settings. At most 16 batches an epoch and 8 backups a run keep an example short."""
-    n = draw(st.integers(1, 300))
-    batch = draw(st.integers(math.ceil(n / 16), 64))
-    k = draw(st.integers(1, 4))
-    steps = EPOCHS * math.ceil(math.ceil(n / batch) / k)  # optimizer steps (a group ends with its epoch)
-    return {"n": n, "batch": batch, "replicas": draw(st.integers(1, 8)), "k": k,
-            "kind": draw(st.sampled_from(["arrays", "grain", "batches"])),
-            "validation": draw(st.booleans()),
-            "save_freq": draw(st.integers(math.ceil(steps / 8), max(1, steps))),
-            "stop": draw(st.integers(1, steps + 1))}
+    return settings_of(lambda lo, hi: draw(st.integers(lo, hi)))
+
+
+def interrupted_and_resumed(strategy, run, backup):
+    """The example on `strategy`: stopped at the drawn step, then resumed from its newest backup in a
+    new trainer. Returns the trainer, the history and the step restored from (None: not stopped)."""
+    x, y = data(run["n"])
+    batch, kind, k = run["batch"], run["kind"], run["k"]
+    t = trainer(strategy, k)
+    try:
+        hist = fit(t, kind, x, y, batch, validation(run),
+                   [ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"]), StopAt(run["stop"])])
+        return t, hist, None  # the drawn step is past the run's end
+    except _Stop:
+        pass
+    t = trainer(strategy, k)
+    restore = ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"])
+    hist = fit(t, kind, x, y, batch, validation(run), [restore])
+    return t, hist, restore.restored_from
+
+
+def validation(run):
+    return data(run["n"] // 3 + 1) if run["validation"] else None
+
+
+def reference(run):
+    """The uninterrupted one-device run."""
+    x, y = data(run["n"])
+    one = trainer(1, run["k"])
+    return one, fit(one, run["kind"], x, y, run["batch"], validation(run))
+
+
+def check(run, got_weights, got_hist, restored_from, one, want):
+    if restored_from is not None:
+        saved = run["stop"] - run["stop"] % run["save_freq"]
+        assert restored_from == (saved or None), run
+    close(got_weights, one.get_weights(), f"weights {run}")
+    assert sorted(got_hist) == sorted(want), run
+    for name in want:
+        np.testing.assert_allclose(got_hist[name], want[name], rtol=2e-5, atol=2e-6, err_msg=f"{name} {run}")
 
 
 @settings(max_examples=EXAMPLES, deadline=None, derandomize=True, database=None,
@@ -113,35 +165,11 @@ def runs(draw):
 @example(run={"n": 1, "batch": 1, "replicas": 1, "k": 2, "kind": "arrays", "validation": False, "save_freq": 1,
               "stop": 1})
 def test_any_shape_and_settings_equal_one_device_through_a_backup_and_a_resume(run, tmp_path_factory):
+    one, want = reference(run)
+    t, got, restored_from = interrupted_and_resumed(run["replicas"], run, tmp_path_factory.mktemp("backup"))
+    check(run, t.get_weights(), got, restored_from, one, want)
     x, y = data(run["n"])
-    vx, vy = data(run["n"] // 3 + 1)
-    validation = (vx, vy) if run["validation"] else None
-    batch, kind, k = run["batch"], run["kind"], run["k"]
-
-    one = trainer(1, k)
-    want = fit(one, kind, x, y, batch, validation)
-
-    backup = tmp_path_factory.mktemp("backup")
-    t = trainer(run["replicas"], k)
-    stopped = True
-    try:
-        fit(t, kind, x, y, batch, validation,
-            [ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"]), StopAt(run["stop"])])
-        stopped = False  # the drawn step is past the run's end
-    except _Stop:
-        pass
-    if stopped:
-        t = trainer(run["replicas"], k)
-        restore = ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"])
-        got = fit(t, kind, x, y, batch, validation, [restore])
-        saved = run["stop"] - run["stop"] % run["save_freq"]
-        assert restore.restored_from == (saved or None), run
-    else:
-        got = t.history.history
-    close(t.get_weights(), one.get_weights(), f"weights {run}")
-    assert sorted(got) == sorted(want), run
-    for name in want:
-        np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=2e-6, err_msg=f"{name} {run}")
+    batch = run["batch"]
     close(t.evaluate(x, y, batch_size=batch, verbose=0), one.evaluate(x, y, batch_size=batch, verbose=0),
           f"evaluate {run}")
     pred = t.predict(x, batch_size=batch, verbose=0)
@@ -152,4 +180,29 @@ def test_any_shape_and_settings_equal_one_device_through_a_backup_and_a_resume(r
 def test_the_matrix_size_is_printed(capsys):
     with capsys.disabled():
         print(f"\nexactness matrix: {EXAMPLES} drawn examples of N, batch, replicas, accumulation, backup "
-              f"and interrupt steps, validation and input kind (make test-full: 60)")
+              f"and interrupt steps, validation and input kind (make test-full: 60); {WORKER_EXAMPLES} on 2 "
+              "workers x 2 devices (make test-full: and on 3 workers x 1 device)")
+
+
+#: examples per worker shape: drawn once (fixed seed) and run one after another in one launch
+WORKER_EXAMPLES = 4
+JOB = pathlib.Path(__file__).resolve().parent / "workers" / "matrix_job.py"
+
+
+@pytest.mark.xdist_group("processes")
+@pytest.mark.parametrize("workers, devices", [(2, 2), pytest.param(3, 1, marks=pytest.mark.full_suite)])
+def test_on_several_workers_any_shape_and_settings_equal_one_device(workers, devices, tmp_path):
+    """A small draw with a fixed seed (one launch runs the examples one after another)."""
+    rng = np.random.default_rng(workers)
+    batch = [settings_of(lambda lo, hi: int(rng.integers(lo, hi + 1))) for _ in range(WORKER_EXAMPLES)]
+    (tmp_path / "runs.json").write_text(json.dumps(batch))
+    proc = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(workers),
+                           "--devices-per-proc", str(devices), "--failure-timeout", "20", str(JOB), str(tmp_path)],
+                          capture_output=True, text=True, timeout=400, env={**os.environ, "XLA_FLAGS": ""})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    for i, run in enumerate(batch):
+        got = np.load(tmp_path / f"run{i}.npz")
+        meta = json.loads((tmp_path / f"run{i}.json").read_text())
+        one, want = reference(run)
+        weights = jax.tree.unflatten(jax.tree.structure(one.get_weights()), [got[f"w{j}"] for j in range(len(got))])
+        check(run, weights, meta["history"], meta["restored_from"], one, want)
