@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import signal
 import threading
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -66,12 +67,20 @@ class BackupAndRestore(Callback):
         self._restore_latest()  # the trainer takes it up once every callback has begun
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        if self._store is not None and self.delete_checkpoint:
+            try:
+                self._store.delete_all()
+            except Exception as e:  # noqa: BLE001 - training is done: a leftover backup must not lose it
+                warnings.warn(f"BackupAndRestore: training finished, but the backups in {self.backup_dir!r} could not "
+                              f"be deleted ({type(e).__name__}: {e}); delete them before the next fit, or it "
+                              "resumes from them.", RuntimeWarning, stacklevel=2)
+
+    def on_train_exit(self) -> None:
+        """Puts the SIGTERM handler back and closes the store, however `fit` ended."""
         if self._old_handler is not None:
             signal.signal(signal.SIGTERM, self._old_handler)
             self._old_handler = None
         if self._store is not None:
-            if self.delete_checkpoint:
-                self._store.delete_all()
             self._store.close()
             self._store = None
 

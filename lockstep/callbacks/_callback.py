@@ -54,6 +54,11 @@ class Callback:
     def on_predict_batch_begin(self, batch: int, logs: Any = None) -> None: ...
     def on_predict_batch_end(self, batch: int, logs: Any = None) -> None: ...
 
+    def on_train_exit(self) -> None:
+        """Called when `fit` ends by any path: after `on_train_end`, or after an exception (a
+        `KeyboardInterrupt`, a failing callback), when `on_train_end` is not called. Release here
+        what `on_train_begin` took (signal handlers, open files); not a Keras hook."""
+
     def get_state(self) -> dict[str, Any]:
         """The callback's bookkeeping, to be checkpointed (see `set_state`)."""
         return {}

@@ -54,7 +54,7 @@ class CSVLogger(Callback):
                                                    for k in self._keys}})
         self._file.flush()
 
-    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+    def on_train_exit(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None

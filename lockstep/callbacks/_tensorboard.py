@@ -54,7 +54,7 @@ class TensorBoard(Callback):
         for w in self._writers.values():
             w.flush()
 
-    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+    def on_train_exit(self) -> None:
         for w in self._writers.values():
             w.close()
         self._writers = {}

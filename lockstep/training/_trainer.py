@@ -320,18 +320,21 @@ class Trainer(WeightFiles):
         self._live.stream = DataStream(self.strategy, train, steps_per_epoch, self._accumulation, initial_epoch)
         self._live.metric_state = self._fresh_state()
         self._runner.start(self._live.params)
-        cblist.on_train_begin()
-        self._live.take_pending(cbs)  # a restore() made before fit or in on_train_begin takes effect here
         logs: dict[str, Any] = {}
         try:
+            cblist.on_train_begin()
+            self._live.take_pending(cbs)  # a restore() made before fit or in on_train_begin takes effect here
             for epoch in range(self._live.epoch, epochs):
                 logs = self._fit_epoch(epoch, self._live.stream, val, cblist)
                 if self.stop_training:
                     break
             cblist.on_train_end(logs)
-        finally:
+        finally:  # on any exit the model keeps the weights of the last completed step, as in Keras
             self._live.callbacks = []
-        self._adapter.sync_to_model(_host(self._live.params))
+            try:
+                self._adapter.sync_to_model(_host(self._live.params))
+            finally:
+                cblist.on_train_exit()
         return history
 
     def _fit_epoch(self, epoch: int, train: DataStream, val: Iterable[Any] | None, cblist: CallbackList

@@ -1,0 +1,97 @@
+"""State you can trust: whatever ends a `fit`, the Keras model keeps the weights trained so far,
+and everything lockstep installed (the SIGTERM handler, open files) is put back."""
+
+import signal
+
+import keras
+import numpy as np
+import optax
+import pytest
+
+import lockstep as ls
+
+N, B = 96, 16
+rng = np.random.default_rng(0)
+X = rng.normal(size=(N, 4)).astype(np.float32)
+Y = (X[:, 0] > 0).astype(np.int32)
+HOOKS = ["on_train_begin", "on_epoch_begin", "on_train_batch_begin", "on_train_batch_end", "on_epoch_end",
+         "on_test_begin", "on_test_batch_end", "on_test_end", "on_train_end"]
+
+
+class Boom(Exception):
+    pass
+
+
+class RaiseAt(ls.callbacks.Callback):
+    """Raises `error` in `hook` once the trainer has taken `step` optimizer steps (0: at once)."""
+
+    def __init__(self, hook, error=Boom, step=0):
+        super().__init__()
+        self.step, self.error = step, error
+        setattr(self, hook, self._maybe_raise)
+
+    def _maybe_raise(self, *args, **kwargs):
+        if self.model.global_step >= self.step:
+            raise self.error("raised by the test")
+
+
+class StopAfter(ls.callbacks.Callback):
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.global_step == self.step:
+            self.model.stop_training = True
+
+
+def keras_trainer(strategy):
+    with strategy.scope():
+        keras.utils.set_random_seed(3)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(2)])
+    return ls.Trainer(model, optimizer=optax.adam(0.05), loss="sparse_categorical_crossentropy_from_logits",
+                      metrics=["accuracy"], strategy=strategy)
+
+
+@pytest.mark.parametrize("error", [Boom, KeyboardInterrupt])
+def test_an_interrupted_fit_leaves_the_keras_model_with_the_weights_of_its_last_step(error):
+    strategy = ls.MirroredStrategy(4)
+    t = keras_trainer(strategy)
+    with pytest.raises(error):
+        t.fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0, callbacks=[RaiseAt("on_train_batch_end", error, 8)])
+    assert t.global_step == 8
+    got = [np.asarray(v) for v in t.model.get_weights()]  # the Keras model itself
+    ref = keras_trainer(strategy)  # the same 8 steps, ended normally (6 steps an epoch)
+    ref.fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0, callbacks=[StopAfter(8)])
+    want = [np.asarray(v) for v in ref.model.get_weights()]
+    untrained = [np.asarray(v) for v in keras_trainer(strategy).model.get_weights()]
+    assert any(not np.array_equal(a, b) for a, b in zip(got, untrained))
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("hook", HOOKS)
+def test_an_exception_in_any_hook_restores_the_sigterm_handler(hook, tmp_path):
+    before = signal.getsignal(signal.SIGTERM)
+    t = keras_trainer(ls.MirroredStrategy(2))
+    callbacks = [ls.callbacks.BackupAndRestore(tmp_path / "backup", save_freq=2),
+                 ls.callbacks.CSVLogger(str(tmp_path / "log.csv")), RaiseAt(hook)]
+    with pytest.raises(Boom):
+        t.fit(X, Y, batch_size=B, epochs=1, verbose=0, validation_data=(X[:20], Y[:20]), callbacks=callbacks)
+    assert signal.getsignal(signal.SIGTERM) is before
+    assert callbacks[1]._file is None  # the CSV file is closed
+
+
+def test_a_backup_directory_made_read_only_at_the_end_warns_and_fit_returns_its_history(tmp_path, monkeypatch):
+    """Deleting the backups is the last thing `fit` does: if it fails, training is not lost."""
+    from lockstep.checkpoint import TrainingCheckpointer
+
+    def refuse(self):
+        raise PermissionError(13, "Permission denied", str(tmp_path))
+
+    monkeypatch.setattr(TrainingCheckpointer, "delete_all", refuse)
+    t = keras_trainer(ls.MirroredStrategy(2))
+    with pytest.warns(RuntimeWarning, match="could not be deleted"):
+        hist = t.fit(X, Y, batch_size=B, epochs=2, verbose=0,
+                     callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=3)])
+    assert len(hist.history["loss"]) == 2
