@@ -85,7 +85,8 @@ def test_a_changed_global_batch_on_resume_is_refused(tmp_path):
         fit(trainer(4), tmp_path, batch_size=64)
     t = ls.Trainer(trainer(4).model, optimizer=optax.adam(0.02), loss="sparse_categorical_crossentropy_from_logits",
                    strategy=ls.MirroredStrategy(4), gradient_accumulation_steps=2)
-    with pytest.raises(ValueError, match="gradient_accumulation_steps 1, and this fit uses 2"):
+    with pytest.raises(ValueError, match="gradient_accumulation_steps 1, and this fit uses 2"), \
+            pytest.warns(UserWarning, match=r"\['accuracy', 'f1_score'\] no longer compiled"):
         t.fit(X, Y, batch_size=B, epochs=EPOCHS, seed=5, verbose=0,
               callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=3)])
 

@@ -95,3 +95,72 @@ def test_a_backup_directory_made_read_only_at_the_end_warns_and_fit_returns_its_
         hist = t.fit(X, Y, batch_size=B, epochs=2, verbose=0,
                      callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=3)])
     assert len(hist.history["loss"]) == 2
+
+
+# --- a backup restored into a changed trainer: matched by name, checked by shape ----------------
+
+def functional(classes=3, width=8):
+    import jax
+    import jax.numpy as jnp
+
+    def init(key, x):
+        k1, k2 = jax.random.split(key)
+        return {"w1": jax.random.normal(k1, (x.shape[-1], width)) * 0.4, "b1": jnp.zeros(width),
+                "w2": jax.random.normal(k2, (width, classes)) * 0.4, "b2": jnp.zeros(classes)}
+    return ls.FunctionalModel(init, lambda p, x, training=False: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"])
+
+
+def resumable(metrics=("accuracy",), optimizer=None, **model):
+    return ls.Trainer(functional(**model), optimizer=optimizer or optax.adam(0.05),
+                      loss="sparse_categorical_crossentropy_from_logits", metrics=list(metrics),
+                      strategy=ls.MirroredStrategy(2))
+
+
+class StopAtStep(ls.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.global_step == 9:
+            raise Boom
+
+
+def interrupted(tmp_path, **kwargs):
+    with pytest.raises(Boom):
+        resumable(**kwargs).fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0,
+                                callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=3), StopAtStep()])
+
+
+def resume(tmp_path, **kwargs):
+    t = resumable(**kwargs)
+    return t, t.fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0,
+                    callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=3)]).history
+
+
+@pytest.mark.parametrize("change, match", [
+    ({"classes": 5}, r"array 1 of the model's weights \(params/00001, params\['trainable'\]\['b2'\]\) is "
+                     r"float32\[3\] in the backup and float32\[5\] here"),
+    ({"width": 16}, r"array 0 of the model's weights \(params/00000, params\['trainable'\]\['b1'\]\) is float32\[8\] "
+                    r"in the backup and float32\[16\]"),
+    ({"optimizer": optax.sgd(0.1)}, r"holds \d+ arrays of the optimizer's state, this trainer has 0"),
+    ({"optimizer": optax.rmsprop(0.05)}, r"holds \d+ arrays of the optimizer's state, this trainer has \d+"),
+])
+def test_a_backup_of_another_model_or_optimizer_is_refused_naming_the_first_difference(change, match, tmp_path):
+    interrupted(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        resume(tmp_path, **change)
+
+
+def test_metrics_are_matched_by_name_a_dropped_one_is_left_out_and_a_new_one_starts_empty(tmp_path):
+    """Before, state went back by position: dropping `accuracy` loaded its running sums into the loss."""
+    _, want = resume(tmp_path / "plain", metrics=("accuracy", ls.metrics.F1Score(average="macro", num_classes=3)))
+    interrupted(tmp_path / "a", metrics=("accuracy", ls.metrics.F1Score(average="macro", num_classes=3)))
+    with pytest.warns(UserWarning, match=r"none new .*\['accuracy'\] no longer compiled"):
+        _, got = resume(tmp_path / "a", metrics=(ls.metrics.F1Score(average="macro", num_classes=3),))
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+    np.testing.assert_allclose(got["f1_score"], want["f1_score"], rtol=1e-6)
+
+    interrupted(tmp_path / "b", metrics=("accuracy",))
+    with pytest.warns(UserWarning, match=r"\['f1_score'\] new"):
+        _, got = resume(tmp_path / "b", metrics=("accuracy", ls.metrics.F1Score(average="macro", num_classes=3)))
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+    np.testing.assert_allclose(got["accuracy"], want["accuracy"], rtol=1e-6)
+    # the new metric counts from the backup on: epoch 2's last steps only (epoch 1 was done before)
+    assert len(got["f1_score"]) == 1 and 0.0 <= got["f1_score"][0] <= 1.0

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -23,7 +24,6 @@ import numpy as np
 if TYPE_CHECKING:
     from ..training import TrainState
 
-_ARRAY_TREES = ("params", "opt_state", "metric_state")
 _PREFIX = {"params": "params", "opt_state": "opt_state", "metric_state": "metrics"}
 #: Names of the metric state's arrays start with this (one entry per replica along axis 0).
 METRIC_STATE_PREFIX = "metrics/"
@@ -52,12 +52,28 @@ def _join_state(state: dict[str, Any], arrays: dict[str, Any]) -> dict[str, Any]
     return out
 
 
+def _metric_names(metric_state: Any) -> list[tuple[str, str]] | None:
+    """(metric, field) of every array of a metric state keyed by metric name and field, else None."""
+    if not isinstance(metric_state, dict) or not all(isinstance(v, dict) for v in metric_state.values()):
+        return None
+    return [(name, field) for name in sorted(metric_state) for field in sorted(metric_state[name])]
+
+
 def flatten_train_state(state: "TrainState") -> tuple[dict[str, Any], dict[str, Any]]:
-    """(arrays, meta): every array of `state` under a flat name, and the rest as JSON-able values."""
+    """(arrays, meta): every array of `state` under a flat name, and the rest as JSON-able values.
+    The metric state's arrays are named by metric and field (``metrics/accuracy/total``), so a
+    restore matches them by name."""
     arrays: dict[str, Any] = {}
-    for field in _ARRAY_TREES:
+    for field in ("params", "opt_state"):
         for i, v in enumerate(jax.tree.leaves(getattr(state, field))):
             arrays[f"{_PREFIX[field]}/{i:05d}"] = v
+    named = _metric_names(state.metric_state)
+    if named is None:
+        for i, v in enumerate(jax.tree.leaves(state.metric_state)):
+            arrays[f"{METRIC_STATE_PREFIX}{i:05d}"] = v
+    else:
+        for name, f in named:
+            arrays[f"{METRIC_STATE_PREFIX}{name}/{f}"] = state.metric_state[name][f]
     callbacks = {key: _split_state(cb_state, f"callbacks/{key}/", arrays)
                  for key, cb_state in state.callbacks.items()}
     meta = {"epoch": state.epoch, "step": state.step, "global_step": state.global_step, "seed": state.seed,
@@ -66,18 +82,88 @@ def flatten_train_state(state: "TrainState") -> tuple[dict[str, Any], dict[str, 
     return arrays, meta
 
 
+def _dtype(x: Any) -> np.dtype:
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
+
+
+_WHAT = {"params": "the model's weights", "opt_state": "the optimizer's state"}
+
+
+def _checked_tree(arrays: dict[str, Any], field: str, like: Any) -> Any:
+    """`field`'s tree from `arrays`, each array checked against `like`'s by position, shape and dtype."""
+    with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
+    leaves = [leaf for _, leaf in with_paths]
+    prefix = f"{_PREFIX[field]}/"
+    saved = sorted(k for k in arrays if k.startswith(prefix))
+    if len(saved) != len(leaves):
+        raise ValueError(
+            f"the backup does not fit this trainer: it holds {len(saved)} arrays of {_WHAT[field]}, this trainer has "
+            f"{len(leaves)}. The {'model' if field == 'params' else 'optimizer'} changed since the backup was taken; "
+            "resume with the same one, or delete the backup to start over.")
+    out = []
+    for i, mine in enumerate(leaves):
+        theirs = arrays[f"{prefix}{i:05d}"]
+        if tuple(np.shape(theirs)) != tuple(np.shape(mine)) or _dtype(theirs) != _dtype(mine):
+            raise ValueError(
+                f"the backup does not fit this trainer: array {i} of {_WHAT[field]} ({prefix}{i:05d}, "
+                f"{field}{jax.tree_util.keystr(with_paths[i][0])}) is "
+                f"{_dtype(theirs).name}{list(np.shape(theirs))} in the backup and "
+                f"{_dtype(mine).name}{list(np.shape(mine))} here. The "
+                f"{'model' if field == 'params' else 'optimizer'} changed since the backup was taken (another layer "
+                "width, number of classes or optimizer); resume with the same one, or delete the backup.")
+        out.append(theirs)
+    return jax.tree.unflatten(treedef, out)
+
+
+def _metric_state(arrays: dict[str, Any], like: Any) -> Any:
+    """The saved metric state matched by metric name: a metric new since the backup starts empty,
+    one no longer compiled is dropped (both with a warning); positional in older backups."""
+    named = _metric_names(like)
+    if named is None or any(k.startswith(METRIC_STATE_PREFIX) and k[len(METRIC_STATE_PREFIX):].isdigit()
+                            for k in arrays):
+        treedef = jax.tree.structure(like)
+        return jax.tree.unflatten(treedef, [arrays[f"{METRIC_STATE_PREFIX}{i:05d}"]
+                                            for i in range(treedef.num_leaves)])
+    saved = {k[len(METRIC_STATE_PREFIX):] for k in arrays if k.startswith(METRIC_STATE_PREFIX)}
+    saved_metrics = {k.split("/")[0] for k in saved}
+    replicas = next((np.shape(arrays[METRIC_STATE_PREFIX + k])[0] for k in sorted(saved)), None)
+    new = sorted({name for name, _ in named} - saved_metrics)
+    gone = sorted(saved_metrics - {name for name, _ in named})
+    if new or gone:
+        warnings.warn(f"the backup's metrics differ from this trainer's: {new or 'none'} new (they start the epoch in "
+                      f"progress empty), {gone or 'none'} no longer compiled (their state is dropped).",
+                      UserWarning, stacklevel=4)
+    out: dict[str, dict[str, Any]] = {}
+    for name, f in named:
+        key = f"{name}/{f}"
+        if name in saved_metrics and key not in saved:
+            raise ValueError(f"the backup's state of metric `{name}` has no field {f!r} (it has "
+                             f"{sorted(k.split('/', 1)[1] for k in saved if k.split('/')[0] == name)}): the metric "
+                             "changed since the backup was taken; resume with the same metrics, or delete the backup.")
+        if key in saved:
+            value = arrays[METRIC_STATE_PREFIX + key]
+        else:  # a new metric: its empty state, on as many replicas as the backup's
+            fresh = np.asarray(like[name][f])
+            value = np.repeat(fresh[:1], replicas if replicas is not None else fresh.shape[0], axis=0)
+        out.setdefault(name, {})[f] = value
+    return out
+
+
 def unflatten_train_state(arrays: dict[str, Any], meta: dict[str, Any], like: "TrainState") -> "TrainState":
     """The `TrainState` that `flatten_train_state` made `arrays` and `meta` from; `like` (a state of
-    the same model, optimizer and metrics) gives the structure of its array trees."""
-    trees = {}
-    for field in _ARRAY_TREES:
-        treedef = jax.tree.structure(getattr(like, field))
-        trees[field] = jax.tree.unflatten(
-            treedef, [arrays[f"{_PREFIX[field]}/{i:05d}"] for i in range(treedef.num_leaves)])
+    the same model, optimizer and metrics) gives the structure of its array trees.
+
+    Raises:
+      ValueError: the weights or the optimizer state do not match `like`'s in number, shape or
+        dtype (the message names the first differing array and both values).
+    """
+    trees = {field: _checked_tree(arrays, field, getattr(like, field)) for field in ("params", "opt_state")}
+    trees["metric_state"] = None if like.metric_state is None else _metric_state(arrays, like.metric_state)
     from ..training import DataPosition  # here: training imports checkpoint
 
     callbacks = {key: _join_state(cb_state, arrays) for key, cb_state in meta["callbacks"].items()}
     batch_size, data = meta.get("batch_size"), meta.get("data")
     return like.replace(epoch=int(meta["epoch"]), step=int(meta["step"]), global_step=int(meta["global_step"]),
-                        data=None if data is None else DataPosition.from_json(data), seed=int(meta["seed"]), batch_size=None if batch_size is None else int(batch_size),
+                        data=None if data is None else DataPosition.from_json(data), seed=int(meta["seed"]),
+                        batch_size=None if batch_size is None else int(batch_size),
                         accumulation=int(meta.get("accumulation", 1)), callbacks=callbacks, **trees)
