@@ -7,7 +7,10 @@ Every worker runs this script under `lockstep launch`. Scenarios:
   and exits 0, or (`slow`) sleeps 0.6 failure timeouts at three steps and must not be declared dead;
 * training (`plain`, `term`, `savekill`): `Trainer.fit` with `BackupAndRestore(save_freq=5)`; the
   victim SIGTERMs itself at step 12 (`term`), or SIGKILLs itself a random few milliseconds into
-  the backup save of step 15 (`savekill`), on the first attempt only.
+  the backup save of step 15 (`savekill`), on the first attempt only;
+* training with no real row on the victim (`zeroplain`, `zerokill`): 965 samples, batch 64, so each
+  epoch's last batch (steps 16 and 32) has 5 rows, all worker 0's; backups every 4 steps; the
+  victim SIGKILLs itself at step 16 (`zerokill`), and the restart saves a backup at that step.
 
 Before a fault the victim prints ``FAULT <unix time>``; the harness measures detection from it.
 `token` only marks the processes so that the harness can look for orphans.
@@ -96,14 +99,18 @@ class Chaos(ls.callbacks.Callback):
             delay = random.uniform(0.0, 0.03)
             threading.Timer(delay, lambda: (fault_now(), os.kill(os.getpid(), signal.SIGKILL))).start()
             time.sleep(0.0)
+        if scenario == "zerokill" and self.count == 16:  # a step where this worker holds no real row
+            fault_now()
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 def train() -> None:
-    x, y = data()
+    zero = scenario.startswith("zero")
+    x, y = data(965 if zero else 1003)
     t = ls.Trainer(model(), optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
                    metrics=["accuracy"], strategy=strategy, seed=0)
-    backup = ls.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=5,
-                                           delete_checkpoint=scenario == "plain")
+    backup = ls.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=4 if zero else 5,
+                                           delete_checkpoint=scenario in ("plain", "zeroplain"))
     hist = t.fit(x, y, batch_size=64, epochs=2, seed=3, verbose=0, callbacks=[Chaos(), backup])
     if rank == 0:
         flat = np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(t.get_weights())])

@@ -43,7 +43,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_fault_worker.py")
 FAILURE_TIMEOUT = 10.0
-SCENARIOS = ["kill", "stop", "raise", "exit0", "coordinator", "slow", "term", "term-restart", "savekill"]
+SCENARIOS = ["kill", "stop", "raise", "exit0", "coordinator", "slow", "term", "term-restart", "savekill", "zerokill"]
 DESCRIPTIONS = {
     "kill": "a worker SIGKILLed mid-training",
     "stop": "a worker frozen (SIGSTOP)",
@@ -54,6 +54,7 @@ DESCRIPTIONS = {
     "term": "a worker preempted (SIGTERM), no restarts",
     "term-restart": "a worker preempted (SIGTERM), `--max-restarts 1`",
     "savekill": "a worker SIGKILLed inside a backup save, then resumed",
+    "zerokill": "a worker SIGKILLed at a step where it holds no real row, `--max-restarts 1`",
 }
 
 
@@ -184,7 +185,7 @@ def run_trial(scenario: str, workers: int, reference: tuple[np.ndarray, dict] | 
     out_dir = tempfile.mkdtemp(prefix="lockstep-faults-")
     victim = 0 if scenario == "coordinator" else workers - 1
     try:
-        restarts = 1 if scenario == "term-restart" else 0
+        restarts = 1 if scenario in ("term-restart", "zerokill") else 0
         rc, out, err = _launch(token, out_dir, scenario, victim, workers, restarts)
         orphans = _orphans(token)
         summary = next((line for _, line in reversed(err) if _is_summary(line)), "")
@@ -197,7 +198,7 @@ def run_trial(scenario: str, workers: int, reference: tuple[np.ndarray, dict] | 
             return Trial(ok, "" if ok else f"rc={rc}: {summary or text[-300:]} | {_tail(out)}", orphans=orphans)
         if fault is None:
             return Trial(False, f"no fault injected (rc={rc}): {text[-300:]}", orphans=orphans)
-        if scenario == "term-restart":
+        if scenario in ("term-restart", "zerokill"):
             detected = _line_time(err, "restarting the workers")
             res = _result(out_dir)
             equal = res is not None and reference is not None and bool(
@@ -245,10 +246,11 @@ def _since(start: float | None, end: float | None) -> float | None:
     return None if start is None or end is None else end - start
 
 
-def reference_run(workers: int) -> tuple[np.ndarray, dict]:
+def reference_run(workers: int, scenario: str = "plain") -> tuple[np.ndarray, dict]:
+    """The uninterrupted run (`zeroplain`: on the data of `zerokill`)."""
     out_dir = tempfile.mkdtemp(prefix="lockstep-faults-ref-")
     try:
-        rc, _, err = _launch("lockstep-fault-ref", out_dir, "plain", 0, workers)
+        rc, _, err = _launch("lockstep-fault-ref", out_dir, scenario, 0, workers)
         res = _result(out_dir)
         if rc != 0 or res is None:
             raise SystemExit("the uninterrupted run failed:\n" + "\n".join(line for _, line in err)[-3000:])
@@ -304,14 +306,16 @@ def main(argv: list[str] | None = None) -> int:
     start = time.monotonic()
     rows = []
     for workers in args.workers:
-        reference = None
+        references = {}
         if {"term-restart", "savekill"} & set(args.scenarios):
-            reference = reference_run(workers)
+            references["plain"] = reference_run(workers)
+        if "zerokill" in args.scenarios:
+            references["zeroplain"] = reference_run(workers, "zeroplain")
         for scenario in args.scenarios:
             row = Row(scenario, workers)
             rows.append(row)
             for i in range(args.trials):
-                trial = run_trial(scenario, workers, reference)
+                trial = run_trial(scenario, workers, references.get("zeroplain" if scenario == "zerokill" else "plain"))
                 row.trials.append(trial)
                 det = "-" if trial.detection is None else f"{trial.detection:.1f}s"
                 print(f"{scenario:12s} workers={workers} trial {i + 1}/{args.trials}: "

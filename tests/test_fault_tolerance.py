@@ -210,6 +210,7 @@ def test_preemption_in_one_process_saves_once_exits_83_and_resumes_exactly(tmp_p
 
 
 
+@pytest.mark.full_suite  # make test covers such backups in test_exactness_matrix's worker draw
 def test_backups_and_kills_at_steps_where_a_worker_holds_no_row_resume_exactly(tmp_path):
     """Digits on 2 workers, batch 64: the 5-row last batch of each epoch is all worker 0's. Killed
     after step 58, such a step and a backup step (before the fix, worker 1 crashed in that backup),
