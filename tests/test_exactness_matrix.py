@@ -32,26 +32,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import lockstep as ls
+from test_elastic_resume import StopAt, _Stop
 
 FULL = os.environ.get("LOCKSTEP_FULL_SUITE") == "1"
 EXAMPLES = 60 if FULL else 10
 EPOCHS = 2
-
-
-class _Stop(Exception):
-    pass
-
-
-class StopAt(ls.callbacks.Callback):
-    """Interrupts the run (as a kill would) once `step` optimizer steps are done."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.global_step == self.step:
-            raise _Stop
 
 
 def data(n):
