@@ -116,16 +116,11 @@ def resumable(metrics=("accuracy",), optimizer=None, **model):
                       strategy=ls.MirroredStrategy(2))
 
 
-class StopAtStep(ls.callbacks.Callback):
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.global_step == 9:
-            raise Boom
-
-
 def interrupted(tmp_path, **kwargs):
     with pytest.raises(Boom):
         resumable(**kwargs).fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0,
-                                callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=3), StopAtStep()])
+                                callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=3),
+                                           RaiseAt("on_train_batch_end", step=9)])
 
 
 def resume(tmp_path, **kwargs):

@@ -24,7 +24,7 @@ import numpy as np
 if TYPE_CHECKING:
     from ..training import TrainState
 
-_PREFIX = {"params": "params", "opt_state": "opt_state", "metric_state": "metrics"}
+_PREFIX = {"params": "params", "opt_state": "opt_state"}
 #: Names of the metric state's arrays start with this (one entry per replica along axis 0).
 METRIC_STATE_PREFIX = "metrics/"
 
