@@ -78,7 +78,8 @@ def flatten_train_state(state: "TrainState") -> tuple[dict[str, Any], dict[str, 
                  for key, cb_state in state.callbacks.items()}
     meta = {"epoch": state.epoch, "step": state.step, "global_step": state.global_step, "seed": state.seed,
             "batch_size": state.batch_size, "accumulation": state.accumulation, "callbacks": callbacks,
-            "data": None if state.data is None else state.data.to_json()}
+            "data": None if state.data is None else state.data.to_json(),
+            "names": None if state.names is None else state.names.to_json()}
     return arrays, meta
 
 
@@ -89,28 +90,41 @@ def _dtype(x: Any) -> np.dtype:
 _WHAT = {"params": "the model's weights", "opt_state": "the optimizer's state"}
 
 
-def _checked_tree(arrays: dict[str, Any], field: str, like: Any) -> Any:
-    """`field`'s tree from `arrays`, each array checked against `like`'s by position, shape and dtype."""
+def _refused(what: str, field: str) -> ValueError:
+    return ValueError(f"the backup does not fit this trainer: {what}. The {'model' if field == 'params' else 'optimizer'} "
+                      "changed since the backup was taken (another layer, layer width, number of classes or "
+                      "optimizer); resume with the same one, or delete the backup to start over.")
+
+
+def _checked_tree(arrays: dict[str, Any], field: str, like: Any, saved_names: list[str] | None,
+                  names: tuple[str, ...] | None) -> Any:
+    """`field`'s tree from `arrays`, each array matched to `like`'s by name (by position in
+    backups without names) and checked in shape and dtype."""
     with_paths, treedef = jax.tree_util.tree_flatten_with_path(like)
     leaves = [leaf for _, leaf in with_paths]
     prefix = f"{_PREFIX[field]}/"
     saved = sorted(k for k in arrays if k.startswith(prefix))
-    if len(saved) != len(leaves):
-        raise ValueError(
-            f"the backup does not fit this trainer: it holds {len(saved)} arrays of {_WHAT[field]}, this trainer has "
-            f"{len(leaves)}. The {'model' if field == 'params' else 'optimizer'} changed since the backup was taken; "
-            "resume with the same one, or delete the backup to start over.")
+    if saved_names is not None and names is not None and len(names) == len(leaves):
+        where = {n: f"{prefix}{i:05d}" for i, n in enumerate(saved_names)}
+        missing = [n for n in names if n not in where]
+        extra = [n for n in saved_names if n not in set(names)]
+        if missing or extra:
+            raise _refused(f"{_WHAT[field]} differ by name: {missing[:3] or 'none'} here "
+                           f"{'is' if len(missing) == 1 else 'are'} not in the backup, and the backup's "
+                           f"{extra[:3] or 'none'} {'is' if len(extra) == 1 else 'are'} not here", field)
+        keys, labels = [where[n] for n in names], [f"`{n}` of {_WHAT[field]} ({where[n]})" for n in names]
+    else:
+        if len(saved) != len(leaves):
+            raise _refused(f"it holds {len(saved)} arrays of {_WHAT[field]}, this trainer has {len(leaves)}", field)
+        keys = [f"{prefix}{i:05d}" for i in range(len(leaves))]
+        labels = [f"array {i} of {_WHAT[field]} ({keys[i]}, {field}{jax.tree_util.keystr(p)})"
+                  for i, (p, _) in enumerate(with_paths)]
     out = []
-    for i, mine in enumerate(leaves):
-        theirs = arrays[f"{prefix}{i:05d}"]
+    for key, label, mine in zip(keys, labels, leaves):
+        theirs = arrays[key]
         if tuple(np.shape(theirs)) != tuple(np.shape(mine)) or _dtype(theirs) != _dtype(mine):
-            raise ValueError(
-                f"the backup does not fit this trainer: array {i} of {_WHAT[field]} ({prefix}{i:05d}, "
-                f"{field}{jax.tree_util.keystr(with_paths[i][0])}) is "
-                f"{_dtype(theirs).name}{list(np.shape(theirs))} in the backup and "
-                f"{_dtype(mine).name}{list(np.shape(mine))} here. The "
-                f"{'model' if field == 'params' else 'optimizer'} changed since the backup was taken (another layer "
-                "width, number of classes or optimizer); resume with the same one, or delete the backup.")
+            raise _refused(f"{label} is {_dtype(theirs).name}{list(np.shape(theirs))} in the backup and "
+                           f"{_dtype(mine).name}{list(np.shape(mine))} here", field)
         out.append(theirs)
     return jax.tree.unflatten(treedef, out)
 
@@ -151,13 +165,23 @@ def _metric_state(arrays: dict[str, Any], like: Any) -> Any:
 
 def unflatten_train_state(arrays: dict[str, Any], meta: dict[str, Any], like: "TrainState") -> "TrainState":
     """The `TrainState` that `flatten_train_state` made `arrays` and `meta` from; `like` (a state of
-    the same model, optimizer and metrics) gives the structure of its array trees.
+    the same model, optimizer and metrics) gives the structure of its array trees. Arrays are
+    matched to `like`'s by name when both carry `names` (a backup of another process, whose
+    Keras layers were numbered otherwise, still fits), else by position.
 
     Raises:
-      ValueError: the weights or the optimizer state do not match `like`'s in number, shape or
-        dtype (the message names the first differing array and both values).
+      ValueError: the optimizer differs, or the weights or the optimizer state do not match
+        `like`'s in names, number, shape or dtype (the message names the first difference and
+        both values).
     """
-    trees = {field: _checked_tree(arrays, field, getattr(like, field)) for field in ("params", "opt_state")}
+    saved_names, names = meta.get("names"), like.names
+    if saved_names is not None and names is not None and saved_names["optimizer"] != names.optimizer:
+        raise _refused(f"it was taken with the optimizer `{saved_names['optimizer']}`, and this trainer's is "
+                       f"`{names.optimizer}`", "opt_state")
+    trees = {field: _checked_tree(arrays, field, getattr(like, field),
+                                  None if saved_names is None else saved_names[field],
+                                  None if names is None else getattr(names, field))
+             for field in ("params", "opt_state")}
     trees["metric_state"] = None if like.metric_state is None else _metric_state(arrays, like.metric_state)
     from ..training import DataPosition  # here: training imports checkpoint
 

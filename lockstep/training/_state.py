@@ -10,6 +10,7 @@ import numpy as np
 
 from .._cross_replica import broadcast_from_chief
 from ._data_stream import DataPosition, DataStream
+from ._state_names import StateNames
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +42,9 @@ class TrainState:
         of the last one, Grain iterator states), or None outside `fit`. In a multi-worker job the
         checksum and iterator states are every worker's in backups (`BackupAndRestore` gathers
         them); a worker's own `train_state` leaves them out.
+      names: the name of every array of `params` and `opt_state` and what the model and the
+        optimizer are (`StateNames`), so a checkpoint is restored by name and checked; None:
+        matched by position.
 
     >>> import lockstep as ls
     >>> s = ls.TrainState(params={"trainable": [], "non_trainable": []}, opt_state=(), metric_state=None,
@@ -60,6 +64,7 @@ class TrainState:
     batch_size: int | None = None
     accumulation: int = 1
     data: DataPosition | None = None
+    names: StateNames | None = None
 
     def replace(self, **changes: Any) -> "TrainState":
         """A copy with `changes` applied."""
@@ -68,7 +73,7 @@ class TrainState:
 
 jax.tree_util.register_dataclass(
     TrainState, data_fields=["params", "opt_state", "metric_state", "callbacks"],
-    meta_fields=["epoch", "step", "global_step", "seed", "batch_size", "accumulation", "data"])
+    meta_fields=["epoch", "step", "global_step", "seed", "batch_size", "accumulation", "data", "names"])
 
 
 def callback_key(callbacks: list[Any]) -> dict[str, Any]:
@@ -104,13 +109,15 @@ class LiveState:
         self.stream: DataStream | None = None  # fit's training data
         self.callbacks: list[Any] = []
         self._pending: TrainState | None = None
+        self.names: StateNames | None = None  # set by the trainer once params and opt_state exist
 
-    def place(self, params: Any, init_optimizer: Any) -> None:
+    def place(self, params: Any, init_optimizer: Any, names: Any = None) -> None:
         """Worker 0's `params` (host arrays) on every device, with a fresh optimizer state
-        (`init_optimizer(trainable params)`)."""
+        (`init_optimizer(trainable params)`); `names(params, opt_state)` gives their `StateNames`."""
         params = jax.tree.map(np.asarray, broadcast_from_chief(params))  # every worker starts from worker 0's
         self.params = self._engine.put_replicated(params)
         self.opt_state = self._engine.put_replicated(init_optimizer(self.params["trainable"]))
+        self.names = None if names is None else names(self.params, self.opt_state)
 
     def snapshot(self, share: bool = False) -> TrainState:
         """The state now; `share`: with every worker's data checksum and iterator state (a collective)."""
@@ -118,7 +125,7 @@ class LiveState:
                           epoch=self.epoch, step=self.step, global_step=self.global_step, seed=self.seed,
                           callbacks={k: cb.get_state() for k, cb in callback_key(self.callbacks).items()},
                           batch_size=self.batch_size, accumulation=self.accumulation,
-                          data=None if self.stream is None else self.stream.position(share))
+                          data=None if self.stream is None else self.stream.position(share), names=self.names)
 
     def _per_replica(self, saved: Any) -> Any:
         """Saved per-replica metric state on this run's replicas: as it was on the same number of

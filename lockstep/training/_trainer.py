@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import inspect
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -37,6 +38,7 @@ from ._model import FunctionalModel, adapt, output_shape
 from ._optimizers import get_optimizer, learning_rate_of, loss_scale_settings, set_learning_rate
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
 from ._state import LiveState, TrainState
+from ._state_names import state_names
 from ._step_runner import StepRunner, checked_accumulation
 from ._weight_files import WeightFiles
 from ._steps import make_steps, unpack
@@ -206,6 +208,7 @@ class Trainer(WeightFiles):
         self._adapter = adapt(model, seed, batch_statistics)
         optimizer, loss, metrics = compiled_settings(model, optimizer, loss, metrics)  # model.compile's
         self._optimizer = get_optimizer(optimizer, getattr(model, "trainable_variables", None))
+        self._names = functools.partial(state_names, model, optimizer)  # what backups call each array
         self.dtype_policy = resolve_policy(model, dtype_policy)
         if self.dtype_policy == "mixed_float16":  # dynamic loss scaling (a Keras LossScaleOptimizer's settings)
             self._optimizer = with_loss_scaling(self._optimizer, *loss_scale_settings(optimizer))
@@ -222,7 +225,7 @@ class Trainer(WeightFiles):
         x, y, _ = unpack(batch)
         x = jax.tree.map(np.asarray, x)
         if self._live.params is None:
-            self._live.place(self._adapter.build(x), self._optimizer.init)
+            self._live.place(self._adapter.build(x), self._optimizer.init, self._names)
         if y is not None and (not self._all.built or self._labels.needs_classes):
             pred_shape = output_shape(self._adapter, self._live.params, x)
             self._labels.num_classes = pred_shape[-1] if pred_shape else 1
@@ -418,7 +421,7 @@ class Trainer(WeightFiles):
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
         if self._live.params is None and self._adapter.ready():
-            self._live.place(self._adapter.build(None), self._optimizer.init)
+            self._live.place(self._adapter.build(None), self._optimizer.init, self._names)
         self._require_built()
         return self._adapter.get_weights(_host(self._live.params))
 
