@@ -210,21 +210,28 @@ def test_preemption_in_one_process_saves_once_exits_83_and_resumes_exactly(tmp_p
 
 
 
-@pytest.mark.full_suite  # make test covers such backups in test_exactness_matrix's worker draw
-def test_backups_and_kills_at_steps_where_a_worker_holds_no_row_resume_exactly(tmp_path):
+@pytest.mark.parametrize("damage", [
+    # make test covers plain such backups in test_exactness_matrix's worker draw
+    pytest.param(False, marks=pytest.mark.full_suite), True])
+def test_backups_and_kills_at_steps_where_a_worker_holds_no_row_resume_exactly(damage, tmp_path):
     """Digits on 2 workers, batch 64: the 5-row last batch of each epoch is all worker 0's. Killed
     after step 58, such a step and a backup step (before the fix, worker 1 crashed in that backup),
-    and restarted, the run ends as the uninterrupted one."""
+    and restarted, the run ends as the uninterrupted one. With `damage`, the killed worker first
+    flipped bits in that backup's files: both workers set it aside and resume from step 56."""
     import zero_rows_job
 
     proc = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", "--max-restarts", "1",
-                           "--failure-timeout", "10", zero_rows_job.__file__, str(tmp_path)],
+                           "--failure-timeout", "10", zero_rows_job.__file__, str(tmp_path)] + ["damage"] * damage,
                           capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "rank 1 killed by SIGKILL" in proc.stderr and "restart 1 of 1" in proc.stderr
     weights, hist = result(tmp_path)
     ref, ref_hist = zero_rows_job.run(ls.MirroredStrategy(2))  # one process, the same 2 replicas, uninterrupted
-    assert hist["restored_from"] == 58
+    assert hist["restored_from"] == (56 if damage else 58)
+    if damage:
+        output = proc.stdout + proc.stderr
+        assert output.count("the backup of step 58 is damaged") == 2, output[-3000:]  # both workers name it
+        assert (tmp_path / "backup" / "damaged" / "58").is_dir()
     assert np.max(np.abs(weights - common.flat(ref.get_weights()))) <= 1e-6
     np.testing.assert_allclose([v for k in sorted(hist["history"]) for v in hist["history"][k]],
                                [v for k in sorted(ref_hist.history) for v in ref_hist.history[k]], rtol=1e-6)

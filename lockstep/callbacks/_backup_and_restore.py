@@ -9,6 +9,7 @@ import warnings
 from typing import TYPE_CHECKING, Any
 
 import jax
+import numpy as np
 
 from .._exit_codes import PREEMPTED_EXIT_CODE
 from ._callback import Callback
@@ -26,7 +27,8 @@ class BackupAndRestore(Callback):
     weights, ModelCheckpoint's best value, ReduceLROnPlateau's counters). On `fit`, an existing
     backup is restored and training continues from that exact step, so the finished run equals
     an uninterrupted one. Writes go through orbax-checkpoint (atomic: a crash leaves the last
-    complete backup). A backup is the trainer's `TrainState` (`trainer.train_state`), restored
+    complete backup); a backup damaged on disk afterwards is detected by its checksums, set aside
+    with a warning, and the newest intact one is used. A backup is the trainer's `TrainState` (`trainer.train_state`), restored
     with `trainer.restore`. Callback states are matched by class and order among callbacks of
     that class, so a restart may add or drop callbacks; a new one starts fresh. It saves and
     checks for preemption in `on_train_batch_end`: list it after callbacks that keep per-batch
@@ -128,12 +130,15 @@ class BackupAndRestore(Callback):
 
     # --- restoring ---------------------------------------------------------------------------
     def _restore_latest(self) -> None:
-        """Hands the newest backup, if any, to the trainer (`trainer.restore`)."""
-        from ..checkpoint import METRIC_STATE_PREFIX, flatten_train_state, unflatten_train_state
+        """Hands the newest intact backup, if any, to the trainer (`trainer.restore`). A damaged
+        one (unreadable, or its checksums differ) is named in a warning and set aside in the
+        ``damaged`` folder, and the next older one is tried; every worker takes the same one."""
+        from .._cross_replica import allgather_sizes
+        from ..checkpoint import METRIC_STATE_PREFIX, DamagedCheckpointError, flatten_train_state, unflatten_train_state
 
         assert self.trainer is not None and self._store is not None
-        step = self._store.latest_step()
-        if step is None:
+        steps = self._store.all_steps()
+        if not steps:
             return
         like = self.trainer.train_state
         arrays_like, _ = flatten_train_state(like)
@@ -142,6 +147,21 @@ class BackupAndRestore(Callback):
         shardings = {k: v.sharding for k, v in arrays_like.items()
                      if isinstance(v, jax.Array) and not k.startswith(METRIC_STATE_PREFIX)}
         replicated = jax.sharding.NamedSharding(self.trainer.strategy.mesh, jax.sharding.PartitionSpec())
-        arrays, meta = self._store.restore(step, shardings, default_sharding=replicated)
-        self.trainer.restore(unflatten_train_state(arrays, meta, like))
-        self.restored_from = step
+        for step in reversed(steps):
+            why = None
+            try:
+                arrays, meta = self._store.restore(step, shardings, default_sharding=replicated)
+            except DamagedCheckpointError as e:
+                why = e.why
+            damaged = allgather_sizes(int(why is not None))  # all workers agree: intact everywhere, or set aside
+            if not damaged.any():
+                self.trainer.restore(unflatten_train_state(arrays, meta, like))
+                self.restored_from = step
+                return
+            aside = self._store.set_aside(step)
+            where = why or f"unreadable on worker(s) {[int(w) for w in np.flatnonzero(damaged)]}"
+            older = [s for s in steps if s < step]
+            warnings.warn(f"BackupAndRestore: the backup of step {step} is damaged ({where}); it was moved to "
+                          f"{aside!r}, and " + (f"the backup of step {older[-1]} is tried instead." if older else
+                                                "no older backup is left: training starts from the beginning."),
+                          RuntimeWarning, stacklevel=2)

@@ -1,14 +1,20 @@
-"""Training-state checkpoints on orbax-checkpoint: multi-process JAX arrays, atomic commits.
+"""Training-state checkpoints on orbax-checkpoint: multi-process JAX arrays, atomic commits,
+checksums.
 
 A checkpoint is a step directory holding two items: ``arrays`` (a flat dict of arrays, each
 worker writing the shards it holds) and ``meta`` (JSON). Orbax writes into a temporary
-directory and renames it when complete, so a reader only ever sees whole checkpoints.
+directory and renames it when complete, so a reader only ever sees whole checkpoints. The meta
+also holds a CRC-32 of every array and of the rest of the meta, checked on restore: a checkpoint
+damaged on disk afterwards (truncated, bit-flipped, zeroed, garbled) is reported as
+`DamagedCheckpointError`, never restored.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import zlib
 from typing import Any
 
 import jax
@@ -16,6 +22,53 @@ import numpy as np
 
 
 _TRASH = "trash"
+#: Where `set_aside` moves damaged checkpoints, inside the checkpoint directory.
+DAMAGED = "damaged"
+_CHECKSUMS = "checksums"
+
+
+class DamagedCheckpointError(RuntimeError):
+    """A checkpoint cannot be read back as it was written (`step`: which; the message says why)."""
+
+    def __init__(self, step: int, why: str):
+        super().__init__(f"checkpoint {step} is damaged: {why}")
+        self.step, self.why = step, why
+
+
+def _whole(a: Any) -> np.ndarray:
+    """`a`'s whole value on this host (a collective for an array spread over workers)."""
+    if isinstance(a, jax.Array) and not a.is_fully_addressable:
+        if a.is_fully_replicated:
+            return np.asarray(a.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
+    return np.asarray(a)
+
+
+def _crc(value: np.ndarray) -> str:
+    value = np.ascontiguousarray(value)
+    head = f"{value.dtype.str}{list(value.shape)}".encode()
+    return f"{zlib.crc32(value.view(np.uint8).reshape(-1), zlib.crc32(head)):08x}"
+
+
+def _meta_crc(meta: dict[str, Any]) -> str:
+    return f"{zlib.crc32(json.dumps(meta, sort_keys=True).encode()):08x}"
+
+
+def checksums(arrays: dict[str, Any], meta: dict[str, Any]) -> dict[str, str]:
+    """CRC-32 of every array (its dtype, shape and bytes) and of `meta` (as sorted JSON).
+
+    >>> import numpy as np
+    >>> sums = checksums({"w": np.arange(3.0)}, {"epoch": 1})
+    >>> sorted(sums), sums == checksums({"w": np.arange(3.0)}, {"epoch": 1})
+    (['meta', 'w'], True)
+    >>> checksums({"w": np.array([0.0, 1.0, 2.5])}, {"epoch": 1})["w"] == sums["w"]
+    False
+    """
+    out = {k: _crc(_whole(v)) for k, v in sorted(arrays.items())}
+    out["meta"] = _meta_crc(meta)
+    return out
 
 
 class TrainingCheckpointer:
@@ -55,6 +108,7 @@ class TrainingCheckpointer:
     def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         """Writes checkpoint `step` (every worker calls this together); returns when it is committed."""
         args = self._ocp.args
+        meta = {**meta, _CHECKSUMS: checksums(arrays, meta)}
         self._manager.save(step, args=args.Composite(arrays=args.StandardSave(arrays), meta=args.JsonSave(meta)),
                            force=True)
         self._manager.wait_until_finished()
@@ -66,25 +120,57 @@ class TrainingCheckpointer:
 
     def restore(self, step: int, shardings: dict[str, Any] | None = None, default_sharding: Any = None
                 ) -> tuple[dict[str, Any], dict[str, Any]]:
-        """The arrays and the JSON of checkpoint `step`.
+        """The arrays and the JSON of checkpoint `step` (every worker calls this together).
 
         Each array is placed with `shardings[name]`, else `default_sharding`; with neither it
         comes back as NumPy (single process only).
+
+        Raises:
+          DamagedCheckpointError: the checkpoint cannot be read, or what is read differs from
+            what was written (its checksums).
         """
         args = self._ocp.args
         shardings = shardings or {}
-        saved = self._manager.item_metadata(step)["arrays"]
-        if not shardings and default_sharding is None:
-            target = args.StandardRestore()
-        else:
-            target = args.StandardRestore({
-                k: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=shardings.get(k, default_sharding))
-                for k, m in saved.items()})
-        out = self._manager.restore(step, args=args.Composite(arrays=target, meta=args.JsonRestore()))
-        arrays = dict(out["arrays"])
+        try:
+            saved = self._manager.item_metadata(step)["arrays"]
+            if not shardings and default_sharding is None:
+                target = args.StandardRestore()
+            else:
+                target = args.StandardRestore({
+                    k: jax.ShapeDtypeStruct(tuple(m.shape), m.dtype, sharding=shardings.get(k, default_sharding))
+                    for k, m in saved.items()})
+            out = self._manager.restore(step, args=args.Composite(arrays=target, meta=args.JsonRestore()))
+            arrays, meta = dict(out["arrays"]), dict(out["meta"])
+        except Exception as e:  # noqa: BLE001 - whatever orbax, tensorstore or JSON raise on a damaged file
+            raise DamagedCheckpointError(step, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}") from e
         if not shardings and default_sharding is None:
             arrays = {k: np.asarray(v) for k, v in arrays.items()}
-        return arrays, dict(out["meta"])
+        expected = meta.pop(_CHECKSUMS, None)
+        if expected is not None:  # checkpoints written before checksums were recorded are taken as they are
+            found = checksums(arrays, meta)
+            wrong = [k for k in sorted(set(expected) | set(found)) if expected.get(k) != found.get(k)]
+            if wrong:
+                raise DamagedCheckpointError(step, f"the checksum of {wrong[0]!r} differs from the one written"
+                                             + (f" (and of {len(wrong) - 1} more)" if len(wrong) > 1 else ""))
+        return arrays, meta
+
+    def set_aside(self, step: int) -> str:
+        """Moves checkpoint `step` into the ``damaged`` folder (worker 0 moves; every worker
+        calls this together and waits for it); returns the new path."""
+        aside = os.path.join(self.directory, DAMAGED, str(step))
+        n = 1
+        while os.path.exists(aside):
+            aside = os.path.join(self.directory, DAMAGED, f"{step}.{n}")
+            n += 1
+        if jax.process_index() == 0:
+            os.makedirs(os.path.dirname(aside), exist_ok=True)
+            os.replace(os.path.join(self.directory, str(step)), aside)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"lockstep set aside checkpoint {step}")
+        self._manager.reload()
+        return aside
 
     def delete_all(self) -> None:
         """Removes every checkpoint (the chief deletes; every worker waits for it)."""

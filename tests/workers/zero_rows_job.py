@@ -1,12 +1,15 @@
 """scikit-learn's digits on 2 workers x 1 device, batch 64: each epoch's last batch has 5 rows, all
 of them worker 0's, so worker 1 holds no real row at steps 29, 58, ... (the issue's report).
-argv = out_dir. Backups every 2 steps; on the first attempt the last worker SIGKILLs itself right
-after step 58, a backup step where it holds no row. The restart reads that batch again to check it
-(worker 1's part of the checksum: nothing). `run` is the job, shared with the one-process reference.
+argv = out_dir [damage]. Backups every 2 steps; on the first attempt the last worker SIGKILLs itself
+right after step 58, a backup step where it holds no row (with `damage`, it first flips a bit in
+each of that backup's array files: the restart must set it aside and resume from step 56). The
+restart reads that batch again to check it (worker 1's part of the checksum: nothing). `run` is
+the job, shared with the one-process reference.
 """
 
 import json
 import os
+import pathlib
 import signal
 import sys
 
@@ -20,12 +23,17 @@ import common  # noqa: E402
 
 
 class Chaos(ls.callbacks.Callback):
-    def __init__(self, rank, attempt):
+    def __init__(self, rank, attempt, damage_dir=None):
         super().__init__()
-        self.rank, self.attempt = rank, attempt
+        self.rank, self.attempt, self.damage_dir = rank, attempt, damage_dir
 
     def on_train_batch_end(self, batch, logs=None):
         if self.rank == 1 and self.attempt == 0 and self.model.global_step == 58:
+            if self.damage_dir:
+                for f in pathlib.Path(self.damage_dir, "58").glob("arrays/**/d/*"):
+                    data = bytearray(f.read_bytes())
+                    data[len(data) // 2] ^= 0x10
+                    f.write_bytes(bytes(data))
             os.kill(os.getpid(), signal.SIGKILL)
 
 
@@ -43,7 +51,8 @@ if __name__ == "__main__":
     strategy = ls.MultiWorkerMirroredStrategy()
     rank, attempt = strategy.cluster_resolver.task_id, int(os.environ.get("LOCKSTEP_RESTART_COUNT", "0"))
     backup = ls.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=2)
-    t, hist = run(strategy, [backup, Chaos(rank, attempt)])
+    damage = len(sys.argv) > 2 and sys.argv[2] == "damage"
+    t, hist = run(strategy, [backup, Chaos(rank, attempt, os.path.join(out_dir, "backup") if damage else None)])
     if rank == 0:
         np.savez(os.path.join(out_dir, "final.npz"), weights=common.flat(t.get_weights()))
         with open(os.path.join(out_dir, "history.json"), "w") as f:
