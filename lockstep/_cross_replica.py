@@ -175,8 +175,18 @@ def broadcast_from_chief(value: Any) -> Any:
 
 def allgather_sizes(n: int) -> np.ndarray:
     """Every worker's `n`, in worker order (one small collective across workers)."""
+    return allgather_ints([n])[:, 0]
+
+
+def allgather_ints(values: list[int]) -> np.ndarray:
+    """Every worker's `values` (as many on each), one row per worker in worker order (one small
+    collective across workers).
+
+    >>> allgather_ints([3, 4]).tolist()  # one process
+    [[3, 4]]
+    """
     if jax.process_count() == 1:
-        return np.array([n])
+        return np.array([values], np.int64)
     from jax.experimental import multihost_utils
 
-    return np.asarray(multihost_utils.process_allgather(np.array([n], np.int64))).reshape(-1)
+    return np.asarray(multihost_utils.process_allgather(np.array(values, np.int64))).reshape(-1, len(values))

@@ -188,6 +188,22 @@ def _check_sharded(leaves: list[np.ndarray], sizes: np.ndarray) -> None:
             seen[int(d)] = w
 
 
+def _check_same_first_batch(batch: Any) -> None:
+    """Every worker iterates the same global batches and keeps its replicas' rows: the first batch
+    of a pass must be the same everywhere (a checksum, one small collective; all workers raise
+    together)."""
+    leaves = [to_numpy(x) for x in jax.tree.leaves(batch)]
+    digests = [int(d) for d in allgather_sizes(rows_digest(leaves, 0) if leaves else 0)]
+    differ = [w for w, d in enumerate(digests) if d != digests[0]]
+    if differ:
+        raise ValueError(
+            f"the first batch of this pass differs on worker{'s' if len(differ) > 1 else ''} {differ} from worker 0's "
+            f"(checksums {digests}, in worker order): an iterable of global batches must give the same batches on "
+            "every worker, which keeps its replicas' rows of each (batches that differ drop some samples and repeat "
+            "others). Seed any shuffling the same on every worker; for data that differs per worker, use "
+            "strategy.distribute_datasets_from_function.")
+
+
 #: Global batches prepared (sliced, padded, placed on the devices) ahead of the step that uses
 #: them, in a background thread, so host work overlaps device work. 0 turns it off; unset, it is
 #: 2 on accelerators and 0 on CPU devices, where the "device" work runs on the same cores and a
@@ -292,7 +308,9 @@ class DistributedDataset:
     def _distributed(self, distributor: BatchDistributor) -> Iterator[DistributedBatch]:
         padded = self._padded_size
         next_rows = getattr(self._dataset, "next_rows", None)  # lockstep's batches: each worker reads its rows
-        for batch in (next_rows() if callable(next_rows) else self._dataset):
+        for i, batch in enumerate(next_rows() if callable(next_rows) else self._dataset):
+            if i == 0 and jax.process_count() > 1 and not isinstance(batch, BatchRows):
+                _check_same_first_batch(batch)
             dist = distributor.global_batch(batch, padded)
             if padded is None:
                 padded = dist.step.padded_size

@@ -53,6 +53,29 @@ def test_a_map_dataset_trains_evaluates_and_predicts_as_the_same_arrays(replicas
     np.testing.assert_array_equal(got.predict(dataset, batch_size=32), want.predict(2.0 * x, batch_size=32))
 
 
+class ResizedAfterEpoch(ls.callbacks.Callback):
+    """After the first epoch, the source holds `x`, `y`."""
+
+    def __init__(self, source, x, y):
+        super().__init__()
+        self.source, self.x, self.y = source, x, y
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.source.x, self.source.y = self.x, self.y
+
+
+@pytest.mark.parametrize("first, then", [(200, 120), (120, 200)])
+def test_a_map_dataset_whose_length_changes_between_passes_is_refused(first, then):
+    """Before, shrinking 200 -> 120 trained epoch 2 on 200 rows (Grain wraps indices: 80 samples
+    twice), and growing 120 -> 200 never read the 80 new samples."""
+    x, y = common.data(200)
+    source = CountingSource(x[:first], y[:first])
+    resized = ResizedAfterEpoch(source, x[:then], y[:then])
+    with pytest.raises(ValueError, match=rf"the source of samples changed length between passes: {first} samples "
+                                         rf"when `fit` began, {then} at pass 1"):
+        train(ls.MirroredStrategy(2), grain.MapDataset.source(source), callbacks=[resized])
+
+
 def test_a_map_dataset_with_y_is_refused():
     x, y = common.data(20)
     with pytest.raises(ValueError, match="`y` and `sample_weight` must be None"):

@@ -82,7 +82,18 @@ class IndexedBatches:
         return self.rows(epoch)
 
     def rows(self, epoch: int, start: int = 0) -> Iterator[BatchRows]:
-        """Batches of pass `epoch` from batch `start` on; a worker reads only the rows it keeps."""
+        """Batches of pass `epoch` from batch `start` on; a worker reads only the rows it keeps.
+
+        Raises:
+          ValueError: the source's length is not the one it had when `fit` began (the order,
+            the steps of an epoch and the backups' positions derive from it).
+        """
+        if len(self.source) != self._n:
+            raise ValueError(
+                f"the source of samples changed length between passes: {self._n} samples when `fit` began, "
+                f"{len(self.source)} at pass {epoch}. The order and the steps of each epoch are fixed from the length "
+                "(Grain would wrap indices past the end, repeating samples, or never read the new ones): keep the "
+                "source the same during `fit`, or call `fit` again for the new data.")
         order = self.order(epoch)
         self.blank()
         for i in range(start, len(self)):

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import itertools
+import zlib
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from .._cross_replica import allgather_sizes
+from .._cross_replica import allgather_ints, allgather_sizes
 from .._datasets import DistributedDataset
 from ..data import Batches
 from ..data import batches as make_batches
@@ -71,7 +72,7 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
     if is_arrays(x):
         _check_numbers(x, arg)
         n = num_samples(x)
-        _check_same_on_every_worker(n, arg)
+        _check_same_length_on_every_worker(n, arg)
         arrays: list[Any] = [x]
         for name, a in (("y", y), ("sample_weight", sample_weight)):
             if a is None:
@@ -83,6 +84,8 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
                 raise ValueError(f"`{arg}` and `{name}` must have the same number of samples: `{arg}` has {n}, "
                                  f"`{name}` has {a.shape[0] if a.ndim else 'a scalar'}.")
             arrays.append(a)
+        _check_same_content_on_every_worker(arrays, [arg] + [name for name, a in (("y", y), ("sample_weight",
+                                            sample_weight)) if a is not None], n, arg)
         return make_batches(tuple(arrays), 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
     if isinstance(x, (str, bytes)) or not isinstance(x, Iterable):
         raise TypeError(f"`{arg}` must be arrays or an iterable of batches, got {type(x).__name__}.")
@@ -92,7 +95,7 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
     return x
 
 
-def _check_same_on_every_worker(n: int, arg: str) -> None:
+def _check_same_length_on_every_worker(n: int, arg: str) -> None:
     """Array inputs are the global data, the same on every worker: refuse lengths that differ (each
     worker would run another number of steps, and the collectives would wait for the missing ones)."""
     if jax.process_count() == 1:
@@ -103,6 +106,35 @@ def _check_same_on_every_worker(n: int, arg: str) -> None:
             f"`{arg}` has a different number of samples on each worker ({sizes}, in worker order): array inputs "
             "are the global data and must be the same on every worker (each keeps its replicas' rows). For "
             "data that differs per worker, use `strategy.distribute_datasets_from_function`.")
+
+
+def _content_checksum(a: Any) -> int:
+    total = 0
+    for leaf in jax.tree.leaves(a):
+        leaf = np.ascontiguousarray(leaf)
+        total = zlib.crc32(leaf.view(np.uint8).reshape(-1) if leaf.size else b"", total)
+    return total
+
+
+def _check_same_content_on_every_worker(arrays: list[Any], names: list[str], n: int, arg: str) -> None:
+    """Array inputs are the global data, so the same on every worker: a checksum of each (one pass
+    over the bytes, one small collective) refuses copies that differ, say, each shuffled with its
+    own seed: each worker keeps its replicas' rows, so some samples would be dropped and others
+    repeated."""
+    if jax.process_count() == 1:
+        return
+    every = allgather_ints([_content_checksum(a) for a in arrays])
+    for j, name in enumerate(names):
+        differ = [w for w in range(every.shape[0]) if every[w, j] != every[0, j]]
+        if differ:
+            what = f"`{name}`" if arg in ("x", name) else f"`{name}` of `{arg}`"
+            raise ValueError(
+                f"{what} holds other values on worker{'s' if len(differ) > 1 else ''} {differ} than on worker 0 "
+                f"(the same {n} samples in number; checksums {every[:, j].tolist()}, in worker order): array inputs "
+                "are the global data and must be the same on every worker, which keeps its replicas' rows of each "
+                "batch (copies that differ drop some samples and repeat others). Copies shuffled on each worker "
+                "with its own seed do this: leave the shuffling to fit (`shuffle=True, seed=...`: the same order "
+                "everywhere), or give per-worker data through `strategy.distribute_datasets_from_function`.")
 
 
 def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float, validation_data: Any = None
