@@ -130,9 +130,14 @@ class TFConfigClusterResolver(ClusterResolver):
         workers = chief + list(cluster.get("worker", []))
         if not workers:
             raise ValueError(f"TF_CONFIG's cluster lists no 'chief' or 'worker', got {cluster!r}.")
-        kind, index = task.get("type"), int(task.get("index", 0))
+        kind, index = task.get("type"), task.get("index", 0)
+        index = int(index) if isinstance(index, str) and index.isdigit() else index  # "1", as TF takes it
         if kind not in ("chief", "worker"):
             raise ValueError(f"TF_CONFIG's task type must be 'chief' or 'worker', got {kind!r}.")
+        size = len(chief) if kind == "chief" else len(workers) - len(chief)
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < size:
+            raise ValueError(f"TF_CONFIG's task index must be an integer in [0, {size}) (the cluster lists {size} "
+                             f"{kind!r} task{'s' if size != 1 else ''}), got {index!r}.")
         pid = index if kind == "chief" else len(chief) + index
         super().__init__(workers[0], len(workers), pid)
 

@@ -68,7 +68,16 @@ class IndexedBatches:
     def read(self, indices: Any) -> Any:
         """Samples `indices` of the source, stacked into a batch."""
         samples = [self.source[int(i)] for i in indices]
-        return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *samples)
+        try:
+            return jax.tree.map(lambda *xs: np.stack([np.asarray(x) for x in xs]), *samples)
+        except ValueError as e:  # samples of other structures or shapes: name the first that differs
+            first = jax.tree.map(np.shape, samples[0])
+            for i, s in zip(indices, samples):
+                if jax.tree.map(np.shape, s) != first:
+                    raise ValueError(f"sample {int(i)} of the source has shapes {jax.tree.map(np.shape, s)}, sample "
+                                     f"{int(indices[0])} has {first}: the samples of a batch must have the same "
+                                     "shapes (pad them to one length in a `.map`).") from e
+            raise
 
     def blank(self) -> Any:
         """A batch of one row of zeros with the samples' shapes (sample 0 read once for them)."""

@@ -36,6 +36,13 @@ class TFDatasetBatches:
                 and hasattr(x, "as_numpy_iterator"))
 
     def __init__(self, dataset: Any):
+        scalars = [i for i, spec in enumerate(jax.tree.leaves(dataset.element_spec, is_leaf=lambda s: hasattr(s, "shape")))
+                   if getattr(spec, "shape", None) is not None and len(spec.shape) == 0]
+        if scalars:
+            raise ValueError(
+                f"the tf.data dataset's elements are single samples, not batches (element {scalars[0]} of "
+                f"{dataset.element_spec} is a scalar): batch it with the global batch size, "
+                "`dataset.batch(GLOBAL_BATCH_SIZE)`, as for Keras and tf.distribute.")
         self.dataset = dataset
 
     def __iter__(self) -> Iterator[Any]:

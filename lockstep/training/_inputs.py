@@ -72,6 +72,8 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
     if is_arrays(x):
         _check_numbers(x, arg)
         n = num_samples(x)
+        if n == 0:
+            raise ValueError(f"`{arg}` holds no samples (length 0): give at least one.")
         _check_same_length_on_every_worker(n, arg)
         arrays: list[Any] = [x]
         for name, a in (("y", y), ("sample_weight", sample_weight)):
@@ -83,6 +85,8 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
             if a.ndim == 0 or a.shape[0] != n:
                 raise ValueError(f"`{arg}` and `{name}` must have the same number of samples: `{arg}` has {n}, "
                                  f"`{name}` has {a.shape[0] if a.ndim else 'a scalar'}.")
+            if name == "sample_weight":
+                _check_sample_weight_shape(a, arrays[1] if len(arrays) > 1 else None)
             arrays.append(a)
         _check_same_content_on_every_worker(arrays, [arg] + [name for name, a in (("y", y), ("sample_weight",
                                             sample_weight)) if a is not None], n, arg)
@@ -106,6 +110,19 @@ def _check_same_length_on_every_worker(n: int, arg: str) -> None:
             f"`{arg}` has a different number of samples on each worker ({sizes}, in worker order): array inputs "
             "are the global data and must be the same on every worker (each keeps its replicas' rows). For "
             "data that differs per worker, use `strategy.distribute_datasets_from_function`.")
+
+
+def _check_sample_weight_shape(w: np.ndarray, y: Any) -> None:
+    """One weight per sample, shape (N,) or (N, 1); or, for temporal data, one per time step: a
+    leading part of `y`'s shape (Keras' rule)."""
+    if w.ndim == 1 or w.shape[1:] == (1,):
+        return
+    y_shape = tuple(np.shape(y)) if y is not None and not isinstance(y, Mapping) else None
+    if y_shape is not None and len(y_shape) >= w.ndim and w.shape == y_shape[:w.ndim]:
+        return
+    raise ValueError(
+        f"`sample_weight` has shape {w.shape}, but it takes one weight per sample, shape ({w.shape[0]},), or for "
+        f"temporal data one per time step, a leading part of `y`'s shape {y_shape}.")
 
 
 def _content_checksum(a: Any) -> int:

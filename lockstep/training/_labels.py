@@ -87,39 +87,45 @@ class LabelCheck:
         return self.kind is not None and not self.num_classes
 
 
-def checked(data: Iterable[Any], labels: LabelCheck, y: Any, arg: str, first: Any = None) -> Iterable[Any]:
+def checked(data: Iterable[Any], labels: LabelCheck, y: Any, arg: str, first: Any = None,
+            inputs: Callable[[Any, str], None] | None = None) -> Iterable[Any]:
     """`data` whose labels are checked: array labels `y` now, once; an iterable's labels batch by
     batch as they pass (a distributed dataset's on its host source). `first` (`fit`'s first
-    batch) is checked when `data` is a `Batches` that `fit` reads by position."""
-    if labels.kind is None or not labels.num_classes:
-        return data
-    check = functools.partial(check_labels, labels.kind, num_classes=labels.num_classes, arg=arg)
+    batch) is checked when `data` is a `Batches` that `fit` reads by position. `inputs(x, where)`
+    checks an iterable's inputs batch by batch (arrays' samples all have the first's shape)."""
+    label_check = None
+    if labels.kind is not None and labels.num_classes:
+        label_check = functools.partial(check_labels, labels.kind, num_classes=labels.num_classes, arg=arg)
     if isinstance(data, (IndexedBatches, TFDatasetBatches)):  # read per worker: labels not seen whole on the host
         return data
     if y is not None or (isinstance(data, Batches) and first is not None):
-        check(y if y is not None else unpack(first)[1])
+        if label_check is not None:
+            label_check(y if y is not None else unpack(first)[1])
         return data
+    if label_check is None and inputs is None or isinstance(data, Batches):
+        return data
+
+    def check(batch: Any, i: int) -> None:
+        x, batch_y, _ = unpack(batch)
+        if inputs is not None:
+            inputs(x, f" (batch {i + 1})")
+        if label_check is not None and batch_y is not None:
+            label_check(batch_y, where=f" of batch {i + 1}")
     if isinstance(data, DistributedDataset):
         return data.with_source(CheckedBatches(data.source, check))
     if isinstance(data, WorkerPipeline):
-        return data.with_check(lambda batch, i: _check_batch(check, batch, i))
+        return data.with_check(check)
     return CheckedBatches(data, check)
 
 
 class CheckedBatches:
-    """An iterable of batches whose labels `check(y, where=...)` sees on the host as they pass."""
+    """An iterable of batches that `check(batch, index)` sees on the host as they pass."""
 
-    def __init__(self, data: Iterable[Any], check: Callable[..., None]):
+    def __init__(self, data: Iterable[Any], check: Callable[[Any, int], None]):
         self._data = data
         self._check = check
 
     def __iter__(self) -> Iterator[Any]:
         for i, batch in enumerate(self._data):
-            _check_batch(self._check, batch, i)
+            self._check(batch, i)
             yield batch
-
-
-def _check_batch(check: Callable[..., None], batch: Any, i: int) -> None:
-    y = unpack(batch)[1]
-    if y is not None:
-        check(y, where=f" of batch {i + 1}")

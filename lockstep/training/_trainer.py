@@ -33,6 +33,7 @@ from ._inputs import (
 )
 from ._compiled import settings as compiled_settings
 from ._data_stream import DataStream
+from ._input_shapes import InputCheck
 from ._labels import LabelCheck, checked
 from ._model import FunctionalModel, adapt, output_shape
 from ._optimizers import get_optimizer, learning_rate_of, loss_scale_settings, set_learning_rate
@@ -214,6 +215,7 @@ class Trainer(WeightFiles):
             self._optimizer = with_loss_scaling(self._optimizer, *loss_scale_settings(optimizer))
         self._loss_fn = _losses.get(loss)
         self._labels = LabelCheck(loss)  # labels checked on the host against a named loss
+        self._inputs = InputCheck(lambda p, x: self._adapter.apply(p, x, False)[0])  # and inputs against the model
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._runner: StepRunner | None = None  # the compiled steps, once the model is built
         self.stop_training = False
@@ -221,11 +223,14 @@ class Trainer(WeightFiles):
         self._live = LiveState(self._engine, self._all)  # the training state: plain global arrays and counters
 
     # --- building ------------------------------------------------------------------------
-    def _build(self, batch: Any) -> None:
+    def _build(self, batch: Any, arg: str) -> Callable[[Any, str], None]:
+        """Builds the model on `batch` (the first of `arg`), checks that it takes it, and returns
+        the check of `arg`'s later batches."""
         x, y, _ = unpack(batch)
         x = jax.tree.map(np.asarray, x)
         if self._live.params is None:
             self._live.place(self._adapter.build(x), self._optimizer.init, self._names)
+        self._inputs.check(self._live.params, x, arg)
         if y is not None and (not self._all.built or self._labels.needs_classes):
             pred_shape = output_shape(self._adapter, self._live.params, x)
             self._labels.num_classes = pred_shape[-1] if pred_shape else 1
@@ -235,6 +240,7 @@ class Trainer(WeightFiles):
             self._runner = StepRunner(self._engine, make_steps(apply, self._loss_fn, self._optimizer, self._loss_tracker,
                                                                self._metrics, self.strategy.num_replicas_in_sync),
                                       self._accumulation)
+        return lambda x, where: self._inputs.check(self._live.params, x, arg, where)
 
     def get_metric(self, name: str) -> Metric | None:
         """The metric logged under `name` (``"loss"`` included), or None."""
@@ -310,9 +316,9 @@ class Trainer(WeightFiles):
         train = to_batches(self.strategy, x, y, sample_weight, batch_size, shuffle, seed)
         val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size)
         first, train = peek(train)
-        self._build(first)
+        inputs = self._build(first, "x")
         cbs = _with_progress_bar(list(callbacks or []), verbose, train, epochs, steps_per_epoch, self._accumulation)
-        train = checked(train, self._labels, y, "y" if y is not None else "x", first)
+        train = checked(train, self._labels, y, "y" if y is not None else "x", first, inputs)
         checked([], self._labels, validation_labels(validation_data), "validation_data")  # arrays: now, not after an epoch
         history = self.history = History()
         cbs.append(history)
@@ -368,8 +374,8 @@ class Trainer(WeightFiles):
     def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList, y: Any = None,
                           arg: str = "validation_data") -> dict[str, Any]:
         first, data = peek(data)
-        self._build(first)
-        data = checked(data, self._labels, y, arg)
+        inputs = self._build(first, "x" if arg in ("x", "y") else arg)
+        data = checked(data, self._labels, y, arg, inputs=inputs)
         state = self._fresh_state()
         cblist.on_test_begin()
         for step, batch in enumerate(distribute(self.strategy, data)):
@@ -400,7 +406,7 @@ class Trainer(WeightFiles):
         """The model's outputs for every sample: exactly `len(x)` rows, in input order (NumPy)."""
         data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
         first, data = peek(data)
-        self._build(first)
+        data = checked(data, LabelCheck(None), None, "x", inputs=self._build(first, "x"))
         cblist = CallbackList(list(callbacks or []), self)
         cblist.on_predict_begin()
         outputs = []
