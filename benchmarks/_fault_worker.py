@@ -8,6 +8,9 @@ Every worker runs this script under `lockstep launch`. Scenarios:
 * training (`plain`, `term`, `savekill`): `Trainer.fit` with `BackupAndRestore(save_freq=5)`; the
   victim SIGTERMs itself at step 12 (`term`), or SIGKILLs itself a random few milliseconds into
   the backup save of step 15 (`savekill`), on the first attempt only;
+* `damagekill`: as `plain`, but at step 16 the victim flips a bit in each array file of the
+  newest backup (step 15) and SIGKILLs itself: the restart must set that backup aside (a warning on
+  every worker) and resume from step 10;
 * training with no real row on the victim (`zeroplain`, `zerokill`): 965 samples, batch 64, so each
   epoch's last batch (steps 16 and 32) has 5 rows, all worker 0's; backups every 4 steps; the
   victim SIGKILLs itself at step 16 (`zerokill`), and the restart saves a backup at that step.
@@ -18,6 +21,7 @@ Before a fault the victim prints ``FAULT <unix time>``; the harness measures det
 
 import json
 import os
+import pathlib
 import random
 import signal
 import sys
@@ -99,6 +103,13 @@ class Chaos(ls.callbacks.Callback):
             delay = random.uniform(0.0, 0.03)
             threading.Timer(delay, lambda: (fault_now(), os.kill(os.getpid(), signal.SIGKILL))).start()
             time.sleep(0.0)
+        if scenario == "damagekill" and self.count == 16:  # the newest backup (step 15) damaged on disk, then dead
+            for f in pathlib.Path(out_dir, "backup", "15").glob("arrays/**/d/*"):
+                data = bytearray(f.read_bytes())
+                data[len(data) // 2] ^= 0x10
+                f.write_bytes(bytes(data))
+            fault_now()
+            os.kill(os.getpid(), signal.SIGKILL)
         if scenario == "zerokill" and self.count == 16:  # a step where this worker holds no real row
             fault_now()
             os.kill(os.getpid(), signal.SIGKILL)

@@ -43,7 +43,7 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_fault_worker.py")
 FAILURE_TIMEOUT = 10.0
-SCENARIOS = ["kill", "stop", "raise", "exit0", "coordinator", "slow", "term", "term-restart", "savekill", "zerokill"]
+SCENARIOS = ["kill", "stop", "raise", "exit0", "coordinator", "slow", "term", "term-restart", "savekill", "zerokill", "damagekill"]
 DESCRIPTIONS = {
     "kill": "a worker SIGKILLed mid-training",
     "stop": "a worker frozen (SIGSTOP)",
@@ -55,6 +55,7 @@ DESCRIPTIONS = {
     "term-restart": "a worker preempted (SIGTERM), `--max-restarts 1`",
     "savekill": "a worker SIGKILLed inside a backup save, then resumed",
     "zerokill": "a worker SIGKILLed at a step where it holds no real row, `--max-restarts 1`",
+    "damagekill": "the newest backup bit-flipped on disk, a worker SIGKILLed, `--max-restarts 1`",
 }
 
 
@@ -185,7 +186,7 @@ def run_trial(scenario: str, workers: int, reference: tuple[np.ndarray, dict] | 
     out_dir = tempfile.mkdtemp(prefix="lockstep-faults-")
     victim = 0 if scenario == "coordinator" else workers - 1
     try:
-        restarts = 1 if scenario in ("term-restart", "zerokill") else 0
+        restarts = 1 if scenario in ("term-restart", "zerokill", "damagekill") else 0
         rc, out, err = _launch(token, out_dir, scenario, victim, workers, restarts)
         orphans = _orphans(token)
         summary = next((line for _, line in reversed(err) if _is_summary(line)), "")
@@ -198,12 +199,16 @@ def run_trial(scenario: str, workers: int, reference: tuple[np.ndarray, dict] | 
             return Trial(ok, "" if ok else f"rc={rc}: {summary or text[-300:]} | {_tail(out)}", orphans=orphans)
         if fault is None:
             return Trial(False, f"no fault injected (rc={rc}): {text[-300:]}", orphans=orphans)
-        if scenario in ("term-restart", "zerokill"):
+        if scenario in ("term-restart", "zerokill", "damagekill"):
             detected = _line_time(err, "restarting the workers")
             res = _result(out_dir)
             equal = res is not None and reference is not None and bool(
                 np.array_equal(res[0], reference[0]) and res[1] == reference[1])
             ok = rc == 0 and detected is not None and equal
+            if scenario == "damagekill":  # every worker named the damaged backup, which was set aside
+                every = "\n".join(line for _, line in out + err)
+                ok = ok and every.count("the backup of step 15 is damaged") == workers and os.path.isdir(
+                    os.path.join(out_dir, "backup", "damaged", "15"))
             return Trial(ok, "" if ok else f"rc={rc} equal={equal}: {summary}", detection=_since(fault, detected),
                          orphans=orphans, equal=equal)
         detected = next((t for t, line in err if _is_summary(line)), None)
@@ -307,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for workers in args.workers:
         references = {}
-        if {"term-restart", "savekill"} & set(args.scenarios):
+        if {"term-restart", "savekill", "damagekill"} & set(args.scenarios):
             references["plain"] = reference_run(workers)
         if "zerokill" in args.scenarios:
             references["zeroplain"] = reference_run(workers, "zeroplain")

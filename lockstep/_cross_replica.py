@@ -179,8 +179,8 @@ def allgather_sizes(n: int) -> np.ndarray:
 
 
 def allgather_ints(values: list[int]) -> np.ndarray:
-    """Every worker's `values` (as many on each), one row per worker in worker order (one small
-    collective across workers).
+    """Every worker's `values` (as many on each; int32 unless JAX runs with x64), one row per worker
+    in worker order (one small collective across workers).
 
     >>> allgather_ints([3, 4]).tolist()  # one process
     [[3, 4]]

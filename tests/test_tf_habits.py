@@ -337,12 +337,12 @@ CRYPTIC = {  # what was given -> (call, error type, message); each was an error 
                              r"`validation_data` must be \(x, y\).*got a tuple of 1 arrays"),
     "string x": (lambda t: t.fit(np.array(["a"] * 10), _y2, verbose=0), TypeError, r"`x` holds <U1 values, not numbers"),
     "feature count": (lambda t: t.fit(np.ones((10, 5), np.float32), _y2, verbose=0), ValueError,
-                      r"the model cannot take `x` of shape/dtype \(10, 5\) float32"),
+                      r"`x` has samples of shape \(5,\), which the model cannot take"),
     "lists": (lambda t: t.fit(_x4.tolist(), _y2.tolist(), verbose=0), TypeError,
               r"`x` is a Python list and `y` is given: pass NumPy arrays"),
     "verbose='loud'": (lambda t: t.fit(_x4, _y2, verbose="loud"), ValueError, r"`verbose` must be 0, 1, 2 or 'auto'"),
     "nested dict": (lambda t: t.fit({"a": {"b": _x4}}, _y2, verbose=0), ValueError,
-                    r"the model cannot take `x` of shape/dtype \{'a': \{'b'"),
+                    r"`x` has samples of shape \{'a': \{'b': \(4,\)\}\}, which the model cannot take"),
 }
 
 

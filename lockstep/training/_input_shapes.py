@@ -21,10 +21,10 @@ def _spec(x: Any) -> Any:
 
 
 def _sample_shapes(x: Any) -> Any:
-    """Per-sample shapes of `x`'s arrays: a tuple for one array, else a tree of them."""
+    """Per-sample shapes of `x`'s arrays: a tuple for an array, else a tree of them."""
     leaves, treedef = jax.tree.flatten(x)
     shapes = [tuple(np.shape(a)[1:]) for a in leaves]
-    return shapes[0] if len(shapes) == 1 else jax.tree.unflatten(treedef, shapes)
+    return shapes[0] if treedef.num_nodes == 1 else jax.tree.unflatten(treedef, shapes)
 
 
 class InputCheck:

@@ -88,8 +88,7 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
             if name == "sample_weight":
                 _check_sample_weight_shape(a, arrays[1] if len(arrays) > 1 else None)
             arrays.append(a)
-        _check_same_content_on_every_worker(arrays, [arg] + [name for name, a in (("y", y), ("sample_weight",
-                                            sample_weight)) if a is not None], n, arg)
+        _check_same_content_on_every_worker({arg: x, "y": y, "sample_weight": sample_weight}, n, arg)
         return make_batches(tuple(arrays), 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
     if isinstance(x, (str, bytes)) or not isinstance(x, Iterable):
         raise TypeError(f"`{arg}` must be arrays or an iterable of batches, got {type(x).__name__}.")
@@ -130,18 +129,21 @@ def _content_checksum(a: Any) -> int:
     for leaf in jax.tree.leaves(a):
         leaf = np.ascontiguousarray(leaf)
         total = zlib.crc32(leaf.view(np.uint8).reshape(-1) if leaf.size else b"", total)
-    return total
+    return total & 0x7FFFFFFF  # gathered as int32 (JAX without x64); negative stands for "no array"
 
 
-def _check_same_content_on_every_worker(arrays: list[Any], names: list[str], n: int, arg: str) -> None:
+def _check_same_content_on_every_worker(arrays: dict[str, Any], n: int, arg: str) -> None:
     """Array inputs are the global data, so the same on every worker: a checksum of each (one pass
-    over the bytes, one small collective) refuses copies that differ, say, each shuffled with its
-    own seed: each worker keeps its replicas' rows, so some samples would be dropped and others
-    repeated."""
+    over the bytes, one small collective of the same shape on every worker) refuses copies that
+    differ, say, each shuffled with its own seed: each worker keeps its replicas' rows, so some
+    samples would be dropped and others repeated. Workers that pass different arguments (one
+    calls `fit`, another `predict`) are left to the programs' agreement, which names the calls."""
     if jax.process_count() == 1:
         return
-    every = allgather_ints([_content_checksum(a) for a in arrays])
-    for j, name in enumerate(names):
+    every = allgather_ints([-1 if a is None else _content_checksum(a) for a in arrays.values()])
+    if ((every < 0) != (every[0] < 0)).any():
+        return
+    for j, name in enumerate(arrays):
         differ = [w for w in range(every.shape[0]) if every[w, j] != every[0, j]]
         if differ:
             what = f"`{name}`" if arg in ("x", name) else f"`{name}` of `{arg}`"
