@@ -129,6 +129,12 @@ def resume(tmp_path, **kwargs):
                     callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=3)]).history
 
 
+@pytest.fixture(scope="module")
+def want(tmp_path_factory):
+    """The uninterrupted run's history (with a backup callback that finds nothing to restore)."""
+    return resume(tmp_path_factory.mktemp("plain"))[1]
+
+
 @pytest.mark.parametrize("change, match", [
     ({"classes": 5}, r"`\['trainable'\]\['b2'\]` of the model's weights \(params/00001\) is "
                      r"float32\[3\] in the backup and float32\[5\] here"),
@@ -147,13 +153,12 @@ def test_a_backup_of_another_model_or_optimizer_is_refused_naming_the_first_diff
         resume(tmp_path, **change)
 
 
-def test_a_backup_without_names_still_restores_by_position(tmp_path, monkeypatch):
+def test_a_backup_without_names_still_restores_by_position(tmp_path, monkeypatch, want):
     """Backups written before names were recorded restore as they did, checked by position."""
     import lockstep.checkpoint
 
     plain = lockstep.checkpoint.flatten_train_state
     monkeypatch.setattr(lockstep.checkpoint, "flatten_train_state", lambda state: plain(state.replace(names=None)))
-    _, want = resume(tmp_path / "plain")
     interrupted(tmp_path / "a")
     _, got = resume(tmp_path / "a")
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
@@ -176,45 +181,31 @@ def keras_fit(trainer, backup, **kwargs):
                        callbacks=[ls.callbacks.BackupAndRestore(backup, save_freq=3)], **kwargs).history
 
 
+def keras_interrupted(backup):
+    with pytest.raises(Boom):
+        keras_resumable().fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0,
+                              callbacks=[ls.callbacks.BackupAndRestore(backup, save_freq=3),
+                                         RaiseAt("on_train_batch_end", step=9)])
+
+
+def test_a_keras_backup_is_matched_by_layer_position_not_by_auto_generated_names(tmp_path):
+    want = keras_fit(keras_resumable(), tmp_path / "plain")
+    keras_interrupted(tmp_path / "a")
+    keras_resumable()  # more models in this process: Keras numbers the next one's layers on (dense_7, ...)
+    got = keras_fit(keras_resumable(), tmp_path / "a")
+    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
+
+
 @pytest.mark.parametrize("change, match", [
     ({"classes": 3}, r"`dense_1/kernel` of the model's weights \(params/\d+\) is float32\[8, 2\] in the backup "
                      r"and float32\[8, 3\] here"),
     ({"extra_layer": True}, r"\['dense_2/kernel', 'dense_2/bias'\] here are not in the backup"),
     ({"optimizer": "adamw"}, r"taken with the optimizer `keras Adam`, and this trainer's is `keras AdamW`"),
 ])
-def test_a_keras_backup_is_matched_by_layer_position_not_by_auto_generated_names(change, match, tmp_path):
-    want = keras_fit(keras_resumable(), tmp_path / "plain")
-    with pytest.raises(Boom):
-        keras_resumable().fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0,
-                              callbacks=[ls.callbacks.BackupAndRestore(tmp_path / "a", save_freq=3),
-                                         RaiseAt("on_train_batch_end", step=9)])
-    keras_resumable()  # more models in this process: Keras numbers the next one's layers on (dense_7, ...)
-    got = keras_fit(keras_resumable(), tmp_path / "a")
-    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
-    with pytest.raises(Boom):
-        keras_resumable().fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0,
-                              callbacks=[ls.callbacks.BackupAndRestore(tmp_path / "b", save_freq=3),
-                                         RaiseAt("on_train_batch_end", step=9)])
+def test_a_keras_backup_of_another_model_or_optimizer_is_refused_by_name(change, match, tmp_path):
+    keras_interrupted(tmp_path)
     with pytest.raises(ValueError, match=match):
-        keras_fit(keras_resumable(**change), tmp_path / "b")
-
-
-def test_metrics_are_matched_by_name_a_dropped_one_is_left_out_and_a_new_one_starts_empty(tmp_path):
-    """Before, state went back by position: dropping `accuracy` loaded its running sums into the loss."""
-    _, want = resume(tmp_path / "plain", metrics=("accuracy", ls.metrics.F1Score(average="macro", num_classes=3)))
-    interrupted(tmp_path / "a", metrics=("accuracy", ls.metrics.F1Score(average="macro", num_classes=3)))
-    with pytest.warns(UserWarning, match=r"none new .*\['accuracy'\] no longer compiled"):
-        _, got = resume(tmp_path / "a", metrics=(ls.metrics.F1Score(average="macro", num_classes=3),))
-    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
-    np.testing.assert_allclose(got["f1_score"], want["f1_score"], rtol=1e-6)
-
-    interrupted(tmp_path / "b", metrics=("accuracy",))
-    with pytest.warns(UserWarning, match=r"\['f1_score'\] new"):
-        _, got = resume(tmp_path / "b", metrics=("accuracy", ls.metrics.F1Score(average="macro", num_classes=3)))
-    np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
-    np.testing.assert_allclose(got["accuracy"], want["accuracy"], rtol=1e-6)
-    # the new metric counts from the backup on: epoch 2's last steps only (epoch 1 was done before)
-    assert len(got["f1_score"]) == 1 and 0.0 <= got["f1_score"][0] <= 1.0
+        keras_fit(keras_resumable(**change), tmp_path)
 
 
 # --- a damaged newest backup: detected, named, set aside; the newest intact one is used -----------
@@ -258,8 +249,7 @@ DAMAGE = {"truncated": _truncate, "bit_flipped": _flip_a_bit, "json_garbled": _g
 
 @QUIET_STRAY_READS
 @pytest.mark.parametrize("kind", sorted(DAMAGE))
-def test_a_damaged_newest_backup_is_set_aside_and_the_older_one_resumes_exactly(kind, tmp_path):
-    _, want = resume(tmp_path / "plain")
+def test_a_damaged_newest_backup_is_set_aside_and_the_older_one_resumes_exactly(kind, tmp_path, want):
     interrupted(tmp_path / "a")  # backups at steps 6 and 9 (6 steps an epoch)
     assert sorted(p.name for p in (tmp_path / "a").iterdir() if p.name.isdigit()) == ["6", "9"]
     DAMAGE[kind](tmp_path / "a" / "9")
@@ -291,8 +281,7 @@ def test_a_bit_flipped_in_a_large_array_is_caught_by_the_checksum(tmp_path):
     assert store.all_steps() == [] and (tmp_path / "damaged" / "9").is_dir()
 
 
-def test_a_stray_step_folder_is_set_aside(tmp_path):
-    _, want = resume(tmp_path / "plain")
+def test_a_stray_step_folder_is_set_aside(tmp_path, want):
     interrupted(tmp_path / "a")
     (tmp_path / "a" / "999").mkdir()
     (tmp_path / "a" / "999" / "notes.txt").write_text("not a backup")
@@ -304,8 +293,7 @@ def test_a_stray_step_folder_is_set_aside(tmp_path):
 
 
 @QUIET_STRAY_READS
-def test_when_every_backup_is_damaged_training_starts_over_with_a_warning(tmp_path):
-    _, want = resume(tmp_path / "plain")
+def test_when_every_backup_is_damaged_training_starts_over_with_a_warning(tmp_path, want):
     interrupted(tmp_path / "a")
     _flip_a_bit(tmp_path / "a" / "9")
     _garble_json(tmp_path / "a" / "6")
