@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._layout import StepInfo
+from ._layout import StepInfo, rows_digest
 from ._reduce import ReduceOp
 
 #: The mesh axis of replicas.
@@ -176,6 +176,17 @@ def broadcast_from_chief(value: Any) -> Any:
 def allgather_sizes(n: int) -> np.ndarray:
     """Every worker's `n`, in worker order (one small collective across workers)."""
     return allgather_ints([n])[:, 0]
+
+
+def batch_digests(leaves: list[np.ndarray]) -> tuple[list[int], list[int]]:
+    """(every worker's checksum of the batch `leaves`, in worker order; the workers whose batch
+    differs from worker 0's): one small collective, so every worker sees the same answer.
+
+    >>> batch_digests([np.arange(4.0)])[1]  # one process
+    []
+    """
+    digests = [int(d) for d in allgather_sizes(rows_digest(leaves, 0) if leaves else 0)]
+    return digests, [w for w, d in enumerate(digests) if d != digests[0]]
 
 
 def allgather_ints(values: list[int]) -> np.ndarray:

@@ -20,7 +20,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._cross_replica import AXIS, allgather_sizes
+from ._cross_replica import AXIS, allgather_sizes, batch_digests
 from ._layout import BatchRows, StepInfo, batch_length, pad_and_mask, padded_per_replica, rows_digest, to_numpy
 from ._values import DistributedBatch
 
@@ -192,9 +192,7 @@ def _check_same_first_batch(batch: Any) -> None:
     """Every worker iterates the same global batches and keeps its replicas' rows: the first batch
     of a pass must be the same everywhere (a checksum, one small collective; all workers raise
     together)."""
-    leaves = [to_numpy(x) for x in jax.tree.leaves(batch)]
-    digests = [int(d) for d in allgather_sizes(rows_digest(leaves, 0) if leaves else 0)]
-    differ = [w for w, d in enumerate(digests) if d != digests[0]]
+    digests, differ = batch_digests([to_numpy(x) for x in jax.tree.leaves(batch)])
     if differ:
         raise ValueError(
             f"the first batch of this pass differs on worker{'s' if len(differ) > 1 else ''} {differ} from worker 0's "

@@ -72,7 +72,7 @@ def test_a_map_dataset_whose_length_changes_between_passes_is_refused(first, the
     source = CountingSource(x[:first], y[:first])
     resized = ResizedAfterEpoch(source, x[:then], y[:then])
     with pytest.raises(ValueError, match=rf"the source of samples changed length between passes: {first} samples "
-                                         rf"when `fit` began, {then} at pass 1"):
+                                         rf"when reading began, {then} at pass 1"):
         train(ls.MirroredStrategy(2), grain.MapDataset.source(source), callbacks=[resized])
 
 

@@ -256,7 +256,7 @@ def test_a_damaged_newest_backup_is_set_aside_and_the_older_one_resumes_exactly(
     t = resumable()
     backup = ls.callbacks.BackupAndRestore(tmp_path / "a", save_freq=3)
     with pytest.warns(RuntimeWarning, match=r"the backup of step 9 is damaged \(.+\); it was moved to .*damaged/9'"
-                                            r", and the backup of step 6 is tried instead"):
+                                            r", and the next older backup, if any, is tried"):
         got = t.fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0, callbacks=[backup]).history
     assert backup.restored_from == 6
     assert (tmp_path / "a" / "damaged" / "9").is_dir()
@@ -286,7 +286,7 @@ def test_a_stray_step_folder_is_set_aside(tmp_path, want):
     (tmp_path / "a" / "999").mkdir()
     (tmp_path / "a" / "999" / "notes.txt").write_text("not a backup")
     backup = ls.callbacks.BackupAndRestore(tmp_path / "a", save_freq=3)
-    with pytest.warns(RuntimeWarning, match=r"the backup of step 999 is damaged .*backup of step 9 is tried"):
+    with pytest.warns(RuntimeWarning, match=r"the backup of step 999 is damaged .*the next older backup"):
         got = resumable().fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0, callbacks=[backup]).history
     assert backup.restored_from == 9
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)
@@ -301,7 +301,8 @@ def test_when_every_backup_is_damaged_training_starts_over_with_a_warning(tmp_pa
     with pytest.warns(RuntimeWarning) as warned:
         got = resumable().fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0, callbacks=[backup]).history
     messages = [str(w.message) for w in warned if "BackupAndRestore" in str(w.message)]
-    assert len(messages) == 2 and "no older backup is left: training starts from the beginning" in messages[1]
+    assert len(messages) == 3 and "step 9 is damaged" in messages[0] and "step 6 is damaged" in messages[1]
+    assert "no intact backup is left" in messages[2] and "training starts from the beginning" in messages[2]
     assert backup.restored_from is None
     assert sorted(p.name for p in (tmp_path / "a" / "damaged").iterdir()) == ["6", "9"]
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)

@@ -133,13 +133,10 @@ class BackupAndRestore(Callback):
         """Hands the newest intact backup, if any, to the trainer (`trainer.restore`). A damaged
         one (unreadable, or its checksums differ) is named in a warning and set aside in the
         ``damaged`` folder, and the next older one is tried; every worker takes the same one."""
-        from .._cross_replica import allgather_sizes
+        from .._cross_replica import allgather_sizes, broadcast_from_chief
         from ..checkpoint import METRIC_STATE_PREFIX, DamagedCheckpointError, flatten_train_state, unflatten_train_state
 
         assert self.trainer is not None and self._store is not None
-        steps = self._store.all_steps()
-        if not steps:
-            return
         like = self.trainer.train_state
         arrays_like, _ = flatten_train_state(like)
         # the metric state (one entry per replica) comes back whole, replicated: it may have been
@@ -147,9 +144,20 @@ class BackupAndRestore(Callback):
         shardings = {k: v.sharding for k, v in arrays_like.items()
                      if isinstance(v, jax.Array) and not k.startswith(METRIC_STATE_PREFIX)}
         replicated = jax.sharding.NamedSharding(self.trainer.strategy.mesh, jax.sharding.PartitionSpec())
-        for step in reversed(steps):
+        tried: set[int] = set()
+        damaged_any = False
+        while True:
+            # worker 0's newest untried backup: every worker tries the same one, however its own
+            # listing of a shared directory lags
+            mine = [s for s in self._store.all_steps() if s not in tried]
+            step = int(broadcast_from_chief(np.asarray(mine[-1] if mine else -1, np.int32)))
+            if step < 0:
+                break
+            tried.add(step)
             why = None
             try:
+                if step not in mine:
+                    raise DamagedCheckpointError(step, "not visible on this worker")
                 arrays, meta = self._store.restore(step, shardings, default_sharding=replicated)
             except DamagedCheckpointError as e:
                 why = e.why
@@ -158,10 +166,12 @@ class BackupAndRestore(Callback):
                 self.trainer.restore(unflatten_train_state(arrays, meta, like))
                 self.restored_from = step
                 return
+            damaged_any = True
             aside = self._store.set_aside(step)
-            where = why or f"unreadable on worker(s) {[int(w) for w in np.flatnonzero(damaged)]}"
-            older = [s for s in steps if s < step]
+            where = why or f"as read on worker(s) {[int(w) for w in np.flatnonzero(damaged)]}"
             warnings.warn(f"BackupAndRestore: the backup of step {step} is damaged ({where}); it was moved to "
-                          f"{aside!r}, and " + (f"the backup of step {older[-1]} is tried instead." if older else
-                                                "no older backup is left: training starts from the beginning."),
-                          RuntimeWarning, stacklevel=2)
+                          f"{aside!r}, and the next older backup, if any, is tried.", RuntimeWarning, stacklevel=2)
+        if damaged_any:
+            warnings.warn(f"BackupAndRestore: no intact backup is left in {self.backup_dir!r}: training starts from "
+                          "the beginning (the damaged backups are in its 'damaged' folder).", RuntimeWarning,
+                          stacklevel=2)

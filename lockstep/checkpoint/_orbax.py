@@ -47,17 +47,21 @@ def _whole(a: Any) -> np.ndarray:
 
 
 def _crc(value: np.ndarray) -> str:
-    value = np.ascontiguousarray(value)
+    # the dtype JAX restores it as: a host int64 / float64 comes back 32-bit when x64 is off
+    value = np.ascontiguousarray(value, dtype=jax.dtypes.canonicalize_dtype(value.dtype))
     head = f"{value.dtype.str}{list(value.shape)}".encode()
     return f"{zlib.crc32(value.view(np.uint8).reshape(-1), zlib.crc32(head)):08x}"
 
 
 def _meta_crc(meta: dict[str, Any]) -> str:
-    return f"{zlib.crc32(json.dumps(meta, sort_keys=True).encode()):08x}"
+    as_read = json.loads(json.dumps(meta))  # as the JSON reads back: keys strings, tuples lists
+    return f"{zlib.crc32(json.dumps(as_read, sort_keys=True).encode()):08x}"
 
 
-def checksums(arrays: dict[str, Any], meta: dict[str, Any]) -> dict[str, str]:
+def checksums(arrays: dict[str, Any], meta: dict[str, Any], primary_only: bool = False) -> dict[str, str]:
     """CRC-32 of every array (its dtype, shape and bytes) and of `meta` (as sorted JSON).
+    `primary_only`: worker 0 alone reads arrays it holds whole (only its sums are written); an
+    array spread over workers is gathered by all (a collective every worker takes part in).
 
     >>> import numpy as np
     >>> sums = checksums({"w": np.arange(3.0)}, {"epoch": 1})
@@ -66,9 +70,27 @@ def checksums(arrays: dict[str, Any], meta: dict[str, Any]) -> dict[str, str]:
     >>> checksums({"w": np.array([0.0, 1.0, 2.5])}, {"epoch": 1})["w"] == sums["w"]
     False
     """
-    out = {k: _crc(_whole(v)) for k, v in sorted(arrays.items())}
+    skip = primary_only and jax.process_index() != 0
+    out = {}
+    for k, v in sorted(arrays.items()):
+        spread = isinstance(v, jax.Array) and not v.is_fully_addressable and not v.is_fully_replicated
+        if spread or not skip:
+            out[k] = _crc(_whole(v))
     out["meta"] = _meta_crc(meta)
     return out
+
+
+#: What orbax / tensorstore / JSON say of a file that is not what was written (anything else, say
+#: a transient read error or memory, is raised as it is: the backup is not set aside for it).
+_DAMAGE_SIGNS = ("DATA_LOSS", "OUT_OF_RANGE", "NOT_FOUND", "Error decoding", "Unknown key", "Expecting",
+                 "Unterminated", "Extra data", "Invalid", "INVALID_ARGUMENT", "FAILED_PRECONDITION", "does not exist",
+                 "No such file", "not a directory", "truncated", "checksum")
+
+
+def _is_damage(e: BaseException) -> bool:
+    if isinstance(e, (FileNotFoundError, KeyError, json.JSONDecodeError, UnicodeDecodeError)):
+        return True
+    return isinstance(e, (ValueError, OSError, TypeError)) and any(sign in str(e) for sign in _DAMAGE_SIGNS)
 
 
 class TrainingCheckpointer:
@@ -108,7 +130,7 @@ class TrainingCheckpointer:
     def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         """Writes checkpoint `step` (every worker calls this together); returns when it is committed."""
         args = self._ocp.args
-        meta = {**meta, _CHECKSUMS: checksums(arrays, meta)}
+        meta = {**meta, _CHECKSUMS: checksums(arrays, meta, primary_only=True)}
         self._manager.save(step, args=args.Composite(arrays=args.StandardSave(arrays), meta=args.JsonSave(meta)),
                            force=True)
         self._manager.wait_until_finished()
@@ -126,8 +148,9 @@ class TrainingCheckpointer:
         comes back as NumPy (single process only).
 
         Raises:
-          DamagedCheckpointError: the checkpoint cannot be read, or what is read differs from
-            what was written (its checksums).
+          DamagedCheckpointError: the checkpoint's files are not what was written: they cannot
+            be decoded, or what is read differs from its checksums. Other errors (a transient
+            read error, memory) are raised as they are.
         """
         args = self._ocp.args
         shardings = shardings or {}
@@ -141,8 +164,11 @@ class TrainingCheckpointer:
                     for k, m in saved.items()})
             out = self._manager.restore(step, args=args.Composite(arrays=target, meta=args.JsonRestore()))
             arrays, meta = dict(out["arrays"]), dict(out["meta"])
-        except Exception as e:  # noqa: BLE001 - whatever orbax, tensorstore or JSON raise on a damaged file
-            raise DamagedCheckpointError(step, f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300]}") from e
+        except Exception as e:  # noqa: BLE001 - what orbax, tensorstore or JSON raise on a damaged file
+            if not _is_damage(e):
+                raise
+            raise DamagedCheckpointError(step, f"{type(e).__name__}: {(str(e).strip() or '?').splitlines()[0][:300]}"
+                                         ) from e
         if not shardings and default_sharding is None:
             arrays = {k: np.asarray(v) for k, v in arrays.items()}
         expected = meta.pop(_CHECKSUMS, None)
@@ -156,21 +182,32 @@ class TrainingCheckpointer:
 
     def set_aside(self, step: int) -> str:
         """Moves checkpoint `step` into the ``damaged`` folder (worker 0 moves; every worker
-        calls this together and waits for it); returns the new path."""
+        calls this together and waits for it); returns the new path.
+
+        Raises:
+          OSError: the checkpoint could not be moved (on worker 0, after every worker has waited).
+        """
         aside = os.path.join(self.directory, DAMAGED, str(step))
         n = 1
         while os.path.exists(aside):
             aside = os.path.join(self.directory, DAMAGED, f"{step}.{n}")
             n += 1
-        if jax.process_index() == 0:
-            os.makedirs(os.path.dirname(aside), exist_ok=True)
-            os.replace(os.path.join(self.directory, str(step)), aside)
+        self._barrier(f"lockstep set aside checkpoint {step}: named")  # every worker named it before the move
+        try:
+            if jax.process_index() == 0:
+                os.makedirs(os.path.dirname(aside), exist_ok=True)
+                os.replace(os.path.join(self.directory, str(step)), aside)
+        finally:
+            self._barrier(f"lockstep set aside checkpoint {step}: moved")
+            self._manager.reload()
+        return aside
+
+    @staticmethod
+    def _barrier(name: str) -> None:
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
-            multihost_utils.sync_global_devices(f"lockstep set aside checkpoint {step}")
-        self._manager.reload()
-        return aside
+            multihost_utils.sync_global_devices(name)
 
     def delete_all(self) -> None:
         """Removes every checkpoint (the chief deletes; every worker waits for it)."""

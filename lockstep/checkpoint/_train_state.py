@@ -96,7 +96,7 @@ def _refused(what: str, field: str) -> ValueError:
                       "optimizer); resume with the same one, or delete the backup to start over.")
 
 
-def _checked_tree(arrays: dict[str, Any], field: str, like: Any, saved_names: list[str] | None,
+def _checked_tree(arrays: dict[str, Any], field: str, like: Any, saved_names: tuple[str, ...] | None,
                   names: tuple[str, ...] | None) -> Any:
     """`field`'s tree from `arrays`, each array matched to `like`'s by name (by position in
     backups without names) and checked in shape and dtype."""
@@ -174,17 +174,18 @@ def unflatten_train_state(arrays: dict[str, Any], meta: dict[str, Any], like: "T
         `like`'s in names, number, shape or dtype (the message names the first difference and
         both values).
     """
-    saved_names, names = meta.get("names"), like.names
-    if saved_names is not None and names is not None and saved_names["optimizer"] != names.optimizer:
-        raise _refused(f"it was taken with the optimizer `{saved_names['optimizer']}`, and this trainer's is "
+    from ..training import DataPosition, StateNames  # here: training imports checkpoint
+
+    saved_names = None if meta.get("names") is None else StateNames.from_json(meta["names"])
+    names = like.names
+    if saved_names is not None and names is not None and saved_names.optimizer != names.optimizer:
+        raise _refused(f"it was taken with the optimizer `{saved_names.optimizer}`, and this trainer's is "
                        f"`{names.optimizer}`", "opt_state")
     trees = {field: _checked_tree(arrays, field, getattr(like, field),
-                                  None if saved_names is None else saved_names[field],
+                                  None if saved_names is None else getattr(saved_names, field),
                                   None if names is None else getattr(names, field))
              for field in ("params", "opt_state")}
     trees["metric_state"] = None if like.metric_state is None else _metric_state(arrays, like.metric_state)
-    from ..training import DataPosition  # here: training imports checkpoint
-
     callbacks = {key: _join_state(cb_state, arrays) for key, cb_state in meta["callbacks"].items()}
     batch_size, data = meta.get("batch_size"), meta.get("data")
     return like.replace(epoch=int(meta["epoch"]), step=int(meta["step"]), global_step=int(meta["global_step"]),

@@ -99,7 +99,7 @@ class IndexedBatches:
         """
         if len(self.source) != self._n:
             raise ValueError(
-                f"the source of samples changed length between passes: {self._n} samples when `fit` began, "
+                f"the source of samples changed length between passes: {self._n} samples when reading began, "
                 f"{len(self.source)} at pass {epoch}. The order and the steps of each epoch are fixed from the length "
                 "(Grain would wrap indices past the end, repeating samples, or never read the new ones): keep the "
                 "source the same during `fit`, or call `fit` again for the new data.")

@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._cross_replica import allgather_sizes
-from .._layout import BatchRows, rows_digest
+from .._cross_replica import batch_digests
+from .._layout import BatchRows
 
 
 class TFDatasetBatches:
@@ -37,7 +37,7 @@ class TFDatasetBatches:
 
     def __init__(self, dataset: Any):
         scalars = [i for i, spec in enumerate(jax.tree.leaves(dataset.element_spec, is_leaf=lambda s: hasattr(s, "shape")))
-                   if getattr(spec, "shape", None) is not None and len(spec.shape) == 0]
+                   if getattr(getattr(spec, "shape", None), "rank", None) == 0]
         if scalars:
             raise ValueError(
                 f"the tf.data dataset's elements are single samples, not batches (element {scalars[0]} of "
@@ -64,8 +64,8 @@ class TFDatasetBatches:
 
 def _check_same_batch(leaves: list[np.ndarray]) -> None:
     """Every worker's first batch of a pass must be the same (one small collective)."""
-    digests = [int(d) for d in allgather_sizes(rows_digest(leaves, 0))]
-    if len(set(digests)) > 1:
+    digests, differ = batch_digests(leaves)
+    if differ:
         raise ValueError(
             "the workers' tf.data pipelines gave different first batches (checksums "
             f"{digests}, in worker order): each worker splits the same global batches, so every random "

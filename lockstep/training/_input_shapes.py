@@ -17,7 +17,10 @@ import numpy as np
 
 
 def _spec(x: Any) -> Any:
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), getattr(a, "dtype", None) or np.asarray(a).dtype), x)
+    def spec(a: Any) -> jax.ShapeDtypeStruct:
+        dtype = getattr(a, "dtype", None)
+        return jax.ShapeDtypeStruct(np.shape(a), np.asarray(a).dtype if dtype is None else dtype)
+    return jax.tree.map(spec, x)
 
 
 def _sample_shapes(x: Any) -> Any:

@@ -72,9 +72,9 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
     if is_arrays(x):
         _check_numbers(x, arg)
         n = num_samples(x)
+        _check_same_length_on_every_worker(n, arg)  # first: a worker with none must not leave the others waiting
         if n == 0:
             raise ValueError(f"`{arg}` holds no samples (length 0): give at least one.")
-        _check_same_length_on_every_worker(n, arg)
         arrays: list[Any] = [x]
         for name, a in (("y", y), ("sample_weight", sample_weight)):
             if a is None:
@@ -88,7 +88,9 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
             if name == "sample_weight":
                 _check_sample_weight_shape(a, arrays[1] if len(arrays) > 1 else None)
             arrays.append(a)
-        _check_same_content_on_every_worker({arg: x, "y": y, "sample_weight": sample_weight}, n, arg)
+        given = iter(arrays[1:])
+        _check_same_content_on_every_worker({arg: x, **{name: None if a is None else next(given) for name, a in
+                                                        (("y", y), ("sample_weight", sample_weight))}}, n, arg)
         return make_batches(tuple(arrays), 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
     if isinstance(x, (str, bytes)) or not isinstance(x, Iterable):
         raise TypeError(f"`{arg}` must be arrays or an iterable of batches, got {type(x).__name__}.")
