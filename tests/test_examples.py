@@ -16,7 +16,8 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 @pytest.mark.parametrize("script", ["custom_loop.py", "keras_mirrored.py", "early_stopping.py",
                                     "f1_training_metric.py", pytest.param("lstm_multi_worker.py", marks=[_PROCESSES, pytest.mark.full_suite]),
-                                    pytest.param("grain_files.py", marks=_PROCESSES),
+                                    # make test covers Grain on several workers in test_grain / test_grain_iter (CI time)
+                                    pytest.param("grain_files.py", marks=[_PROCESSES, pytest.mark.full_suite]),
                                     # ResNet50 on 4 replicas is also in test_keras_applications (CI time)
                                     pytest.param("resnet_mirrored.py", marks=pytest.mark.full_suite)])
 def test_example_runs_and_agrees(script, tmp_path):
