@@ -210,9 +210,8 @@ def test_preemption_in_one_process_saves_once_exits_83_and_resumes_exactly(tmp_p
 
 
 
-@pytest.mark.parametrize("damage", [
-    # make test covers plain such backups in test_exactness_matrix's worker draw
-    pytest.param(False, marks=pytest.mark.full_suite), True])
+@pytest.mark.full_suite  # make test: such backups in the worker matrix, damaged ones in test_state_trust
+@pytest.mark.parametrize("damage", [False, True])
 def test_backups_and_kills_at_steps_where_a_worker_holds_no_row_resume_exactly(damage, tmp_path):
     """Digits on 2 workers, batch 64: the 5-row last batch of each epoch is all worker 0's. Killed
     after step 58, such a step and a backup step (before the fix, worker 1 crashed in that backup),
