@@ -173,7 +173,7 @@ class BatchDistributor:
 def _check_sharded(leaves: list[np.ndarray], sizes: np.ndarray) -> None:
     """Per-worker pipelines whose first batches are equal are not sharded: every sample would count
     once per worker. All workers see the same checksums, so all raise together (no hang)."""
-    digests = allgather_sizes(rows_digest(leaves, 0) if len(leaves) else 0)
+    digests, _ = batch_digests(leaves)
     seen: dict[int, int] = {}
     for w, (d, k) in enumerate(zip(digests, sizes)):
         if k and int(d) in seen:
