@@ -27,7 +27,6 @@ import atexit
 import json
 import os
 import re
-import socket
 import sys
 import threading
 import time
@@ -35,6 +34,7 @@ from typing import Any
 
 import jax
 
+from . import _roll_call as roll_call
 from ._agreement import ProgramAgreement
 from ._errors import UsageError
 from ._exit_codes import LOST_WORKER_EXIT_CODE
@@ -345,9 +345,14 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
     late = threading.Timer(join, _not_joined, args=(resolver, join))
     late.daemon = True
     late.start()
-    if resolver.process_id == 0:
-        _check_port_free(resolver)
     try:
+        try:
+            if resolver.process_id == 0:
+                roll_call.host(resolver.coordinator_address, resolver.num_processes)
+            else:
+                roll_call.answer(resolver.coordinator_address, resolver.num_processes, resolver.process_id)
+        except roll_call.PortBusyError as e:
+            _cannot_start_coordinator(resolver, e.strerror or str(e))
         try:
             jax.distributed.initialize(resolver.coordinator_address, resolver.num_processes, resolver.process_id,
                                        initialization_timeout=int(2 * join + 30), heartbeat_timeout_seconds=timeout,
@@ -356,22 +361,9 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
             if "Failed to start RPC server" in str(e):  # a half-started runtime can crash at exit: end here
                 _cannot_start_coordinator(resolver, "the runtime failed to start its server")
             raise
-        _check_same_world(resolver)
     finally:
         late.cancel()
     _INITIALIZED.append(resolver)
-
-
-def _check_port_free(resolver: ClusterResolver) -> None:
-    """Worker 0 runs the coordinator: a port already in use is named here (the runtime's own
-    failure to start its server sometimes crashes the process instead)."""
-    port = int(resolver.coordinator_address.rsplit(":", 1)[1])
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a closing connection's port is free
-        try:
-            probe.bind(("0.0.0.0", port))
-        except OSError as e:
-            _cannot_start_coordinator(resolver, f"{e.strerror or e}")
 
 
 def _cannot_start_coordinator(resolver: ClusterResolver, why: str) -> None:
@@ -379,27 +371,6 @@ def _cannot_start_coordinator(resolver: ClusterResolver, why: str) -> None:
           f"({why}): its port is in use (or the address is not this machine's); choose a free port in --coordinator "
           "/ LOCKSTEP_COORDINATOR_ADDRESS; exiting with code 1.", file=sys.stderr, flush=True)
     os._exit(1)
-
-
-def _check_same_world(resolver: ClusterResolver) -> None:
-    """Every worker must have been started for the same number of workers (mismatched --nnodes or
-    --nproc-per-node, TF_CONFIG or SLURM settings would otherwise hang in the first collective)."""
-    from jax._src import distributed
-
-    client = distributed.global_state.client
-    num = resolver.num_processes
-    client.key_value_set(f"lockstep/world/{resolver.process_id}", str(num))
-    while True:  # bounded by the join deadline (its timer ends this process, named)
-        seen = {int(k.rsplit("/", 1)[-1]): int(v) for k, v in client.key_value_dir_get("lockstep/world/")}
-        other = {r: v for r, v in seen.items() if v != num}
-        if other:
-            r, v = sorted(other.items())[0]
-            raise UsageError(
-                f"worker {resolver.process_id} was started for {num} workers, worker {r} for {v}: start every "
-                "worker with the same --nnodes and --nproc-per-node (or TF_CONFIG / SLURM settings).")
-        if len(seen) >= num:
-            return
-        time.sleep(0.05)
 
 
 def _not_joined(resolver: ClusterResolver, seconds: float) -> None:

@@ -382,6 +382,35 @@ def test_bad_cluster_settings_are_named_errors_within_seconds(tmp_path):
     assert a.returncode == 1 and b.returncode == 1
     assert "worker 0 was started for 2 workers, worker 1 for 3" in a_err.splitlines()[-1], a_err[-2000:]
     assert "worker 1 was started for 3 workers, worker 0 for 2" in b.stderr.splitlines()[-1], b.stderr[-2000:]
+    # nodes started with different --nproc-per-node: ids taken twice, counts differ (was SIGABRT, ALREADY_EXISTS)
+    port = free_port()
+    opts = ["--nnodes", "2", "--coordinator", f"127.0.0.1:{port}"]
+    a = subprocess.Popen(_launch_cmd(script, *opts, "--nproc-per-node", "2", "--node-rank", "0"),
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    b = subprocess.run(_launch_cmd(script, *opts, "--nproc-per-node", "1", "--node-rank", "1"), **run)
+    a_out, a_err = a.communicate(timeout=120)
+    assert a.returncode == 1 and b.returncode == 1 and "joined" not in a_out + b.stdout
+    assert "worker 0 was started for 4 workers, worker 1 for 2" in a_err.splitlines()[-1], a_err[-2000:]
+    assert "worker 1 was started for 2 workers, worker 0 for 4" in b.stderr.splitlines()[-1], b.stderr[-2000:]
+    # the same TF_CONFIG task index twice: every worker says so, or (had worker 0 already seen the
+    # whole cluster) the second one says its id was taken; never an abort or a hang
+    port = free_port()
+    def tf_config(index):
+        cluster = {"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]}
+        return {**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
+    twins = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=tf_config(1)) for _ in range(2)]
+    chief = subprocess.run([sys.executable, str(script)], **{**run, "env": tf_config(0)})
+    twin_errs = [t.communicate(timeout=120)[1] for t in twins]
+    claimed = "worker id 1 was claimed twice"
+    if chief.returncode == 0:
+        assert sorted(t.returncode for t in twins) == [0, 1], twin_errs
+        late = twin_errs[[t.returncode for t in twins].index(1)]
+        assert "was worker id 1 started twice" in late.splitlines()[-1], late[-2000:]
+    else:
+        assert [chief.returncode] + [t.returncode for t in twins] == [1, 1, 1], chief.stderr[-2000:]
+        for err in [chief.stderr, *twin_errs]:
+            assert claimed in err.splitlines()[-1], err[-2000:]
     # the coordinator's port is taken by another program
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", 0))
