@@ -18,7 +18,8 @@ process (SIGABRT) without saying which peer was lost. The watchdog also names a 
 has finished while this worker waits in a step that peer never joins, and at exit every worker
 waits (still beating) until all have finished, instead of the runtime's shutdown barrier, which
 aborts every worker when one finishes more than its time-out later than the others. Before each
-new compiled program, the workers check that they all run the same one (`_agreement`).
+new compiled program, the workers check that they all run the same one (`_agreement`); before the
+runtime starts, worker 0's roll call checks every worker's id and worker count (`_roll_call`).
 """
 
 from __future__ import annotations

@@ -121,6 +121,18 @@ def test_the_iterator_states_of_other_workers_are_refused(tmp_path):
                                                    callbacks=[Restore()])
 
 
+def test_a_pipeline_that_shrank_since_the_backup_is_a_clear_error(tmp_path):
+    """The backup's iterator position (row 192) lies past the end of the pipeline given on resume."""
+    x, y = common.data(N)
+    with pytest.raises(_Stop):
+        common.trainer(ls.MirroredStrategy(2)).fit(iter_dataset(CountingSource(x, y)), epochs=2, verbose=0,
+                                                   callbacks=[backup(tmp_path), StopAt(8)])
+    with pytest.raises(ValueError, match=r"the pipeline's position saved in the backup \(.*192.*\) cannot be set on "
+                                         r"this pipeline: IndexError: .* \(did the dataset change since the backup\?\)"):
+        common.trainer(ls.MirroredStrategy(2)).fit(iter_dataset(CountingSource(x[:100], y[:100])), epochs=2,
+                                                   verbose=0, callbacks=[backup(tmp_path)])
+
+
 class Unseeded:
     """A re-iterable whose order changes on every pass (a shuffle without a seed)."""
 

@@ -68,7 +68,11 @@ class PipelineIterator:
         self._bytes = isinstance(it.get_state(), bytes)  # a DataLoader's iterator: JSON bytes; a dataset's: a dict
         self.count = 0  # batches given
         if state is not None:
-            it.set_state(state.encode() if self._bytes else json.loads(state))
+            try:
+                it.set_state(state.encode() if self._bytes else json.loads(state))
+            except (IndexError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"the pipeline's position saved in the backup ({state[:200]}) cannot be set on this "
+                                 f"pipeline: {type(e).__name__}: {e} (did the dataset change since the backup?)") from e
 
     def state(self) -> str:
         """The state after the last batch given, as a string (JSON)."""
