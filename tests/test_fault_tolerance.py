@@ -61,7 +61,8 @@ def uninterrupted(tmp_path_factory):
     return _Uninterrupted(tmp_path_factory)
 
 
-@pytest.mark.parametrize("nproc", [pytest.param(1, marks=pytest.mark.full_suite), 2])
+@pytest.mark.full_suite  # make test: restarts in the worker matrix, the elastic resume and SIGTERM tests
+@pytest.mark.parametrize("nproc", [1, 2])
 def test_a_run_killed_mid_epoch_and_restarted_equals_an_uninterrupted_run(nproc, tmp_path, uninterrupted):
     proc = run_job(nproc, tmp_path, "kill")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
