@@ -143,6 +143,9 @@ class Metric:
 
     #: "up" when larger is better, "down" when smaller is; callbacks with mode="auto" read it.
     direction: str | None = None
+    #: whether `fit` / `evaluate` weigh it by `sample_weight`: None, lockstep's default (weighted);
+    #: False for the `metrics` of a Keras `compile` and True for its `weighted_metrics`, as Keras does.
+    weighted: bool | None = None
 
     def __init__(self, name: str | None = None, dtype: Any = "float32"):
         self.name = name or _snake(type(self).__name__)

@@ -60,7 +60,8 @@ class MetricCollection:
     def update(self, state: dict[str, State], y_true: Any, y_pred: Any, sample_weight: Any = None,
                mask: Any = None) -> dict[str, State]:
         """Every metric's state updated with one batch (`mask`: see `Metric.update`)."""
-        return {name: m.update(state[name], y_true, y_pred, sample_weight=sample_weight, mask=mask)
+        return {name: m.update(state[name], y_true, y_pred, sample_weight=None if m.weighted is False else sample_weight,
+                               mask=mask)
                 for name, m in self.metrics.items()}
 
     def merge(self, a: dict[str, State], b: dict[str, State]) -> dict[str, State]:

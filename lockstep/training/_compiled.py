@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..metrics import get as get_metric
+
 DEFAULT_OPTIMIZER = "adam"
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
 
@@ -38,8 +40,35 @@ def settings(model: Any, optimizer: Any, loss: Any, metrics: Any) -> tuple[Any, 
                 f"the model was compiled with one loss per output ({type(loss).__name__}); a Trainer trains one "
                 "output with one loss: pass `loss=` (a function of the whole y_true and y_pred).")
     if metrics is None:
-        metrics = [_metric(m) for group in ("metrics", "weighted_metrics") for m in (config.get(group) or [])]
+        metrics = []
+        for group, weighted in zip(_given_metrics(model, config), (False, True)):
+            for entry in group:
+                metric = get_metric(entry)
+                metric.weighted = weighted  # Keras weighs only `weighted_metrics` by sample_weight
+                metrics.append(metric)
     return optimizer, loss, metrics
+
+
+def _given_metrics(model: Any, config: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+    """The `metrics` and `weighted_metrics` given to `compile`: the objects as given (their
+    arguments kept: an `F1Score(average="macro")` stays macro-averaged, which its serialised
+    config may not say), else from the compile config."""
+    compiled = getattr(model, "_compile_metrics", None)  # Keras 3's CompileMetrics keeps the user's objects
+    if compiled is not None and hasattr(compiled, "_user_metrics"):
+        groups = [compiled._user_metrics, compiled._user_weighted_metrics]
+    else:
+        groups = [config.get("metrics"), config.get("weighted_metrics")]
+    out: tuple[list[Any], list[Any]] = ([], [])
+    for group, into in zip(groups, out):
+        if isinstance(group, dict) or any(isinstance(m, (list, tuple, dict)) and not _serialised(m)
+                                          for m in group or []):
+            raise ValueError("the model was compiled with metrics per output; pass `metrics=` to the Trainer.")
+        into.extend(_metric(m) for m in group or [])
+    return out
+
+
+def _serialised(entry: Any) -> bool:
+    return isinstance(entry, dict) and "class_name" in entry
 
 
 def _metric(entry: Any) -> Any:
@@ -48,6 +77,4 @@ def _metric(entry: Any) -> Any:
         import keras
 
         return keras.metrics.deserialize(entry)
-    if isinstance(entry, (list, tuple)):
-        raise ValueError("the model was compiled with metrics per output; pass `metrics=` to the Trainer.")
     return entry

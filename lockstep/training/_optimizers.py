@@ -37,7 +37,7 @@ def get_optimizer(optimizer: Any, trainable_variables: Any = None) -> optax.Grad
         return optax.inject_hyperparams(factory)(learning_rate=lr, **kwargs)
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
-    if type(optimizer).__module__.startswith("keras") and hasattr(optimizer, "stateless_apply"):
+    if is_keras_optimizer(optimizer):
         optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer: lockstep scales
         if not trainable_variables:
             raise TypeError("a Keras optimizer object needs a Keras model (its variables); for a FunctionalModel "
@@ -81,8 +81,7 @@ def from_keras(optimizer: Any, trainable_variables: Any) -> optax.GradientTransf
             f"`ls.Trainer(..., gradient_accumulation_steps={optimizer.gradient_accumulation_steps})`, which is.")
     if not optimizer.built:
         optimizer.build(list(trainable_variables))
-    lr_at = next((i for i, v in enumerate(optimizer.variables) if v.path.rsplit("/", 1)[-1] == "learning_rate"),
-                 None)
+    lr_at = _learning_rate_index(optimizer)
 
     def init(params: Any) -> KerasOptimizerState:
         values = [np.asarray(v.value) for v in optimizer.variables]
@@ -99,6 +98,36 @@ def from_keras(optimizer: Any, trainable_variables: Any) -> optax.GradientTransf
         return [n - p for n, p in zip(new_params, params)], KerasOptimizerState(new_values, hyper)
 
     return optax.GradientTransformation(init, update)  # type: ignore[arg-type]
+
+
+def is_keras_optimizer(optimizer: Any) -> bool:
+    """Whether `optimizer` is a Keras 3 optimizer object."""
+    return type(optimizer).__module__.startswith("keras") and hasattr(optimizer, "stateless_apply")
+
+
+def _learning_rate_index(optimizer: Any) -> int | None:
+    return next((i for i, v in enumerate(optimizer.variables) if v.path.rsplit("/", 1)[-1] == "learning_rate"),
+                None)
+
+
+def to_keras(optimizer: Any, opt_state: Any) -> None:
+    """Writes the Keras optimizer state inside `opt_state` (host arrays) into `optimizer`'s own
+    variables (iterations, moments, learning rate), so the Keras model holds what was trained:
+    `model.save` and a later `fit` continue from it, as after Keras' own `fit`."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    stack = [opt_state]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, KerasOptimizerState):
+            values = list(node.variables)
+            lr_at = _learning_rate_index(optimizer)
+            if lr_at is not None:
+                values.insert(lr_at, node.hyperparams["learning_rate"])
+            for v, value in zip(optimizer.variables, values):
+                v.assign(np.asarray(value))
+            return
+        if isinstance(node, (tuple, list)):
+            stack.extend(node)
 
 
 def find_hyperparams(opt_state: Any) -> dict[str, Any] | None:

@@ -36,7 +36,14 @@ from ._data_stream import DataStream
 from ._input_shapes import InputCheck
 from ._labels import LabelCheck, checked
 from ._model import FunctionalModel, adapt, output_shape
-from ._optimizers import get_optimizer, learning_rate_of, loss_scale_settings, set_learning_rate
+from ._optimizers import (
+    get_optimizer,
+    is_keras_optimizer,
+    learning_rate_of,
+    loss_scale_settings,
+    set_learning_rate,
+    to_keras,
+)
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
 from ._state import LiveState, TrainState
 from ._state_names import state_names
@@ -143,11 +150,12 @@ def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any, ve
 
 
 def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> None:
-    if sample_weight is not None and metrics.metrics:
+    weighted = sorted(k for k, m in metrics.metrics.items() if m.weighted is None)  # Trainer(metrics=...)'s
+    if sample_weight is not None and weighted:
         warnings.warn(
-            "`sample_weight` weighs the loss and every metric in lockstep; Keras 3 weighs only `weighted_metrics` "
-            f"(its `metrics` ignore sample weights): {sorted(metrics.metrics)} are weighted here.", UserWarning,
-            stacklevel=3)
+            "`sample_weight` weighs the loss and every metric given to the Trainer; Keras 3 weighs only "
+            f"`weighted_metrics` (its `metrics` ignore sample weights, as do a compiled model's here): {weighted} "
+            "are weighted here.", UserWarning, stacklevel=3)
 
 
 class Trainer(WeightFiles):
@@ -209,6 +217,7 @@ class Trainer(WeightFiles):
         self._adapter = adapt(model, seed, batch_statistics)
         optimizer, loss, metrics = compiled_settings(model, optimizer, loss, metrics)  # model.compile's
         self._optimizer = get_optimizer(optimizer, getattr(model, "trainable_variables", None))
+        self._keras_optimizer = optimizer if is_keras_optimizer(optimizer) else None  # given its state back
         self._names = functools.partial(state_names, model, optimizer)  # what backups call each array
         self.dtype_policy = resolve_policy(model, dtype_policy)
         if self.dtype_policy == "mixed_float16":  # dynamic loss scaling (a Keras LossScaleOptimizer's settings)
@@ -341,7 +350,7 @@ class Trainer(WeightFiles):
         finally:  # on any exit the model keeps the weights of the last completed step, as in Keras
             self._live.callbacks = []
             try:
-                self._adapter.sync_to_model(_host(self._live.params))
+                self._sync_model()
             finally:
                 cblist.on_train_exit()
         return history
@@ -423,6 +432,12 @@ class Trainer(WeightFiles):
         if self._live.params is None:
             raise ValueError("the model has no weights yet: call `fit`, `evaluate` or `predict` first, or build "
                              "the Keras model.")
+
+    def _sync_model(self) -> None:
+        """The Keras model (or FunctionalModel) and its Keras optimizer given the trained state."""
+        self._adapter.sync_to_model(_host(self._live.params))
+        if self._keras_optimizer is not None and self._live.opt_state is not None:
+            to_keras(self._keras_optimizer, _host(self._live.opt_state))
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""

@@ -34,6 +34,9 @@ class WeightFiles:
     def train_state(self) -> Any:  # pragma: no cover - the Trainer's
         raise NotImplementedError
 
+    def _sync_model(self) -> None:  # pragma: no cover - the Trainer's
+        raise NotImplementedError
+
     def _opt_state_on_host(self) -> Any:
         return jax.tree.map(np.asarray, self.train_state.opt_state)
 
@@ -51,7 +54,7 @@ class WeightFiles:
         `.keras` path; else weights, optimizer state and epoch (`.npz` layout)."""
         weights = self.get_weights()
         if path.endswith(".keras") and hasattr(self.model, "save"):
-            self.model.set_weights(weights)
+            self._sync_model()  # the weights and the Keras optimizer's state, as Keras saves them
             with atomic_path(path) as tmp:
                 self.model.save(tmp)
             return
