@@ -2,6 +2,12 @@
 `model.compile` with their arguments, and the Keras optimizer's state after training — each held
 to Keras' own one-device `model.fit` (same seed, `shuffle=False`)."""
 
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
 import keras
 import numpy as np
 import pytest
@@ -163,3 +169,42 @@ def test_the_keras_optimizer_holds_the_trained_state_and_a_saved_model_resumes_e
         resumed.fit(X, Y_CLASS, batch_size=B, epochs=1, shuffle=False, verbose=0)
         assert_weights_close(resumed.get_weights(), t.get_weights(), atol=1e-6)
         assert_weights_close(resumed.get_weights(), keras_model.get_weights(), atol=1e-5)
+
+
+WORKER_JOB = """
+import json, os, sys
+os.environ["KERAS_BACKEND"] = "jax"
+import lockstep as ls
+strategy = ls.MultiWorkerMirroredStrategy()
+import keras, numpy as np
+sys.path.insert(0, {tests!r})
+from test_keras_as_written import RMSE, WeightedMAE, X, Y_VALUE, WEIGHTS, regressor
+with strategy.scope():
+    model = regressor([RMSE()], weighted_metrics=[WeightedMAE()], optimizer=keras.optimizers.Adam(0.01))
+history = ls.Trainer(model).fit(X, Y_VALUE, batch_size=16, epochs=2, shuffle=False, verbose=0,
+                                sample_weight=WEIGHTS).history
+print("RESULT", json.dumps({{"history": history, "iterations": int(model.optimizer.iterations),
+                            "optimizer": [np.asarray(v).tolist() for v in model.optimizer.variables],
+                            "weights": [w.tolist() for w in model.get_weights()]}}), flush=True)
+"""
+
+
+@pytest.mark.full_suite  # a 2-worker launch (about 20 s); the single-process tests above run in make test
+@pytest.mark.xdist_group("processes")
+def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_fit(tmp_path):
+    script = tmp_path / "job.py"
+    script.write_text(WORKER_JOB.format(tests=str(pathlib.Path(__file__).resolve().parent)))
+    proc = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", "--devices-per-proc",
+                           "2", "--failure-timeout", "20", str(script)], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "XLA_FLAGS": ""})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
+    assert len(results) == 2
+    keras_model = regressor([RMSE()], weighted_metrics=[WeightedMAE()], optimizer=keras.optimizers.Adam(0.01))
+    want = keras_model.fit(X, Y_VALUE, batch_size=16, epochs=2, shuffle=False, verbose=0, sample_weight=WEIGHTS)
+    for got in results:
+        assert_logs_close(got["history"], want.history)
+        assert got["iterations"] == int(keras_model.optimizer.iterations) == 26
+        assert_weights_close([np.asarray(v) for v in got["optimizer"]],
+                             [np.asarray(v) for v in keras_model.optimizer.variables], atol=1e-5)
+        assert_weights_close([np.asarray(w) for w in got["weights"]], keras_model.get_weights(), atol=1e-5)
