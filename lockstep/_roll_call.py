@@ -168,5 +168,5 @@ def answer(address: str, num: int, rank: int) -> None:
         raise UsageError(str(reply["error"]))
     raise UsageError(
         f"worker {rank}: the coordinator at {address} did not answer as a lockstep worker 0 that waits for its "
-        f"workers: a job there has already started with all its {num} workers (was worker id {rank} started twice: "
-        "the same TF_CONFIG index or --node-rank?), or another program listens there.")
+        f"workers: worker 0 stopped, or a job there has already started with all its {num} workers (was worker id "
+        f"{rank} started twice: the same TF_CONFIG index or --node-rank?), or another program listens there.")
