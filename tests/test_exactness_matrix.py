@@ -35,7 +35,7 @@ import lockstep as ls
 from test_elastic_resume import StopAt, _Stop
 
 FULL = os.environ.get("LOCKSTEP_FULL_SUITE") == "1"
-EXAMPLES = 60 if FULL else 6
+EXAMPLES = 60 if FULL else 4
 EPOCHS = 2
 
 

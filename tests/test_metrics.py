@@ -1,6 +1,7 @@
 """Metrics under 1..8 replicas against scikit-learn / NumPy / Keras, with and without weights."""
 
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +15,8 @@ from sklearn.datasets import load_breast_cancer, load_diabetes, load_digits
 from sklearn.linear_model import LinearRegression, LogisticRegression
 
 import lockstep as ls
+
+FULL = os.environ.get("LOCKSTEP_FULL_SUITE") == "1"  # make test-full draws more examples
 
 REPLICAS = [1, 2, 3, 8]
 
@@ -289,7 +292,7 @@ SPLIT_F1 = ls.metrics.F1Score(average="macro", num_classes=4)
 SPLIT_CM = ls.metrics.ConfusionMatrix(4)
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20 if FULL else 10, deadline=None)
 @given(n=st.integers(1, 150), batch_size=st.sampled_from([1, 7, 64]), r=st.sampled_from([1, 3, 8]),
        seed=st.integers(0, 2 ** 16))
 def test_any_split_into_batches_and_replicas_equals_the_one_shot_metric(n, batch_size, r, seed):
@@ -314,7 +317,7 @@ MAX = ls.metrics.Max()
 MAX_UPDATE = jax.jit(lambda v: MAX.update(MAX.init(), v))
 
 
-@settings(max_examples=20, deadline=None)
+@settings(max_examples=20 if FULL else 10, deadline=None)
 @given(seed=st.integers(0, 2 ** 16), sizes=st.tuples(*[st.sampled_from([1, 7, 40])] * 3))
 def test_merge_is_associative_and_commutative(seed, sizes):
     rng = np.random.default_rng(seed)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 import optax
 
@@ -113,7 +114,10 @@ def _learning_rate_index(optimizer: Any) -> int | None:
 def to_keras(optimizer: Any, opt_state: Any) -> None:
     """Writes the Keras optimizer state inside `opt_state` (host arrays) into `optimizer`'s own
     variables (iterations, moments, learning rate), so the Keras model holds what was trained:
-    `model.save` and a later `fit` continue from it, as after Keras' own `fit`."""
+    `model.save` and a later `fit` continue from it, as after Keras' own `fit`. Nothing to do
+    for `optimizer` None (an optax one) or no state yet."""
+    if optimizer is None or opt_state is None:
+        return
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     stack = [opt_state]
     while stack:
@@ -123,7 +127,7 @@ def to_keras(optimizer: Any, opt_state: Any) -> None:
             lr_at = _learning_rate_index(optimizer)
             if lr_at is not None:
                 values.insert(lr_at, node.hyperparams["learning_rate"])
-            for v, value in zip(optimizer.variables, values):
+            for v, value in zip(optimizer.variables, jax.tree.map(np.asarray, values)):
                 v.assign(np.asarray(value))
             return
         if isinstance(node, (tuple, list)):

@@ -174,8 +174,7 @@ class Trainer(WeightFiles):
       loss: a Keras loss name (``"..._from_logits"`` for logits), a Keras loss object or a
         per-example callable; default ``"sparse_categorical_crossentropy"``.
       metrics: lockstep or Keras metric objects, names (``"accuracy"``, ...) or per-sample functions.
-      strategy: defaults to the active scope's strategy; outside any scope, to the strategy in whose
-        scope the Keras model was built; else a one-device strategy.
+      strategy: default: the active scope's, else the one whose scope built the Keras model, else one device.
       seed: seeds a `FunctionalModel`'s initialisation and its `rng` keys.
       batch_statistics: ``"global"`` (default): Keras `BatchNormalization` uses the statistics of
         the real rows of the whole global batch (two small all-reduces per layer): the step is the
@@ -184,8 +183,8 @@ class Trainer(WeightFiles):
       gradient_accumulation_steps: one optimizer update per k batches: exactly one device's step on
         their samples together (see `lockstep.training._step_runner`); callbacks, `steps_per_epoch`,
         `global_step` and backups count updates.
-      dtype_policy: ``"float32"``, ``"mixed_bfloat16"`` or ``"mixed_float16"`` for a `FunctionalModel`;
-        a Keras model keeps its own policy (see `lockstep.training._precision`).
+      dtype_policy: ``"float32"``, ``"mixed_bfloat16"`` or ``"mixed_float16"`` for a `FunctionalModel`
+        (a Keras model keeps its own policy).
 
     >>> import jax, jax.numpy as jnp, numpy as np, lockstep as ls
     >>> model = ls.FunctionalModel(
@@ -194,18 +193,14 @@ class Trainer(WeightFiles):
     >>> x = np.random.default_rng(0).normal(size=(103, 4)).astype(np.float32); y = (x[:, 0] > 0).astype(int)
     >>> trainer = ls.Trainer(model, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
     ...                      metrics=["accuracy"], strategy=ls.MirroredStrategy(4))
-    >>> history = trainer.fit(x, y, batch_size=16, epochs=3, verbose=0)
-    >>> sorted(trainer.evaluate(x, y, batch_size=16))
+    >>> history = trainer.fit(x, y, batch_size=16, epochs=3, verbose=0); sorted(trainer.evaluate(x, y, batch_size=16))
     ['accuracy', 'loss']
-    >>> trainer.predict(x, batch_size=16).shape
-    (103, 3)
-    >>> trainer.train_state.epoch, trainer.train_state.global_step   # 7 steps an epoch
-    (3, 21)
+    >>> trainer.predict(x, batch_size=16).shape, trainer.train_state.global_step   # 7 steps an epoch
+    ((103, 3), 21)
     """
 
     def __init__(self, model: Any, optimizer: str | optax.GradientTransformation | None = None,
-                 loss: str | Callable[..., Any] | None = None,
-                 metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
+                 loss: str | Callable[..., Any] | None = None, metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
                  strategy: Strategy | None = None, seed: int = 0, batch_statistics: str = "global",
                  gradient_accumulation_steps: int = 1, dtype_policy: str | None = None):
         self._accumulation = checked_accumulation(gradient_accumulation_steps)
@@ -436,8 +431,7 @@ class Trainer(WeightFiles):
     def _sync_model(self) -> None:
         """The Keras model (or FunctionalModel) and its Keras optimizer given the trained state."""
         self._adapter.sync_to_model(_host(self._live.params))
-        if self._keras_optimizer is not None and self._live.opt_state is not None:
-            to_keras(self._keras_optimizer, _host(self._live.opt_state))
+        to_keras(self._keras_optimizer, self._live.opt_state)
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
