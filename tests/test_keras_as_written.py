@@ -208,3 +208,59 @@ def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_f
         assert_weights_close([np.asarray(v) for v in got["optimizer"]],
                              [np.asarray(v) for v in keras_model.optimizer.variables], atol=1e-5)
         assert_weights_close([np.asarray(w) for w in got["weights"]], keras_model.get_weights(), atol=1e-5)
+
+
+class EpochRecorder(keras.callbacks.Callback):
+    """A user's own Keras callback: records what it sees and stops at a loss it likes."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append((epoch, round(float(logs["val_loss"]), 5), float(self.model.optimizer.learning_rate)))
+
+
+def keras_callbacks(path):
+    return [keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=0.05, patience=2, restore_best_weights=True),
+            keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1, min_delta=0.05),
+            keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.9 if epoch >= 3 else lr),
+            keras.callbacks.TerminateOnNaN(), keras.callbacks.CSVLogger(str(path / "log.csv")),
+            keras.callbacks.ModelCheckpoint(str(path / "best.keras"), monitor="val_loss", save_best_only=True),
+            EpochRecorder()]
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 4])
+def test_keras_callbacks_as_written_decide_and_write_as_in_keras_own_fit(replicas, tmp_path):
+    """Before: every keras.callbacks object was refused ("`callbacks` must hold lockstep.callbacks.Callback
+    objects, got ModelCheckpoint")."""
+    (tmp_path / "keras").mkdir()
+    (tmp_path / "ls").mkdir()
+    kw = dict(batch_size=B, epochs=12, shuffle=False, verbose=0, validation_data=(X[:40], Y_VALUE[:40]))
+    keras_model = regressor(optimizer=keras.optimizers.Adam(0.2))
+    want_cbs = keras_callbacks(tmp_path / "keras")
+    want = keras_model.fit(X[40:], Y_VALUE[40:], callbacks=want_cbs, **kw).history
+    model = regressor(optimizer=keras.optimizers.Adam(0.2))
+    got_cbs = keras_callbacks(tmp_path / "ls")
+    got = ls.Trainer(model, strategy=ls.MirroredStrategy(replicas)).fit(X[40:], Y_VALUE[40:], callbacks=got_cbs,
+                                                                        **kw).history
+    assert len(want["loss"]) < 12  # early stopping stopped it, at the same epoch here
+    assert_logs_close(got, want)
+    assert got_cbs[0].stopped_epoch == want_cbs[0].stopped_epoch and got_cbs[0].best_epoch == want_cbs[0].best_epoch
+    assert [s[0] for s in got_cbs[-1].seen] == [s[0] for s in want_cbs[-1].seen]
+    np.testing.assert_allclose([s[1:] for s in got_cbs[-1].seen], [s[1:] for s in want_cbs[-1].seen], rtol=1e-5)
+    assert_weights_close(model.get_weights(), keras_model.get_weights(), atol=1e-5)  # the restored best weights
+    got_csv, want_csv = (np.genfromtxt(tmp_path / d / "log.csv", delimiter=",", names=True) for d in ("ls", "keras"))
+    assert got_csv.dtype.names == want_csv.dtype.names
+    for name in want_csv.dtype.names:
+        np.testing.assert_allclose(got_csv[name], want_csv[name], rtol=1e-5, atol=1e-7)
+    best = keras.models.load_model(tmp_path / "ls" / "best.keras")
+    assert_weights_close(best.get_weights(), keras.models.load_model(tmp_path / "keras" / "best.keras").get_weights(),
+                         atol=1e-5)
+
+
+def test_keras_backup_and_restore_is_refused_naming_lockstep_s(tmp_path):
+    t = ls.Trainer(regressor(), strategy=ls.MirroredStrategy(2))
+    with pytest.raises(TypeError, match=r"keras.callbacks.BackupAndRestore saves the weights only .* use "
+                                        r"lockstep.callbacks.BackupAndRestore\(backup_dir\)"):
+        t.fit(X, Y_VALUE, batch_size=B, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path))])

@@ -74,10 +74,12 @@ class CallbackList:
     """Calls every hook on every callback, in order."""
 
     def __init__(self, callbacks: Iterable[Callback], trainer: "Trainer"):
-        self.callbacks = list(callbacks)
+        from ._keras_callback import KerasCallback, is_keras_callback  # it builds on Callback
+
+        self.callbacks = [KerasCallback(cb) if is_keras_callback(cb) else cb for cb in callbacks]
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
-                raise TypeError(f"`callbacks` must hold lockstep.callbacks.Callback objects, got {type(cb).__name__}.")
+                raise TypeError(f"`callbacks` must hold lockstep or Keras callback objects, got {type(cb).__name__}.")
             cb.set_trainer(trainer)
 
     def __getattr__(self, name: str) -> Any:
@@ -96,4 +98,5 @@ class CallbackList:
     def needs_batch_logs(self) -> bool:
         """Whether any callback overrides a per-batch hook (else the trainer skips building batch logs)."""
         names = ("on_train_batch_end", "on_test_batch_end", "on_predict_batch_end")
-        return any(getattr(type(cb), n) is not getattr(Callback, n) for cb in self.callbacks for n in names)
+        return any(getattr(type(cb), n) is not getattr(Callback, n) or n in vars(cb)
+                   for cb in self.callbacks for n in names)

@@ -327,7 +327,7 @@ class Trainer(WeightFiles):
         history = self.history = History()
         cbs.append(history)
         cblist = CallbackList(cbs, self)
-        self._live.callbacks, self.stop_training = cbs, False
+        self._live.callbacks, self.stop_training = cblist.callbacks, False
         self._live.epoch, self._live.step, self._live.global_step, self._live.seed = initial_epoch, 0, 0, seed
         self._live.batch_size, self._live.accumulation = getattr(train, "batch_size", None), self._accumulation
         self._live.stream = DataStream(self.strategy, train, steps_per_epoch, self._accumulation, initial_epoch)
@@ -336,7 +336,7 @@ class Trainer(WeightFiles):
         logs: dict[str, Any] = {}
         try:
             cblist.on_train_begin()
-            self._live.take_pending(cbs)  # a restore() made before fit or in on_train_begin takes effect here
+            self._live.take_pending(cblist.callbacks)  # a restore() made before fit or in on_train_begin takes effect here
             for epoch in range(self._live.epoch, epochs):
                 logs = self._fit_epoch(epoch, self._live.stream, val, cblist)
                 if self.stop_training:
@@ -345,7 +345,7 @@ class Trainer(WeightFiles):
         finally:  # on any exit the model keeps the weights of the last completed step, as in Keras
             self._live.callbacks = []
             try:
-                self._sync_model()
+                self.sync_model()
             finally:
                 cblist.on_train_exit()
         return history
@@ -428,8 +428,9 @@ class Trainer(WeightFiles):
             raise ValueError("the model has no weights yet: call `fit`, `evaluate` or `predict` first, or build "
                              "the Keras model.")
 
-    def _sync_model(self) -> None:
-        """The Keras model (or FunctionalModel) and its Keras optimizer given the trained state."""
+    def sync_model(self) -> None:
+        """Writes the trained weights (and a Keras optimizer's state) into the model object, as
+        Keras' `fit` leaves it; `fit` does it on every exit."""
         self._adapter.sync_to_model(_host(self._live.params))
         to_keras(self._keras_optimizer, self._live.opt_state)
 

@@ -34,7 +34,7 @@ class WeightFiles:
     def train_state(self) -> Any:  # pragma: no cover - the Trainer's
         raise NotImplementedError
 
-    def _sync_model(self) -> None:  # pragma: no cover - the Trainer's
+    def sync_model(self) -> None:  # pragma: no cover - the Trainer's
         raise NotImplementedError
 
     def _opt_state_on_host(self) -> Any:
@@ -54,7 +54,7 @@ class WeightFiles:
         `.keras` path; else weights, optimizer state and epoch (`.npz` layout)."""
         weights = self.get_weights()
         if path.endswith(".keras") and hasattr(self.model, "save"):
-            self._sync_model()  # the weights and the Keras optimizer's state, as Keras saves them
+            self.sync_model()  # the weights and the Keras optimizer's state, as Keras saves them
             with atomic_path(path) as tmp:
                 self.model.save(tmp)
             return

@@ -1,0 +1,126 @@
+"""`KerasCallback`: a `keras.callbacks.Callback` (built-in or a user's subclass) run by lockstep's
+`fit` / `evaluate` / `predict`, seeing a model that behaves as the Keras model does in Keras' own
+`fit`.
+
+The callback's `self.model` is a view of the Keras model whose training-time state is the
+trainer's: `stop_training` is the trainer's (every worker agrees at the end of each epoch),
+`optimizer.learning_rate` reads and sets the trainer's learning rate (no recompilation),
+`get_weights` / `set_weights` are the trainer's weights (Keras' order), and `save` /
+`save_weights` write the trained weights and optimizer state, from worker 0 only. Callbacks that
+only write (`CSVLogger`, `TensorBoard`, `ProgbarLogger`, `RemoteMonitor`) run on worker 0 only.
+Any other attribute is the Keras model's own.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import TYPE_CHECKING, Any
+
+from ._callback import Callback, is_chief
+
+if TYPE_CHECKING:
+    from ..training._trainer import Trainer
+
+_WRITERS = ("CSVLogger", "TensorBoard", "ProgbarLogger", "RemoteMonitor")
+_HOOKS = [name for name in vars(Callback) if name.startswith("on_") and name != "on_train_exit"]
+_ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}  # Keras' own
+
+
+def _keras_classes(obj: Any) -> list[type]:
+    return [c for c in type(obj).__mro__ if c.__module__.startswith("keras")]
+
+
+def is_keras_callback(obj: Any) -> bool:
+    """Whether `obj` is a Keras 3 callback, a user's subclass included (Keras need not be imported)."""
+    return any(c.__name__ == "Callback" for c in _keras_classes(obj)) and hasattr(obj, "set_model")
+
+
+class _OptimizerView:
+    """`model.optimizer` as Keras' callbacks use it: `learning_rate` is the trainer's."""
+
+    def __init__(self, trainer: "Trainer"):
+        object.__setattr__(self, "_trainer", trainer)
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "learning_rate":
+            return self._trainer.learning_rate
+        return getattr(getattr(self._trainer.model, "optimizer", None), name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name != "learning_rate":
+            raise AttributeError(f"a Keras callback may set the optimizer's learning_rate during lockstep's fit, "
+                                 f"not {name!r}.")
+        self._trainer.learning_rate = float(value)
+
+
+class _ModelView:
+    """The Keras model as a Keras callback sees it during lockstep's `fit`."""
+
+    def __init__(self, trainer: "Trainer"):
+        object.__setattr__(self, "_trainer", trainer)
+        object.__setattr__(self, "optimizer", _OptimizerView(trainer))
+
+    def get_weights(self) -> Any:
+        return self._trainer.get_weights()
+
+    def set_weights(self, weights: Any) -> None:
+        self._trainer.set_weights(weights)
+
+    def save(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        self._write("save", filepath, *args, **kwargs)
+
+    def save_weights(self, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        self._write("save_weights", filepath, *args, **kwargs)
+
+    def _write(self, how: str, *args: Any, **kwargs: Any) -> None:
+        self._trainer.sync_model()
+        if is_chief():
+            getattr(self._trainer.model, how)(*args, **kwargs)
+
+    def jax_state_sync(self) -> None:
+        """Keras' `Callback.model` calls it on every access: the weights are read only when asked for."""
+
+    def __getattr__(self, name: str) -> Any:
+        if name == "stop_training":
+            return self._trainer.stop_training
+        return getattr(self._trainer.model, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "stop_training":
+            self._trainer.stop_training = bool(value)
+        else:
+            setattr(self._trainer.model, name, value)
+
+
+class KerasCallback(Callback):
+    """A Keras callback object as a lockstep callback: the hooks it overrides are forwarded, its
+    `model` is a view of the Keras model whose state is the trainer's (see the module docstring).
+
+    `fit`, `evaluate` and `predict` wrap Keras callbacks with it.
+
+    Raises:
+      TypeError: `keras.callbacks.BackupAndRestore` (it saves the weights only; use
+        `lockstep.callbacks.BackupAndRestore`, which restores the optimizer, the metrics and the
+        data position too, on every worker).
+    """
+
+    def __init__(self, callback: Any):
+        super().__init__()
+        classes = _keras_classes(callback)
+        names = [c.__name__ for c in classes]
+        if "BackupAndRestore" in names:
+            raise TypeError("keras.callbacks.BackupAndRestore saves the weights only and cannot resume lockstep's "
+                            "training exactly: use lockstep.callbacks.BackupAndRestore(backup_dir), which also "
+                            "restores the optimizer, the metrics and the data position, on every worker.")
+        self.keras_callback = callback
+        if any(n in _WRITERS for n in names) and not is_chief():
+            return  # a callback that only writes files or prints: worker 0's job
+        base = next(c for c in classes if c.__name__ == "Callback")
+        for hook in _HOOKS:  # only the hooks it overrides: the others would cost a read of the logs a step
+            own = [hook] + ([_ALIASES[hook]] if hook in _ALIASES else [])
+            if any(getattr(type(callback), h, None) is not getattr(base, h, None) for h in own):
+                setattr(self, hook, functools.partial(getattr(callback, hook)))
+
+    def set_trainer(self, trainer: "Trainer") -> None:
+        super().set_trainer(trainer)
+        self.keras_callback.set_model(_ModelView(trainer))
