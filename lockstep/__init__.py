@@ -30,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "StrategyExtended": "._extended",
     "ValueContext": "._strategy",
     "get_strategy": "._strategy",
+    "has_strategy": "._strategy",
+    "in_cross_replica_context": "._strategy",
     "Mirrored": "._values",
     "PerReplica": "._values",
     "ReplicaContext": "._values",
@@ -93,6 +95,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._extended import StrategyExtended as StrategyExtended
     from ._strategy import ValueContext as ValueContext
     from ._strategy import get_strategy as get_strategy
+    from ._strategy import has_strategy as has_strategy
+    from ._strategy import in_cross_replica_context as in_cross_replica_context
     from ._values import Mirrored as Mirrored
     from ._values import PerReplica as PerReplica
     from ._values import ReplicaContext as ReplicaContext

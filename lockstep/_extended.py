@@ -43,6 +43,31 @@ class StrategyExtended:
         self._compiler = RunCompiler(
             self.mesh, lambda mask, count, typed: ReplicaContext(strategy, mask, count, typed))
 
+    @property
+    def worker_devices(self) -> tuple[str, ...]:
+        """This worker's devices among the strategy's (TF's ``extended.worker_devices``), by name.
+
+        >>> import lockstep as ls
+        >>> len(ls.MirroredStrategy(2).extended.worker_devices)
+        2
+        """
+        return tuple(str(d) for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+
+    @property
+    def parameter_devices(self) -> tuple[str, ...]:
+        """Where this worker holds the variables: a copy on each of its devices (mirrored)."""
+        return self.worker_devices
+
+    @property
+    def should_checkpoint(self) -> bool:
+        """Whether this worker writes checkpoints: worker 0 only, as lockstep's callbacks do."""
+        return jax.process_index() == 0
+
+    @property
+    def should_save_summary(self) -> bool:
+        """Whether this worker writes summaries (TensorBoard): worker 0 only."""
+        return jax.process_index() == 0
+
     def agree_on_programs(self, check: Callable[[str], None] | None) -> None:
         """Calls `check(description)` before each new compiled program runs (the workers of a
         multi-worker strategy check that they all run the same one)."""

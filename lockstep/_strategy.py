@@ -448,6 +448,25 @@ class TPUStrategy(Strategy):
 _DEFAULT: list[Strategy] = []
 
 
+def has_strategy() -> bool:
+    """Whether a strategy's `scope()` is active (TF's ``tf.distribute.has_strategy``).
+
+    >>> import lockstep as ls
+    >>> ls.has_strategy(), ls.in_cross_replica_context()
+    (False, False)
+    >>> with ls.MirroredStrategy(2).scope():
+    ...     ls.has_strategy(), ls.in_cross_replica_context()
+    (True, True)
+    """
+    return _scope.active() is not None
+
+
+def in_cross_replica_context() -> bool:
+    """Whether this code runs in a strategy's scope outside a replica function (TF's
+    ``tf.distribute.in_cross_replica_context``): inside `strategy.run`, False."""
+    return has_strategy() and get_replica_context() is None
+
+
 def get_strategy() -> Strategy:
     """The strategy of the innermost active `scope()`, else a default `OneDeviceStrategy`.
 

@@ -264,3 +264,32 @@ def test_keras_backup_and_restore_is_refused_naming_lockstep_s(tmp_path):
     with pytest.raises(TypeError, match=r"keras.callbacks.BackupAndRestore saves the weights only .* use "
                                         r"lockstep.callbacks.BackupAndRestore\(backup_dir\)"):
         t.fit(X, Y_VALUE, batch_size=B, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path))])
+
+
+def test_the_tf_distribute_surface_a_tf_user_reaches_for():
+    """Before: AttributeError for each of these."""
+    s = ls.MirroredStrategy(4)
+    assert len(s.extended.worker_devices) == 4 and s.extended.parameter_devices == s.extended.worker_devices
+    assert s.extended.should_checkpoint and s.extended.should_save_summary  # one process: worker 0
+    assert not ls.has_strategy() and not ls.in_cross_replica_context()
+    with s.scope():
+        assert ls.has_strategy() and ls.in_cross_replica_context()
+        inside = s.run(lambda: np.float32(ls.in_cross_replica_context()))
+    assert not any(np.asarray(v) for v in s.experimental_local_results(inside))
+
+
+def test_a_keras_distribution_that_lockstep_would_ignore_is_refused():
+    """Before: with a keras.distribution.ModelParallel layout set, ls.Trainer silently ran replicated."""
+    devices = keras.distribution.list_devices()[:2]
+    mesh = keras.distribution.DeviceMesh((1, 2), ["batch", "model"], devices)
+    layouts = keras.distribution.LayoutMap(mesh)
+    layouts["dense.*kernel"] = (None, "model")
+    keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layouts, batch_dim_name="batch"))
+    try:
+        model = regressor()
+        with pytest.raises(ValueError, match=r"a keras.distribution setting is active \(ModelParallel\): lockstep "
+                                             r"places the model itself and would ignore its layouts"):
+            ls.Trainer(model, strategy=ls.MirroredStrategy(2))
+    finally:
+        keras.distribution.set_distribution(None)
+    assert model(X[:3]).shape == (3, 1)

@@ -131,6 +131,11 @@ class _KerasAdapter:
                 f"a Keras model needs the JAX backend, but Keras runs on {keras.backend.backend()!r}: set "
                 "the environment variable KERAS_BACKEND=jax before importing keras."
             )
+        if keras.distribution.distribution() is not None:  # its layouts would be silently ignored
+            raise ValueError(
+                f"a keras.distribution setting is active ({type(keras.distribution.distribution()).__name__}): lockstep "
+                "places the model itself and would ignore its layouts, running replicated; unset it "
+                "(keras.distribution.set_distribution(None)) and use a lockstep strategy.")
         self.model = model
         check_supported(model)
         hook_batch_norm(model, batch_statistics)
