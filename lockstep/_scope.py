@@ -96,6 +96,15 @@ def _keras_data_parallel(keras: Any) -> type:
     return cls
 
 
+def foreign_keras_distribution() -> Any:
+    """The active Keras distribution when it is not the one a lockstep scope sets, else None."""
+    keras = sys.modules.get("keras")
+    if keras is None or keras.backend.backend() != "jax":
+        return None
+    current = keras.distribution.distribution()
+    return None if current is None or type(current) is _CLASSES.get(id(keras)) else current
+
+
 def _exit_keras_distribution(previous: Any) -> None:
     if previous is not _NO_KERAS:
         sys.modules["keras"].distribution.set_distribution(previous)

@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .. import _scope
 from .._cross_replica import AXIS
 from .._values import get_replica_context
 from ._keras_layers import activity_penalties_masked, check_activity_regularizers, check_supported, hook_batch_norm
@@ -131,9 +132,10 @@ class _KerasAdapter:
                 f"a Keras model needs the JAX backend, but Keras runs on {keras.backend.backend()!r}: set "
                 "the environment variable KERAS_BACKEND=jax before importing keras."
             )
-        if keras.distribution.distribution() is not None:  # its layouts would be silently ignored
+        foreign = _scope.foreign_keras_distribution()
+        if foreign is not None:  # its layouts would be silently ignored
             raise ValueError(
-                f"a keras.distribution setting is active ({type(keras.distribution.distribution()).__name__}): lockstep "
+                f"a keras.distribution setting is active ({type(foreign).__name__}): lockstep "
                 "places the model itself and would ignore its layouts, running replicated; unset it "
                 "(keras.distribution.set_distribution(None)) and use a lockstep strategy.")
         self.model = model
