@@ -36,7 +36,7 @@ def entered(strategy: "Strategy") -> Iterator["Strategy"]:
     _SCOPES.stack.append(strategy)
     _RECENT.append(weakref.ref(strategy))
     del _RECENT[:-16]
-    previous = _enter_keras_distribution(strategy.devices)
+    previous = _enter_keras_distribution(strategy)
     try:
         yield strategy
     finally:
@@ -63,20 +63,40 @@ def strategy_of_devices(devices: Iterable[Any]) -> "Strategy | None":
     return None
 
 
-def _enter_keras_distribution(devices: Iterable[Any]) -> Any:
-    """Sets Keras' distribution to data parallelism over `devices` (only when Keras, on the JAX
-    backend, is imported or asked for); returns the previous one."""
+def strategy_of_model(model: Any, by_devices: bool = True) -> "Strategy | None":
+    """The active scope's strategy; else, for a Keras model built in a scope, that scope's; else
+    (`by_devices`) a recent scope's whose devices hold the model's variables; else None."""
+    if active() is not None:
+        return active()
+    variables = getattr(model, "variables", None) or []
+    variable, strategy = _BUILT_IN.get(id(variables[0]), (None, None)) if variables else (None, None)
+    if variable is not None and variable() is variables[0] and strategy is not None and strategy() is not None:
+        return strategy()
+    sharding = getattr(getattr(variables[0], "value", None), "sharding", None) if variables and by_devices else None
+    return strategy_of_devices(sharding.device_set) if sharding is not None else None
+
+
+def _enter_keras_distribution(strategy: "Strategy") -> Any:
+    """Sets Keras' distribution to data parallelism over `strategy`'s devices (only when Keras, on
+    the JAX backend, is imported or asked for); returns the previous one."""
     keras = sys.modules.get("keras")
     if keras is None and os.environ.get("KERAS_BACKEND") == "jax":
         import keras  # the user asked for Keras on JAX: models may be built inside this scope
     if keras is None or keras.backend.backend() != "jax":
         return _NO_KERAS
     previous = keras.distribution.distribution()
-    keras.distribution.set_distribution(_keras_data_parallel(keras)(devices=list(devices)))
+    distribution = _keras_data_parallel(keras)(devices=list(strategy.devices))
+    distribution.strategy = weakref.ref(strategy)
+    keras.distribution.set_distribution(distribution)
+    from .training._keras_fit import install  # Keras' own fit / evaluate / predict, run by lockstep
+
+    install(keras)
     return previous
 
 
 _CLASSES: dict[int, type] = {}
+# id of a Keras variable made in a lockstep scope -> (the variable, the scope's strategy), weakly
+_BUILT_IN: dict[int, tuple[weakref.ReferenceType[Any], weakref.ReferenceType[Strategy]]] = {}
 
 
 def _keras_data_parallel(keras: Any) -> type:
@@ -86,12 +106,19 @@ def _keras_data_parallel(keras: Any) -> type:
     cls = _CLASSES.get(id(keras))
     if cls is None:
         class LockstepDataParallel(keras.distribution.DataParallel):  # type: ignore[misc, name-defined]
+            strategy: Any = None  # a weak reference to the scope's strategy
+
+            def get_variable_layout(self, variable: Any) -> Any:
+                if self.strategy is not None:  # the variable was made in this strategy's scope
+                    key = id(variable)
+                    _BUILT_IN[key] = (weakref.ref(variable, lambda _: _BUILT_IN.pop(key, None)), self.strategy)
+                return super().get_variable_layout(variable)
+
             def get_data_layout(self, data_shape: Any) -> Any:  # only Keras' fit/evaluate/predict ask
                 raise UsageError(
-                    "Keras' own `model.fit` / `evaluate` / `predict` was called inside a lockstep "
-                    "`strategy.scope()`. Train with `ls.Trainer(model).fit(...)` (it takes the compiled "
-                    "optimizer, loss and metrics, and is exact for any batch size), or call Keras' methods "
-                    "outside the scope.")
+                    "a Keras training loop other than `model.fit` / `evaluate` / `predict` (which lockstep runs) "
+                    "asked to split a batch inside a lockstep `strategy.scope()`: train with `model.fit` or "
+                    "`ls.Trainer(model).fit(...)`, which are exact for any batch size, or call it outside the scope.")
         cls = _CLASSES[id(keras)] = LockstepDataParallel
     return cls
 

@@ -293,3 +293,48 @@ def test_a_keras_distribution_that_lockstep_would_ignore_is_refused():
     finally:
         keras.distribution.set_distribution(None)
     assert model(X[:3]).shape == (3, 1)
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 4])
+def test_model_fit_evaluate_and_predict_as_written_equal_keras_own(replicas):
+    """Seed 004's way: build and compile in the scope, then Keras' own `model.fit` (was refused;
+    `class_weight` was an unexpected keyword)."""
+    kw = dict(batch_size=B, epochs=3, shuffle=False, verbose=0, validation_data=(X[:40], Y_CLASS[:40]),
+              class_weight={0: 1.0, 1: 2.0, 2: 0.5})
+    keras_model = classifier()  # no lockstep scope: Keras' own fit on one device
+    want = keras_model.fit(X[40:], Y_CLASS[40:], **kw)
+    with ls.MirroredStrategy(replicas).scope():
+        model = classifier()
+    got = model.fit(X[40:], Y_CLASS[40:], **kw)
+    assert isinstance(got, ls.callbacks.History) and not isinstance(want, ls.callbacks.History)  # run by lockstep
+    assert_logs_close(got.history, want.history)
+    assert got.epoch == want.epoch == [0, 1, 2]
+    assert_weights_close(model.get_weights(), keras_model.get_weights(), atol=1e-5)
+    assert int(model.optimizer.iterations) == int(keras_model.optimizer.iterations)
+    np.testing.assert_allclose(model.evaluate(X, Y_CLASS, verbose=0), keras_model.evaluate(X, Y_CLASS, verbose=0),
+                               rtol=1e-5)
+    assert_logs_close(model.evaluate(X, Y_CLASS, verbose=0, return_dict=True),
+                      keras_model.evaluate(X, Y_CLASS, verbose=0, return_dict=True))
+    np.testing.assert_allclose(model.predict(X, batch_size=B, verbose=0), keras_model.predict(X, verbose=0),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.predict_on_batch(X[:7]), keras_model.predict_on_batch(X[:7]), rtol=1e-5, atol=1e-6)
+    # a later fit goes on from there, as Keras' does
+    more = dict(kw, epochs=1)
+    assert_logs_close(model.fit(X[40:], Y_CLASS[40:], **more).history,
+                      keras_model.fit(X[40:], Y_CLASS[40:], **more).history)
+    assert_weights_close(model.get_weights(), keras_model.get_weights(), atol=1e-5)
+
+
+def test_what_lockstep_cannot_run_as_keras_does_is_refused_and_the_model_left_whole():
+    """Before: a refused `predict` left the Keras model broken (`model(x)`: 'NoneType' object is not callable)."""
+    with ls.MirroredStrategy(4).scope():
+        model = classifier()
+    for call in (lambda: model.train_on_batch(X[:8], Y_CLASS[:8]), lambda: model.test_on_batch(X[:8], Y_CLASS[:8])):
+        with pytest.raises(ls.UsageError, match=r"on a model of a lockstep strategy is not supported: Keras accumulates"):
+            call()
+    with pytest.raises(ValueError, match=r"`validation_freq` is not supported .* got validation_freq=2"):
+        model.fit(X, Y_CLASS, validation_data=(X, Y_CLASS), validation_freq=2, verbose=0)
+    assert model(X[:3]).shape == (3, 3)
+    assert model.predict(X[:5], verbose=0).shape == (5, 3)
+    plain = classifier()  # built outside any lockstep scope: Keras' own methods, untouched
+    assert isinstance(plain.train_on_batch(X[:8], Y_CLASS[:8]), list)

@@ -85,15 +85,10 @@ def _to_python(v: Any) -> Any:
 
 def _strategy_for(model: Any) -> Strategy:
     """The active scope's strategy; else, for a Keras model built in a scope, that scope's strategy."""
-    active = _scope.active()
-    if active is not None:
-        return active
+    found = _scope.strategy_of_model(model)
+    if found is not None:
+        return found
     variables = getattr(model, "variables", None) or []
-    if variables:
-        sharding = getattr(getattr(variables[0], "value", None), "sharding", None)
-        found = _scope.strategy_of_devices(sharding.device_set) if sharding is not None else None
-        if found is not None:
-            return found
     default = get_strategy()
     if variables and any(st.num_replicas_in_sync > 1 for st in _scope.recent()):
         warnings.warn(

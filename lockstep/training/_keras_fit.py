@@ -1,0 +1,156 @@
+"""Keras' own `model.fit` / `evaluate` / `predict` on a model of a lockstep strategy, run by a
+`Trainer` (the same exact engine), with Keras' signatures and return values.
+
+The first lockstep `scope()` installs these on `keras.Model`: a model built in a lockstep
+strategy's scope (as TF users write it: build and compile in the scope, `fit` anywhere), or
+called inside one, trains through lockstep; any other model runs Keras' own methods untouched.
+The Trainer is kept with the model and made anew when the model is compiled again, so seed 004's
+code runs with only the import and strategy lines changed:
+
+>>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+'jax'
+>>> import keras, numpy as np, lockstep as ls
+>>> strategy = ls.MirroredStrategy(4)
+>>> with strategy.scope():
+...     model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2, activation="softmax")])
+...     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+>>> x, y = np.random.default_rng(0).normal(size=(10, 3)).astype("float32"), np.arange(10) % 2
+>>> sorted(model.fit(x, y, batch_size=4, epochs=2, verbose=0).history)
+['accuracy', 'loss']
+>>> len(model.evaluate(x, y, verbose=0)), model.predict(x, verbose=0).shape
+(2, (10, 2))
+
+`train_on_batch` and `test_on_batch` (whose metrics Keras accumulates across calls) are refused
+before Keras touches the model; `predict_on_batch` is `predict` on one batch.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import numpy as np
+
+from .. import _scope
+from .._errors import UsageError
+from ._trainer import Trainer
+
+_ORIGINAL: dict[str, Any] = {}
+_TRAINERS: "weakref.WeakKeyDictionary[Any, tuple[Any, Trainer]]" = weakref.WeakKeyDictionary()
+
+
+def install(keras: Any) -> None:
+    """Routes `keras.Model`'s fit / evaluate / predict (and the `*_on_batch` methods) of models of
+    a lockstep strategy through lockstep (once per process)."""
+    if _ORIGINAL:
+        return
+    for name, method in (("fit", _fit), ("evaluate", _evaluate), ("predict", _predict),
+                         ("predict_on_batch", _predict_on_batch), ("train_on_batch", _refused("train_on_batch")),
+                         ("test_on_batch", _refused("test_on_batch"))):
+        _ORIGINAL[name] = getattr(keras.Model, name)
+        method.__doc__ = _ORIGINAL[name].__doc__
+        setattr(keras.Model, name, method)
+
+
+def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:
+    """The model's Trainer on `strategy`, made anew after another `compile` (an uncompiled model
+    may predict, as in Keras)."""
+    if compiled and not model.compiled:
+        raise ValueError("You must call `compile()` before using the model.")  # Keras' own words
+    key = (strategy, model.compiled, id(model.optimizer), id(getattr(model, "_compile_metrics", None)), id(model.loss))
+    held = _TRAINERS.get(model)
+    if held is None or held[0] != key:
+        held = _TRAINERS[model] = (key, Trainer(model, strategy=strategy))
+    return held[1]
+
+
+def _unsupported(**given: Any) -> None:
+    for name, (value, default) in given.items():
+        if value != default:
+            raise ValueError(f"`{name}` is not supported by lockstep's fit / evaluate yet, got {name}={value!r}: "
+                             f"leave it at {default!r} (the numbers would otherwise differ from Keras').")
+
+
+def class_weighted(y: Any, sample_weight: Any, class_weight: dict[int, float] | None) -> Any:
+    """`sample_weight` times each sample's class weight, as Keras applies `class_weight`.
+
+    >>> class_weighted(np.array([0, 1, 1]), None, {0: 1.0, 1: 3.0}).tolist()
+    [1.0, 3.0, 3.0]
+    """
+    if class_weight is None:
+        return sample_weight
+    labels = np.asarray(y)
+    if labels.ndim > 1 and labels.shape[-1] > 1:
+        labels = labels.argmax(-1)  # one-hot, as Keras reads it
+    labels = labels.reshape(len(labels), -1)[:, 0].astype(int)
+    missing = sorted(set(np.unique(labels).tolist()) - set(class_weight))
+    if missing:
+        raise ValueError(f"`class_weight` has no weight for the classes {missing} found in `y`.")
+    weights = np.asarray([class_weight[c] for c in labels.tolist()], np.float32)
+    return weights if sample_weight is None else weights * np.asarray(sample_weight, np.float32)
+
+
+def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs: int = 1, verbose: Any = "auto",
+         callbacks: Any = None, validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
+         class_weight: Any = None, sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: Any = None,
+         validation_steps: Any = None, validation_batch_size: Any = None, validation_freq: int = 1) -> Any:
+    strategy = _scope.strategy_of_model(self, by_devices=False)
+    if strategy is None:
+        return _ORIGINAL["fit"](self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                                validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+                                class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
+                                steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                                validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+    _unsupported(validation_steps=(validation_steps, None), validation_freq=(validation_freq, 1))
+    if class_weight is not None and y is None:
+        raise ValueError("`class_weight` needs `y` given as an array (lockstep weighs the samples of arrays).")
+    return _trainer(self, strategy).fit(
+        x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+        validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+        sample_weight=class_weighted(y, sample_weight, class_weight), initial_epoch=initial_epoch,
+        steps_per_epoch=steps_per_epoch, validation_batch_size=validation_batch_size)
+
+
+def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, verbose: Any = "auto",
+              sample_weight: Any = None, steps: Any = None, callbacks: Any = None, return_dict: bool = False,
+              **kwargs: Any) -> Any:
+    strategy = _scope.strategy_of_model(self, by_devices=False)
+    if strategy is None:
+        return _ORIGINAL["evaluate"](self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
+                                     steps=steps, callbacks=callbacks, return_dict=return_dict, **kwargs)
+    _unsupported(steps=(steps, None), **{k: (v, None) for k, v in kwargs.items()})
+    logs = _trainer(self, strategy).evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight,
+                                             verbose=verbose, callbacks=callbacks, return_dict=True)
+    if return_dict:
+        return logs
+    values = list(logs.values())  # Keras' order: the loss, then the metrics; a lone loss as a scalar
+    return values[0] if len(values) == 1 else values
+
+
+def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", steps: Any = None,
+             callbacks: Any = None) -> Any:
+    strategy = _scope.strategy_of_model(self, by_devices=False)
+    if strategy is None:
+        return _ORIGINAL["predict"](self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
+    _unsupported(steps=(steps, None))
+    return _trainer(self, strategy, compiled=False).predict(x, batch_size=batch_size, verbose=verbose, callbacks=callbacks)
+
+
+def _predict_on_batch(self: Any, x: Any) -> Any:
+    strategy = _scope.strategy_of_model(self, by_devices=False)
+    if strategy is None:
+        return _ORIGINAL["predict_on_batch"](self, x)
+    import jax
+
+    return _trainer(self, strategy, compiled=False).predict(x, batch_size=len(jax.tree.leaves(x)[0]), verbose=0)
+
+
+def _refused(name: str) -> Any:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if _scope.strategy_of_model(self, by_devices=False) is None:
+            return _ORIGINAL[name](self, *args, **kwargs)
+        raise UsageError(
+            f"`model.{name}` on a model of a lockstep strategy is not supported: Keras accumulates its metrics "
+            "across calls, which lockstep's steps do not reproduce; use `model.fit` / `model.evaluate` (one call "
+            "per pass over the data). The model is left as it was.")
+    return method
