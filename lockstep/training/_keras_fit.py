@@ -26,7 +26,6 @@ before Keras touches the model; `predict_on_batch` is `predict` on one batch.
 
 from __future__ import annotations
 
-import weakref
 from typing import Any
 
 import numpy as np
@@ -36,7 +35,15 @@ from .._errors import UsageError
 from ._trainer import Trainer
 
 _ORIGINAL: dict[str, Any] = {}
-_TRAINERS: "weakref.WeakKeyDictionary[Any, tuple[Any, Trainer]]" = weakref.WeakKeyDictionary()
+_HELD = "_lockstep_trainer"  # the model's attribute holding (key, Trainer): they live and die together
+
+
+def _fingerprint(model: Any) -> tuple[int, ...]:
+    """The identity of the arrays the model's (and its optimizer's) variables hold: it changes
+    when anything other than this trainer assigns them (another Trainer, `set_weights`, `load_weights`)."""
+    optimizer = getattr(model, "optimizer", None)
+    variables = list(model.variables) + list(getattr(optimizer, "variables", None) or [])
+    return tuple(id(v.value) for v in variables)
 
 
 def install(keras: Any) -> None:
@@ -57,11 +64,20 @@ def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:
     may predict, as in Keras)."""
     if compiled and not model.compiled:
         raise ValueError("You must call `compile()` before using the model.")  # Keras' own words
-    key = (strategy, model.compiled, id(model.optimizer), id(getattr(model, "_compile_metrics", None)), id(model.loss))
-    held = _TRAINERS.get(model)
-    if held is None or held[0] != key:
-        held = _TRAINERS[model] = (key, Trainer(model, strategy=strategy))
+    key = (strategy, model.compiled, id(getattr(model, "optimizer", None)),
+           id(getattr(model, "_compile_metrics", None)), id(getattr(model, "loss", None)), _fingerprint(model))
+    held = model.__dict__.get(_HELD)
+    if held is None or held[0] != key:  # a new compile, or weights set from elsewhere: a Trainer that reads them
+        held = (key, Trainer(model, strategy=strategy))
+        object.__setattr__(model, _HELD, held)  # past Keras' attribute tracking
     return held[1]
+
+
+def _ran(model: Any) -> None:
+    """After a call: the model's arrays as this trainer left them."""
+    held = model.__dict__.get(_HELD)
+    if held is not None:
+        object.__setattr__(model, _HELD, ((*held[0][:-1], _fingerprint(model)), held[1]))
 
 
 def _unsupported(**given: Any) -> None:
@@ -104,11 +120,15 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     _unsupported(validation_steps=(validation_steps, None), validation_freq=(validation_freq, 1))
     if class_weight is not None and y is None:
         raise ValueError("`class_weight` needs `y` given as an array (lockstep weighs the samples of arrays).")
-    return _trainer(self, strategy).fit(
-        x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
-        validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
-        sample_weight=class_weighted(y, sample_weight, class_weight), initial_epoch=initial_epoch,
-        steps_per_epoch=steps_per_epoch, validation_batch_size=validation_batch_size)
+    trainer = _trainer(self, strategy)
+    try:
+        return trainer.fit(
+            x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+            sample_weight=class_weighted(y, sample_weight, class_weight), initial_epoch=initial_epoch,
+            steps_per_epoch=steps_per_epoch, validation_batch_size=validation_batch_size)
+    finally:
+        _ran(self)
 
 
 def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, verbose: Any = "auto",
@@ -119,8 +139,11 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, v
         return _ORIGINAL["evaluate"](self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
                                      steps=steps, callbacks=callbacks, return_dict=return_dict, **kwargs)
     _unsupported(steps=(steps, None), **{k: (v, None) for k, v in kwargs.items()})
-    logs = _trainer(self, strategy).evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight,
-                                             verbose=verbose, callbacks=callbacks, return_dict=True)
+    try:
+        logs = _trainer(self, strategy).evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight,
+                                                 verbose=verbose, callbacks=callbacks, return_dict=True)
+    finally:
+        _ran(self)
     if return_dict:
         return logs
     values = list(logs.values())  # Keras' order: the loss, then the metrics; a lone loss as a scalar
@@ -133,7 +156,11 @@ def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", s
     if strategy is None:
         return _ORIGINAL["predict"](self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
     _unsupported(steps=(steps, None))
-    return _trainer(self, strategy, compiled=False).predict(x, batch_size=batch_size, verbose=verbose, callbacks=callbacks)
+    try:
+        return _trainer(self, strategy, compiled=False).predict(x, batch_size=batch_size, verbose=verbose,
+                                                                callbacks=callbacks)
+    finally:
+        _ran(self)
 
 
 def _predict_on_batch(self: Any, x: Any) -> Any:
@@ -142,7 +169,10 @@ def _predict_on_batch(self: Any, x: Any) -> Any:
         return _ORIGINAL["predict_on_batch"](self, x)
     import jax
 
-    return _trainer(self, strategy, compiled=False).predict(x, batch_size=len(jax.tree.leaves(x)[0]), verbose=0)
+    try:
+        return _trainer(self, strategy, compiled=False).predict(x, batch_size=len(jax.tree.leaves(x)[0]), verbose=0)
+    finally:
+        _ran(self)
 
 
 def _refused(name: str) -> Any:
