@@ -100,23 +100,25 @@ def assert_weights_close(a, b, atol=1e-6):
         np.testing.assert_allclose(u, v, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("replicas", [1, 3, 4])
+# n=194: a last batch of 2 rows, which leaves two of 4 replicas with none
+@pytest.mark.parametrize("replicas, n", [(1, N), (3, N), (4, N), (4, 194)])
 @pytest.mark.parametrize("weighted", [False, True])
-def test_custom_keras_metrics_equal_keras_own_fit_and_evaluate(replicas, weighted):
+def test_custom_keras_metrics_equal_keras_own_fit_and_evaluate(replicas, n, weighted):
     """Before: logged as `mean_metric_wrapper` with other values (RMSE 3.878 on 4 replicas, Keras
     3.972), and `evaluate` raised UnexpectedTracerError."""
-    sw = dict(sample_weight=WEIGHTS) if weighted else {}
+    x, y = X[:n], Y_VALUE[:n]
+    sw = dict(sample_weight=WEIGHTS[:n]) if weighted else {}
 
     def compiled():  # Keras weighs only `weighted_metrics` by sample_weight: lockstep too, for a compiled model
         return regressor([RMSE(), WeightedMAE()], weighted_metrics=[WeightedMAE(name="wmae"), "mae"])
 
     keras_model = compiled()
-    want = keras_model.fit(X, Y_VALUE, batch_size=B, epochs=2, shuffle=False, verbose=0, **sw).history
-    want_eval = keras_model.evaluate(X, Y_VALUE, batch_size=B, verbose=0, return_dict=True, **sw)
+    want = keras_model.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0, **sw).history
+    want_eval = keras_model.evaluate(x, y, batch_size=B, verbose=0, return_dict=True, **sw)
     t = ls.Trainer(compiled(), strategy=ls.MirroredStrategy(replicas))
-    got = t.fit(X, Y_VALUE, batch_size=B, epochs=2, shuffle=False, verbose=0, **sw).history
+    got = t.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0, **sw).history
     assert_logs_close(got, want)
-    assert_logs_close(t.evaluate(X, Y_VALUE, batch_size=B, verbose=0, **sw), want_eval)
+    assert_logs_close(t.evaluate(x, y, batch_size=B, verbose=0, **sw), want_eval)
     assert_weights_close(t.get_weights(), keras_model.get_weights())
 
 
@@ -295,33 +297,35 @@ def test_a_keras_distribution_that_lockstep_would_ignore_is_refused():
     assert model(X[:3]).shape == (3, 1)
 
 
-@pytest.mark.parametrize("replicas", [1, 3, 4])
-def test_model_fit_evaluate_and_predict_as_written_equal_keras_own(replicas):
+# n=186: 146 training rows, whose last batch of 2 rows leaves two of 4 replicas with none
+@pytest.mark.parametrize("replicas, n", [(1, N), (3, N), (4, N), (4, 186)])
+def test_model_fit_evaluate_and_predict_as_written_equal_keras_own(replicas, n):
     """Seed 004's way: build and compile in the scope, then Keras' own `model.fit` (was refused;
     `class_weight` was an unexpected keyword)."""
-    kw = dict(batch_size=B, epochs=3, shuffle=False, verbose=0, validation_data=(X[:40], Y_CLASS[:40]),
+    x, y = X[:n], Y_CLASS[:n]
+    kw = dict(batch_size=B, epochs=3, shuffle=False, verbose=0, validation_data=(x[:40], y[:40]),
               class_weight={0: 1.0, 1: 2.0, 2: 0.5})
     keras_model = classifier()  # no lockstep scope: Keras' own fit on one device
-    want = keras_model.fit(X[40:], Y_CLASS[40:], **kw)
+    want = keras_model.fit(x[40:], y[40:], **kw)
     with ls.MirroredStrategy(replicas).scope():
         model = classifier()
-    got = model.fit(X[40:], Y_CLASS[40:], **kw)
+    got = model.fit(x[40:], y[40:], **kw)
     assert isinstance(got, ls.callbacks.History) and not isinstance(want, ls.callbacks.History)  # run by lockstep
     assert_logs_close(got.history, want.history)
     assert got.epoch == want.epoch == [0, 1, 2]
     assert_weights_close(model.get_weights(), keras_model.get_weights(), atol=1e-5)
     assert int(model.optimizer.iterations) == int(keras_model.optimizer.iterations)
-    np.testing.assert_allclose(model.evaluate(X, Y_CLASS, verbose=0), keras_model.evaluate(X, Y_CLASS, verbose=0),
+    np.testing.assert_allclose(model.evaluate(x, y, verbose=0), keras_model.evaluate(x, y, verbose=0),
                                rtol=1e-5)
-    assert_logs_close(model.evaluate(X, Y_CLASS, verbose=0, return_dict=True),
-                      keras_model.evaluate(X, Y_CLASS, verbose=0, return_dict=True))
-    np.testing.assert_allclose(model.predict(X, batch_size=B, verbose=0), keras_model.predict(X, verbose=0),
+    assert_logs_close(model.evaluate(x, y, verbose=0, return_dict=True),
+                      keras_model.evaluate(x, y, verbose=0, return_dict=True))
+    np.testing.assert_allclose(model.predict(x, batch_size=B, verbose=0), keras_model.predict(x, verbose=0),
                                rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(model.predict_on_batch(X[:7]), keras_model.predict_on_batch(X[:7]), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(model.predict_on_batch(x[:7]), keras_model.predict_on_batch(x[:7]), rtol=1e-5, atol=1e-6)
     # a later fit goes on from there, as Keras' does
     more = dict(kw, epochs=1)
-    assert_logs_close(model.fit(X[40:], Y_CLASS[40:], **more).history,
-                      keras_model.fit(X[40:], Y_CLASS[40:], **more).history)
+    assert_logs_close(model.fit(x[40:], y[40:], **more).history,
+                      keras_model.fit(x[40:], y[40:], **more).history)
     assert_weights_close(model.get_weights(), keras_model.get_weights(), atol=1e-5)
 
 
