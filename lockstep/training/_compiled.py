@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import losses as _losses
 from ..metrics import get as get_metric
+from ._outputs import Outputs
+from ._outputs import settings as output_settings
 
 DEFAULT_OPTIMIZER = "adam"
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
@@ -24,24 +27,41 @@ def is_compiled_keras(model: Any) -> bool:
 def settings(model: Any, optimizer: Any, loss: Any, metrics: Any) -> tuple[Any, Any, Any]:
     """(optimizer, loss, metrics): each given one, else the compiled model's, else the default.
 
-    Metrics come from both `metrics` and `weighted_metrics` of `compile` (lockstep weighs every
-    metric by `sample_weight`; Keras 3 weighs only `weighted_metrics`).
+    Metrics come from both `metrics` and `weighted_metrics` of `compile` (as in Keras 3, only the
+    latter are weighted by `sample_weight`). A model with several outputs, or a loss given per
+    output, gets a `_outputs.OutputLosses` and metrics per output; a single output's
+    `loss_weights` scale its loss.
     """
-    if not is_compiled_keras(model):
-        return (DEFAULT_OPTIMIZER if optimizer is None else optimizer, DEFAULT_LOSS if loss is None else loss,
-                metrics)
-    config = model.get_compile_config() or {}
-    if optimizer is None:
-        optimizer = model.optimizer if model.optimizer is not None else DEFAULT_OPTIMIZER
-    if loss is None:
-        loss = model.loss if model.loss is not None else DEFAULT_LOSS
-        if isinstance(loss, (dict, list, tuple)):
-            raise ValueError(
-                f"the model was compiled with one loss per output ({type(loss).__name__}); a Trainer trains one "
-                "output with one loss: pass `loss=` (a function of the whole y_true and y_pred).")
-    if metrics is None:
+    compiled = is_compiled_keras(model)
+    loss_weights = None
+    if compiled:
+        if optimizer is None:
+            optimizer = model.optimizer if model.optimizer is not None else DEFAULT_OPTIMIZER
+        if loss is None:
+            loss = model.loss if model.loss is not None else DEFAULT_LOSS
+            loss_weights = _loss_weights(model)
+    optimizer = DEFAULT_OPTIMIZER if optimizer is None else optimizer
+    loss = DEFAULT_LOSS if loss is None else loss
+    names = _output_names(model)
+    if names is None and isinstance(loss, (dict, list, tuple)):
+        raise ValueError(
+            f"`loss` is given per output ({type(loss).__name__}), but the model's outputs are not known before it "
+            "runs (a subclassed model): give one loss, a function of the whole y_true and y_pred, or build the model "
+            "with the functional API.")
+    if names is not None and (len(names) > 1 or isinstance(loss, (dict, list, tuple))):
+        outputs = Outputs(names)
+        if len(names) > 1:
+            groups: list[Any] = [(metrics, None)] if metrics is not None else []
+            if metrics is None and compiled:  # Keras weighs only `weighted_metrics` by sample_weight
+                groups = list(zip(_given_metrics(model, per_output=True), (False, True)))
+            return (optimizer, *output_settings(outputs, loss, loss_weights, groups))
+        loss = next(iter(_per_output(loss, outputs).values()))  # one output: its loss (and weight)
+        loss_weights = None if loss_weights is None else next(iter(_per_output(loss_weights, outputs).values()))
+    if loss_weights is not None and loss_weights != 1:
+        loss = _scaled(_losses.get(loss), loss_weights, loss)
+    if metrics is None and compiled:
         metrics = []
-        for group, weighted in zip(_given_metrics(model, config), (False, True)):
+        for group, weighted in zip(_given_metrics(model), (False, True)):
             for entry in group:
                 metric = get_metric(entry)
                 metric.weighted = weighted  # Keras weighs only `weighted_metrics` by sample_weight
@@ -49,20 +69,63 @@ def settings(model: Any, optimizer: Any, loss: Any, metrics: Any) -> tuple[Any, 
     return optimizer, loss, metrics
 
 
-def _given_metrics(model: Any, config: dict[str, Any]) -> tuple[list[Any], list[Any]]:
+def _output_names(model: Any) -> list[str] | None:
+    """A Keras model's output names when its outputs are known (a functional or sequential model), else None."""
+    if not type(model).__module__.startswith("keras") and not hasattr(model, "output_names"):
+        return None
+    try:
+        outputs = getattr(model, "outputs", None)
+        names = getattr(model, "output_names", None)
+    except (AttributeError, ValueError):
+        return None
+    if not outputs or not names or len(names) != len(outputs):
+        return None
+    return list(names)
+
+
+def _per_output(spec: Any, outputs: Outputs) -> dict[str, Any]:
+    if isinstance(spec, (dict, list, tuple)):
+        return outputs.named(spec, "loss")
+    return {outputs.names[0]: spec}
+
+
+def _loss_weights(model: Any) -> Any:
+    """`compile`'s `loss_weights` (None when not given)."""
+    compile_loss = getattr(model, "_compile_loss", None)
+    if compile_loss is not None and hasattr(compile_loss, "_user_loss_weights"):
+        return compile_loss._user_loss_weights
+    return (model.get_compile_config() or {}).get("loss_weights")
+
+
+def _scaled(fn: Any, weight: Any, loss: Any) -> Any:
+    """`fn` (a per-sample loss) times a single output's `loss_weights` entry."""
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool):
+        raise ValueError(f"`loss_weights` must hold numbers, got {weight!r}.")
+
+    def scaled(y_true: Any, y_pred: Any) -> Any:
+        return fn(y_true, y_pred) * weight
+    scaled.name = getattr(fn, "name", None) or (loss if isinstance(loss, str) else "loss")  # type: ignore[attr-defined]
+    return scaled
+
+
+def _given_metrics(model: Any, per_output: bool = False) -> Any:
     """The `metrics` and `weighted_metrics` given to `compile`: the objects as given (their
     arguments kept: an `F1Score(average="macro")` stays macro-averaged, which its serialised
-    config may not say), else from the compile config."""
+    config may not say), else from the compile config; as given when `per_output`."""
     compiled = getattr(model, "_compile_metrics", None)  # Keras 3's CompileMetrics keeps the user's objects
     if compiled is not None and hasattr(compiled, "_user_metrics"):
         groups = [compiled._user_metrics, compiled._user_weighted_metrics]
     else:
+        config = model.get_compile_config() or {}
         groups = [config.get("metrics"), config.get("weighted_metrics")]
+    if per_output:
+        return groups
     out: tuple[list[Any], list[Any]] = ([], [])
     for group, into in zip(groups, out):
         if isinstance(group, dict) or any(isinstance(m, (list, tuple, dict)) and not _serialised(m)
                                           for m in group or []):
-            raise ValueError("the model was compiled with metrics per output; pass `metrics=` to the Trainer.")
+            raise ValueError(f"the model has one output but was compiled with metrics per output ({group!r}): "
+                             "give a list of metrics.")
         into.extend(_metric(m) for m in group or [])
     return out
 

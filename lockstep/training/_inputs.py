@@ -21,7 +21,10 @@ if TYPE_CHECKING:
 
 
 def is_arrays(x: Any) -> bool:
-    """Whether `x` is an array or a (nested) dict of arrays (as opposed to an iterable of batches)."""
+    """Whether `x` is an array, a (nested) dict of arrays, or a list of them (a Keras model's
+    several inputs or outputs), as opposed to an iterable of batches (a list of ``(x, y)``)."""
+    if isinstance(x, (list, tuple)):
+        return bool(x) and all(isinstance(v, Mapping | np.ndarray | jax.Array) and is_arrays(v) for v in x)
     return isinstance(x, (np.ndarray, jax.Array)) or (
         isinstance(x, Mapping) and bool(x) and all(is_arrays(v) for v in x.values()))
 
@@ -65,7 +68,7 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
             raise ValueError(f"when `{arg}` is a {type(x).__name__} (a per-worker pipeline of batches), `y`, "
                              "`sample_weight` and `batch_size` must be None: its batches carry them.")
         return WorkerPipeline(x)
-    if isinstance(x, (list, tuple)) and y is not None:
+    if isinstance(x, (list, tuple)) and y is not None and not is_arrays(x):
         raise TypeError(
             f"`{arg}` is a Python {type(x).__name__} and `y` is given: pass NumPy arrays (`np.asarray({arg})`), "
             f"or pass an iterable of (x, y) batches as `{arg}` without `y`.")
@@ -81,12 +84,13 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
                 if name == "y" and sample_weight is not None:
                     raise ValueError("`sample_weight` needs `y`.")
                 continue
-            a = np.asarray(a)
-            if a.ndim == 0 or a.shape[0] != n:
-                raise ValueError(f"`{arg}` and `{name}` must have the same number of samples: `{arg}` has {n}, "
-                                 f"`{name}` has {a.shape[0] if a.ndim else 'a scalar'}.")
-            if name == "sample_weight":
-                _check_sample_weight_shape(a, arrays[1] if len(arrays) > 1 else None)
+            a = jax.tree.map(np.asarray, a) if isinstance(a, (Mapping, list, tuple)) and is_arrays(a) else np.asarray(a)
+            for leaf in jax.tree.leaves(a):  # one array, or one per output of the model
+                if leaf.ndim == 0 or leaf.shape[0] != n:
+                    raise ValueError(f"`{arg}` and `{name}` must have the same number of samples: `{arg}` has {n}, "
+                                     f"`{name}` has {leaf.shape[0] if leaf.ndim else 'a scalar'}.")
+                if name == "sample_weight":
+                    _check_sample_weight_shape(leaf, arrays[1] if len(arrays) > 1 and leaf is a else None)
             arrays.append(a)
         given = iter(arrays[1:])
         _check_same_content_on_every_worker({arg: x, **{name: None if a is None else next(given) for name, a in
@@ -118,7 +122,7 @@ def _check_sample_weight_shape(w: np.ndarray, y: Any) -> None:
     leading part of `y`'s shape (Keras' rule)."""
     if w.ndim == 1 or w.shape[1:] == (1,):
         return
-    y_shape = tuple(np.shape(y)) if y is not None and not isinstance(y, Mapping) else None
+    y_shape = tuple(np.shape(y)) if isinstance(y, np.ndarray) else None
     if y_shape is not None and len(y_shape) >= w.ndim and w.shape == y_shape[:w.ndim]:
         return
     raise ValueError(

@@ -95,6 +95,8 @@ def class_weighted(y: Any, sample_weight: Any, class_weight: dict[int, float] | 
     """
     if class_weight is None:
         return sample_weight
+    if isinstance(y, (dict, list, tuple)):
+        raise ValueError("`class_weight` is only supported for Models with a single output.")  # Keras' own words
     labels = np.asarray(y)
     if labels.ndim > 1 and labels.shape[-1] > 1:
         labels = labels.argmax(-1)  # one-hot, as Keras reads it

@@ -221,12 +221,14 @@ def adapt(model: Any, seed: int = 0, batch_statistics: str = "global") -> _Funct
 
 
 def output_shape(adapter: Any, params: Params, x: Any) -> Any:
-    """The shape of the model's output on `x` (traced, not run; `x` already passed the trainer's
-    `InputCheck`). A built Keras model states it (no trace of the model needed)."""
+    """The shape of the model's output on `x` (a tree of shapes for several outputs; traced, not
+    run; `x` already passed the trainer's `InputCheck`). A built Keras model states it (no trace
+    of the model needed)."""
     try:
         declared = getattr(getattr(adapter, "model", None), "output_shape", None)
     except (AttributeError, ValueError, RuntimeError):
         declared = None
     if isinstance(declared, tuple) and declared and all(isinstance(d, int) for d in declared[1:]):
         return (jax.tree.leaves(x)[0].shape[0], *declared[1:])
-    return jax.eval_shape(lambda p, x: adapter.apply(p, x, False)[0], params, x).shape
+    out = jax.eval_shape(lambda p, x: adapter.apply(p, x, False)[0], params, x)
+    return jax.tree.map(lambda a: tuple(a.shape), out)

@@ -119,6 +119,13 @@ class LiveState:
         self.opt_state = self._engine.put_replicated(init_optimizer(self.params["trainable"]))
         self.names = None if names is None else names(self.params, self.opt_state)
 
+    def begin(self, callbacks: list[Any], stream: DataStream, initial_epoch: int, seed: int, metric_state: Any,
+              batch_size: int | None, accumulation: int) -> None:
+        """The position at the start of a `fit`: epoch `initial_epoch`, no step taken, reading `stream`."""
+        self.callbacks, self.stream, self.metric_state = callbacks, stream, metric_state
+        self.epoch, self.step, self.global_step, self.seed = initial_epoch, 0, 0, seed
+        self.batch_size, self.accumulation = batch_size, accumulation
+
     def snapshot(self, share: bool = False) -> TrainState:
         """The state now; `share`: with every worker's data checksum and iterator state (a collective)."""
         return TrainState(params=self.params, opt_state=self.opt_state, metric_state=self.metric_state,

@@ -64,6 +64,14 @@ def _weighted(per_example: jax.Array, sample_weight: Any) -> jax.Array:
     return per_example * w.reshape(w.shape + (1,) * (per_example.ndim - w.ndim))
 
 
+def weighted_losses(loss_fn: LossFn, y: Any, y_pred: Any, sample_weight: Any) -> jax.Array:
+    """Per-sample losses times the sample weights (a loss over several outputs weighs each output's
+    losses by its own sample weights itself)."""
+    if getattr(loss_fn, "takes_sample_weight", False):
+        return loss_fn(y, y_pred, sample_weight)  # type: ignore[call-arg]
+    return _weighted(loss_fn(y, y_pred), sample_weight)
+
+
 def global_penalty(penalty: jax.Array | None, num_replicas: int) -> jax.Array | None:
     """The step's whole penalty (regularisers, `add_loss`) from each replica's: every replica
     contributes ``penalty / num_replicas`` (see `_model`), so the sum counts it once."""
@@ -73,11 +81,11 @@ def global_penalty(penalty: jax.Array | None, num_replicas: int) -> jax.Array | 
 def update_logs(loss_tracker: Mean, metrics: MetricCollection, state: dict[str, Any], y: Any, y_pred: Any,
                 per_example: jax.Array, sample_weight: Any, mask: jax.Array,
                 penalty: jax.Array | None = None) -> dict[str, Any]:
-    """The epoch's running state after one batch: the loss as Keras reports it (Σ w·loss / samples,
-    plus the step's penalty, which Keras adds to every batch's loss) and every metric, over the
-    real rows (`mask`)."""
+    """The epoch's running state after one batch: the loss as Keras reports it (Σ w·loss / samples:
+    `per_example` is already weighted, plus the step's penalty, which Keras adds to every batch's
+    loss) and every metric, over the real rows (`mask`)."""
     new = dict(state)
-    logged = _weighted(per_example, sample_weight)
+    logged = per_example
     if penalty is not None:
         logged = logged + penalty.astype(logged.dtype)
     new["loss"] = loss_tracker.update(state["loss"], logged, mask=mask)
@@ -100,14 +108,14 @@ def _agree_non_trainable(values: Any, mask: jax.Array) -> Any:
 def _local_gradients(apply: Apply, loss_fn: LossFn, num_replicas: int, params: dict[str, Any], x: Any, y: Any,
                      sw: Any, mask: jax.Array, count: jax.Array, scale: jax.Array | None) -> tuple[Any, tuple[Any, ...]]:
     """This replica's share of the gradient of the step's mean loss (its sum over replicas is the
-    global gradient), unscaled when a loss `scale` is given; and (y_pred, per-example losses, new
-    non-trainable state, penalty)."""
+    global gradient), unscaled when a loss `scale` is given; and (y_pred, weighted per-example
+    losses, new non-trainable state, penalty)."""
 
     def objective(trainable: Any) -> tuple[jax.Array, Any]:
         y_pred, non_trainable, penalty = apply({"trainable": trainable, "non_trainable": params["non_trainable"]},
                                                x, True)
-        per_example = loss_fn(y, y_pred)
-        loss = masked_average_loss(per_example, mask, count, sample_weight=sw)
+        per_example = weighted_losses(loss_fn, y, y_pred, sw)
+        loss = masked_average_loss(per_example, mask, count)
         if penalty is not None:  # a model's own penalties count once per step: 1/R on each replica
             loss = loss + penalty / num_replicas
         return (loss if scale is None else loss * scale), (y_pred, per_example, non_trainable, penalty)
@@ -180,7 +188,7 @@ def make_eval_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: M
                   count: jax.Array) -> dict[str, Any]:
         x, y, sw = unpack(data)
         y_pred, _, penalty = apply(params, x, False)
-        return update_logs(loss_tracker, metrics, state, y, y_pred, loss_fn(y, y_pred), sw, mask,
+        return update_logs(loss_tracker, metrics, state, y, y_pred, weighted_losses(loss_fn, y, y_pred, sw), sw, mask,
                            global_penalty(penalty, num_replicas))
 
     return eval_step

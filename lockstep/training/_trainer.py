@@ -36,6 +36,7 @@ from ._data_stream import DataStream
 from ._input_shapes import InputCheck
 from ._labels import LabelCheck, checked
 from ._model import FunctionalModel, adapt, output_shape
+from ._outputs import shapes_of
 from ._optimizers import (
     get_optimizer,
     is_keras_optimizer,
@@ -231,9 +232,10 @@ class Trainer(WeightFiles):
             self._live.place(self._adapter.build(x), self._optimizer.init, self._names)
         self._inputs.check(self._live.params, x, arg)
         if y is not None and (not self._all.built or self._labels.needs_classes):
-            pred_shape = output_shape(self._adapter, self._live.params, x)
-            self._labels.num_classes = pred_shape[-1] if pred_shape else 1
-            self._all.build(np.shape(y), pred_shape)
+            pred_shape = output_shape(self._adapter, self._live.params, x)  # a tree of shapes for several outputs
+            if self._labels.kind is not None:
+                self._labels.num_classes = pred_shape[-1] if pred_shape else 1
+            self._all.build(shapes_of(y), pred_shape)
         if self._runner is None:
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
             self._runner = StepRunner(self._engine, make_steps(apply, self._loss_fn, self._optimizer, self._loss_tracker,
@@ -322,11 +324,10 @@ class Trainer(WeightFiles):
         history = self.history = History()
         cbs.append(history)
         cblist = CallbackList(cbs, self)
-        self._live.callbacks, self.stop_training = cblist.callbacks, False
-        self._live.epoch, self._live.step, self._live.global_step, self._live.seed = initial_epoch, 0, 0, seed
-        self._live.batch_size, self._live.accumulation = getattr(train, "batch_size", None), self._accumulation
-        self._live.stream = DataStream(self.strategy, train, steps_per_epoch, self._accumulation, initial_epoch)
-        self._live.metric_state = self._fresh_state()
+        self.stop_training = False
+        self._live.begin(cblist.callbacks, DataStream(self.strategy, train, steps_per_epoch, self._accumulation,
+                                                      initial_epoch), initial_epoch, seed, self._fresh_state(),
+                         getattr(train, "batch_size", None), self._accumulation)
         self._runner.start(self._live.params)
         logs: dict[str, Any] = {}
         try:
