@@ -263,6 +263,20 @@ def test_keras_callbacks_as_written_decide_and_write_as_in_keras_own_fit(replica
                          atol=1e-5)
 
 
+def test_callbacks_and_the_history_get_keras_params():
+    """Before: a Keras callback's `self.params` stayed None, and lockstep's History had no `params`."""
+    class Reader(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            self.seen = dict(self.params)
+
+    kw = dict(batch_size=B, epochs=2, verbose=0, shuffle=False)
+    want_reader, got_reader = Reader(), Reader()
+    want = regressor().fit(X, Y_VALUE, callbacks=[want_reader], **kw)
+    with ls.MirroredStrategy(3).scope():
+        got = regressor().fit(X, Y_VALUE, callbacks=[got_reader], **kw)
+    assert got_reader.seen == want_reader.seen == got.params == want.params == {"verbose": 0, "epochs": 2, "steps": 13}
+
+
 def test_keras_backup_and_restore_is_refused_naming_lockstep_s(tmp_path):
     t = ls.Trainer(regressor(), strategy=ls.MirroredStrategy(2))
     with pytest.raises(TypeError, match=r"keras.callbacks.BackupAndRestore saves the weights only .* use "
@@ -331,15 +345,53 @@ def test_model_fit_evaluate_and_predict_as_written_equal_keras_own(replicas, n):
     assert_weights_close(model.get_weights(), keras_model.get_weights(), atol=1e-5)
 
 
+@pytest.mark.parametrize("replicas", [1, 3, 4])
+def test_validation_freq_validation_steps_and_evaluate_steps_as_in_keras(replicas):
+    """Before: `validation_freq`, `validation_steps` and `evaluate(steps=)` were refused."""
+    val = (X[:45], Y_CLASS[:45])  # 3 batches of 16, the last of 13: validation_steps=2 reads 32 rows
+    runs = [dict(validation_freq=2, epochs=5), dict(validation_freq=[1, 4], epochs=4, validation_steps=2)]
+    for kw in runs:
+        keras_model = classifier()
+        want = keras_model.fit(X[45:], Y_CLASS[45:], batch_size=B, shuffle=False, verbose=0, validation_data=val, **kw)
+        with ls.MirroredStrategy(replicas).scope():
+            model = classifier()
+        got = model.fit(X[45:], Y_CLASS[45:], batch_size=B, shuffle=False, verbose=0, validation_data=val, **kw)
+        assert_logs_close(got.history, want.history)
+        assert len(got.history["val_loss"]) == 2  # validated after epochs 2 and 4, or 1 and 4
+        np.testing.assert_allclose(model.evaluate(X, Y_CLASS, batch_size=B, steps=3, verbose=0),
+                                   keras_model.evaluate(X, Y_CLASS, batch_size=B, steps=3, verbose=0), rtol=1e-5)
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 4])
+def test_train_on_batch_and_test_on_batch_in_a_loop_equal_keras_own(replicas):
+    """Before: refused. A hand-written loop over batches (the last of 3 rows: on 4 replicas one holds none)."""
+    keras_model = classifier()
+    with ls.MirroredStrategy(replicas).scope():
+        model = classifier()
+    for lo in range(0, 83, 16):
+        batch = (X[lo:lo + 16][:83 - lo], Y_CLASS[lo:lo + 16][:83 - lo])
+        kw = dict(class_weight={0: 1.0, 1: 2.0, 2: 0.5}) if lo == 32 else {}
+        np.testing.assert_allclose(model.train_on_batch(*batch, **kw), keras_model.train_on_batch(*batch, **kw),
+                                   rtol=1e-5)
+    assert int(model.optimizer.iterations) == int(keras_model.optimizer.iterations) == 6
+    assert_weights_close(model.get_weights(), keras_model.get_weights(), atol=1e-5)
+    assert_weights_close(model.optimizer.variables, keras_model.optimizer.variables, atol=1e-5)
+    assert_logs_close(model.test_on_batch(X[:5], Y_CLASS[:5], sample_weight=WEIGHTS[:5], return_dict=True),
+                      keras_model.test_on_batch(X[:5], Y_CLASS[:5], sample_weight=WEIGHTS[:5], return_dict=True))
+    assert_logs_close(model.train_on_batch(X[:7], Y_CLASS[:7], return_dict=True),
+                      keras_model.train_on_batch(X[:7], Y_CLASS[:7], return_dict=True))
+
+
 def test_what_lockstep_cannot_run_as_keras_does_is_refused_and_the_model_left_whole():
     """Before: a refused `predict` left the Keras model broken (`model(x)`: 'NoneType' object is not callable)."""
     with ls.MirroredStrategy(4).scope():
         model = classifier()
-    for call in (lambda: model.train_on_batch(X[:8], Y_CLASS[:8]), lambda: model.test_on_batch(X[:8], Y_CLASS[:8])):
-        with pytest.raises(ls.UsageError, match=r"on a model of a lockstep strategy is not supported: Keras accumulates"):
-            call()
-    with pytest.raises(ValueError, match=r"`validation_freq` is not supported .* got validation_freq=2"):
-        model.fit(X, Y_CLASS, validation_data=(X, Y_CLASS), validation_freq=2, verbose=0)
+    with pytest.raises(ValueError, match=r"`sample_weight` and `class_weight` cannot be specified at the same time"):
+        model.train_on_batch(X[:8], Y_CLASS[:8], sample_weight=WEIGHTS[:8], class_weight={0: 1.0, 1: 1.0, 2: 1.0})
+    with pytest.raises(ValueError, match=r"`validation_freq` must be a positive integer .* got validation_freq=0"):
+        model.fit(X, Y_CLASS, validation_data=(X, Y_CLASS), validation_freq=0, verbose=0)
+    with pytest.raises(ValueError, match=r"`steps` is not supported .* got steps=2"):
+        model.predict(X, steps=2, verbose=0)
     assert model(X[:3]).shape == (3, 3)
     assert model.predict(X[:5], verbose=0).shape == (5, 3)
     plain = classifier()  # built outside any lockstep scope: Keras' own methods, untouched

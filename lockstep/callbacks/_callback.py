@@ -31,6 +31,8 @@ class Callback:
 
     def __init__(self) -> None:
         self.trainer: Trainer | None = None
+        #: what `fit` gives every callback, as Keras does: ``{"verbose": ..., "epochs": ..., "steps": ...}``
+        self.params: dict[str, Any] = {}
 
     @property
     def model(self) -> "Trainer | None":
@@ -38,6 +40,9 @@ class Callback:
 
     def set_trainer(self, trainer: "Trainer") -> None:
         self.trainer = trainer
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        self.params = params
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None: ...
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None: ...
@@ -73,7 +78,7 @@ _HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 class CallbackList:
     """Calls every hook on every callback, in order."""
 
-    def __init__(self, callbacks: Iterable[Callback], trainer: "Trainer"):
+    def __init__(self, callbacks: Iterable[Callback], trainer: "Trainer", params: dict[str, Any] | None = None):
         from ._keras_callback import KerasCallback, is_keras_callback  # it builds on Callback
 
         self.callbacks = [KerasCallback(cb) if is_keras_callback(cb) else cb for cb in callbacks]
@@ -81,6 +86,8 @@ class CallbackList:
             if not isinstance(cb, Callback):
                 raise TypeError(f"`callbacks` must hold lockstep or Keras callback objects, got {type(cb).__name__}.")
             cb.set_trainer(trainer)
+            if params is not None:
+                cb.set_params(params)
 
     def __getattr__(self, name: str) -> Any:
         if name not in _HOOKS:

@@ -124,3 +124,7 @@ class KerasCallback(Callback):
     def set_trainer(self, trainer: "Trainer") -> None:
         super().set_trainer(trainer)
         self.keras_callback.set_model(_ModelView(trainer))
+
+    def set_params(self, params: dict[str, Any]) -> None:
+        super().set_params(params)
+        self.keras_callback.set_params(params)

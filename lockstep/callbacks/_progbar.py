@@ -32,19 +32,14 @@ class ProgbarLogger(Callback):
         self.refresh_seconds = refresh_seconds
         self.file = file
         self._bar: Any = None
-        self._epochs = 0
-        self._steps: int | None = None
-
-    def set_params(self, epochs: int, steps: int | None) -> None:
-        self._epochs, self._steps = epochs, steps
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if not is_chief() or self.verbose != 1:
             return
         from tqdm.auto import tqdm
 
-        self._bar = tqdm(total=self._steps, desc=f"Epoch {epoch + 1}/{self._epochs}", unit="step",
-                         file=self.file or sys.stdout, mininterval=self.refresh_seconds, leave=True,
+        self._bar = tqdm(total=self.params.get("steps"), desc=f"Epoch {epoch + 1}/{self.params.get('epochs', 0)}",
+                         unit="step", file=self.file or sys.stdout, mininterval=self.refresh_seconds, leave=True,
                          dynamic_ncols=True)
         self._last = 0.0
 
@@ -65,5 +60,5 @@ class ProgbarLogger(Callback):
             self._bar.close()
             self._bar = None
         elif self.verbose == 2:
-            print(f"Epoch {epoch + 1}/{self._epochs} - {format_logs(logs or {})}", file=self.file or sys.stdout,
-                  flush=True)
+            print(f"Epoch {epoch + 1}/{self.params.get('epochs', 0)} - {format_logs(logs or {})}",
+                  file=self.file or sys.stdout, flush=True)

@@ -181,8 +181,41 @@ def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float
     return cut(x, head), cut(y, head), cut(sample_weight, head), (cut(x, tail), cut(y, tail), cut(sample_weight, tail))
 
 
-def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: int | None) -> Iterable[Any] | None:
-    """Global batches of `validation_data`: ``(x, y)`` / ``(x, y, sample_weight)`` arrays or batches."""
+def checked_steps(steps: Any, arg: str = "steps") -> int | None:
+    """`steps` (a number of batches to read) checked: a positive integer, or None for all."""
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, (int, np.integer)) or steps < 1):
+        raise ValueError(f"`{arg}` must be a positive integer (or None for every batch), got {arg}={steps!r}.")
+    return None if steps is None else int(steps)
+
+
+class Validation:
+    """`fit`'s validation data: its global `batches`, read after the epochs `validation_freq`
+    names (every k-th, counted from 1, or those listed, as in Keras), `steps` batches at most.
+
+    >>> v = Validation([], validation_freq=2, steps=None)
+    >>> [epoch for epoch in range(6) if v.due(epoch)]
+    [1, 3, 5]
+    """
+
+    def __init__(self, batches: Iterable[Any], validation_freq: Any, steps: Any):
+        ok_int = isinstance(validation_freq, (int, np.integer)) and not isinstance(validation_freq, bool)
+        if not (ok_int and validation_freq >= 1) and not (
+                isinstance(validation_freq, (list, tuple)) and all(isinstance(e, int) for e in validation_freq)):
+            raise ValueError("`validation_freq` must be a positive integer (validate every that many epochs) or a list "
+                             f"of epochs (counted from 1), got validation_freq={validation_freq!r}.")
+        self.batches, self._freq = batches, validation_freq
+        self.steps = checked_steps(steps, "validation_steps")
+
+    def due(self, epoch: int) -> bool:
+        """Whether to validate at the end of `epoch` (counted from 0)."""
+        if isinstance(self._freq, (list, tuple)):
+            return epoch + 1 in self._freq
+        return (epoch + 1) % int(self._freq) == 0
+
+
+def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: int | None, validation_freq: Any = 1,
+                       validation_steps: Any = None) -> Validation | None:
+    """`validation_data` (``(x, y)`` / ``(x, y, sample_weight)`` arrays, or batches) as global batches."""
     if validation_data is None:
         return None
     if isinstance(validation_data, tuple) and is_arrays(validation_data[0]):
@@ -190,8 +223,10 @@ def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: i
             raise ValueError(f"`validation_data` must be (x, y) or (x, y, sample_weight) arrays, or an iterable of "
                              f"batches; got a tuple of {len(validation_data)} arrays.")
         vx, vy, vw = (*validation_data, None)[:3]
-        return to_batches(strategy, vx, vy, vw, batch_size, False, 0, "validation_data")
-    return to_batches(strategy, validation_data, None, None, None, False, 0, "validation_data")
+        batches = to_batches(strategy, vx, vy, vw, batch_size, False, 0, "validation_data")
+    else:
+        batches = to_batches(strategy, validation_data, None, None, None, False, 0, "validation_data")
+    return Validation(batches, validation_freq, validation_steps)
 
 
 def validation_labels(validation_data: Any) -> Any:

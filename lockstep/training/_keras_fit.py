@@ -20,18 +20,19 @@ code runs with only the import and strategy lines changed:
 >>> len(model.evaluate(x, y, verbose=0)), model.predict(x, verbose=0).shape
 (2, (10, 2))
 
-`train_on_batch` and `test_on_batch` (whose metrics Keras accumulates across calls) are refused
-before Keras touches the model; `predict_on_batch` is `predict` on one batch.
+`train_on_batch` is one `fit` step on one global batch, `test_on_batch` an `evaluate` of it and
+`predict_on_batch` a `predict` (each reports that batch's numbers, as Keras 3 resets its metrics
+before each); arguments lockstep does not take are refused before Keras touches the model.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import jax
 import numpy as np
 
 from .. import _scope
-from .._errors import UsageError
 from ._trainer import Trainer
 
 _ORIGINAL: dict[str, Any] = {}
@@ -52,8 +53,8 @@ def install(keras: Any) -> None:
     if _ORIGINAL:
         return
     for name, method in (("fit", _fit), ("evaluate", _evaluate), ("predict", _predict),
-                         ("predict_on_batch", _predict_on_batch), ("train_on_batch", _refused("train_on_batch")),
-                         ("test_on_batch", _refused("test_on_batch"))):
+                         ("predict_on_batch", _predict_on_batch), ("train_on_batch", _train_on_batch),
+                         ("test_on_batch", _test_on_batch)):
         _ORIGINAL[name] = getattr(keras.Model, name)
         method.__doc__ = _ORIGINAL[name].__doc__
         setattr(keras.Model, name, method)
@@ -119,7 +120,6 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                 class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
                                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                                 validation_batch_size=validation_batch_size, validation_freq=validation_freq)
-    _unsupported(validation_steps=(validation_steps, None), validation_freq=(validation_freq, 1))
     if class_weight is not None and y is None:
         raise ValueError("`class_weight` needs `y` given as an array (lockstep weighs the samples of arrays).")
     trainer = _trainer(self, strategy)
@@ -128,7 +128,8 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
             x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
             sample_weight=class_weighted(y, sample_weight, class_weight), initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch, validation_batch_size=validation_batch_size)
+            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+            validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     finally:
         _ran(self)
 
@@ -140,16 +141,13 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, v
     if strategy is None:
         return _ORIGINAL["evaluate"](self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
                                      steps=steps, callbacks=callbacks, return_dict=return_dict, **kwargs)
-    _unsupported(steps=(steps, None), **{k: (v, None) for k, v in kwargs.items()})
+    _unsupported(**{k: (v, None) for k, v in kwargs.items()})
     try:
         logs = _trainer(self, strategy).evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight,
-                                                 verbose=verbose, callbacks=callbacks, return_dict=True)
+                                                 verbose=verbose, callbacks=callbacks, return_dict=True, steps=steps)
     finally:
         _ran(self)
-    if return_dict:
-        return logs
-    values = list(logs.values())  # Keras' order: the loss, then the metrics; a lone loss as a scalar
-    return values[0] if len(values) == 1 else values
+    return _in_order(logs, return_dict)  # Keras' order: the loss, then the metrics
 
 
 def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", steps: Any = None,
@@ -169,20 +167,44 @@ def _predict_on_batch(self: Any, x: Any) -> Any:
     strategy = _scope.strategy_of_model(self, by_devices=False)
     if strategy is None:
         return _ORIGINAL["predict_on_batch"](self, x)
-    import jax
-
     try:
         return _trainer(self, strategy, compiled=False).predict(x, batch_size=len(jax.tree.leaves(x)[0]), verbose=0)
     finally:
         _ran(self)
 
 
-def _refused(name: str) -> Any:
-    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if _scope.strategy_of_model(self, by_devices=False) is None:
-            return _ORIGINAL[name](self, *args, **kwargs)
-        raise UsageError(
-            f"`model.{name}` on a model of a lockstep strategy is not supported: Keras accumulates its metrics "
-            "across calls, which lockstep's steps do not reproduce; use `model.fit` / `model.evaluate` (one call "
-            "per pass over the data). The model is left as it was.")
-    return method
+def _in_order(logs: dict[str, Any], return_dict: bool) -> Any:
+    """Logs as Keras returns them: the dict, or the values in order (a lone loss as a scalar)."""
+    if return_dict:
+        return logs
+    values = list(logs.values())
+    return values[0] if len(values) == 1 else values
+
+
+def _train_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None, class_weight: Any = None,
+                    return_dict: bool = False) -> Any:
+    strategy = _scope.strategy_of_model(self, by_devices=False)
+    if strategy is None:
+        return _ORIGINAL["train_on_batch"](self, x, y, sample_weight=sample_weight, class_weight=class_weight,
+                                           return_dict=return_dict)
+    if class_weight is not None and sample_weight is not None:
+        raise ValueError("Arguments `sample_weight` and `class_weight` cannot be specified at the same time.")
+    try:
+        history = _trainer(self, strategy).fit(
+            x, y, batch_size=len(jax.tree.leaves(x)[0]), epochs=1, shuffle=False, verbose=0,
+            sample_weight=class_weighted(y, sample_weight, class_weight))
+    finally:
+        _ran(self)
+    return _in_order({k: v[0] for k, v in history.history.items()}, return_dict)
+
+
+def _test_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = False) -> Any:
+    strategy = _scope.strategy_of_model(self, by_devices=False)
+    if strategy is None:
+        return _ORIGINAL["test_on_batch"](self, x, y, sample_weight=sample_weight, return_dict=return_dict)
+    try:
+        logs = _trainer(self, strategy).evaluate(x, y, batch_size=len(jax.tree.leaves(x)[0]), verbose=0,
+                                                 sample_weight=sample_weight, return_dict=True)
+    finally:
+        _ran(self)
+    return _in_order(logs, return_dict)

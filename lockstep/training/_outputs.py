@@ -26,9 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from .. import losses as _losses
-from ..metrics import Metric
+from ..metrics import Metric, divide_no_nan
 from ..metrics import get as get_metric
-from ..metrics._base import State
+
+State = dict[str, Any]  # a metric's state
 
 
 def _is_shape(x: Any) -> bool:
@@ -161,7 +162,7 @@ class OutputLoss(Metric):
         return self.update({}, y_true, y_pred, sample_weight)
 
     def result_from(self, state: State) -> Any:
-        return jnp.where(state["count"] == 0, 0.0, state["total"] / jnp.where(state["count"] == 0, 1.0, state["count"]))
+        return divide_no_nan(state["total"], state["count"])
 
 
 class OutputMetric(Metric):
@@ -232,4 +233,5 @@ def settings(outputs: Outputs, loss: Any, loss_weights: Any, groups: Sequence[tu
     Keras logs them, then the metrics per output)."""
     losses = OutputLosses(outputs, loss, loss_weights)
     trackers: list[Metric] = [OutputLoss(losses, name) for name in losses.losses] if len(losses.losses) > 1 else []
-    return losses, trackers + metrics_per_output(outputs, groups)
+    metrics = sorted(metrics_per_output(outputs, groups), key=lambda m: m.name)  # Keras lists them by name
+    return losses, trackers + metrics

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
 import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
@@ -26,6 +27,8 @@ from ..metrics._base import synced_result
 from ._inputs import (
     distribute,
     peek,
+    Validation,
+    checked_steps,
     split_validation,
     to_batches,
     validation_batches,
@@ -84,8 +87,13 @@ def _to_python(v: Any) -> Any:
     return float(a) if a.ndim == 0 else a
 
 
-def _strategy_for(model: Any) -> Strategy:
-    """The active scope's strategy; else, for a Keras model built in a scope, that scope's strategy."""
+def _strategy_for(model: Any, given: Any) -> Strategy:
+    """`given` (checked); else the active scope's strategy; else, for a Keras model built in a
+    scope, that scope's strategy."""
+    if given is not None:
+        if not isinstance(given, Strategy):
+            raise TypeError(f"`strategy` must be a lockstep strategy, got {type(given).__name__}.")
+        return given
     found = _scope.strategy_of_model(model)
     if found is not None:
         return found
@@ -122,16 +130,16 @@ def _check_takes_labels(metric: Metric) -> None:
             "(y_true, y_pred); wrap a per-sample function in lockstep.metrics.MeanMetricWrapper instead.")
 
 
-def _with_progress_bar(cbs: list[Callback], verbose: int | str, train: Iterable[Any], epochs: int,
-                       steps_per_epoch: int | None, accumulation: int) -> list[Callback]:
-    """`cbs` with a progress bar first when `verbose` asks for one (on the chief only); it counts
-    optimizer steps (groups of `accumulation` batches)."""
-    if (1 if verbose == "auto" else int(verbose)) and is_chief():
-        bar = ProgbarLogger(1 if verbose == "auto" else int(verbose))
-        steps = -(-len(train) // accumulation) if hasattr(train, "__len__") else None  # type: ignore[arg-type]
-        bar.set_params(epochs, min(steps, steps_per_epoch) if steps and steps_per_epoch else steps or steps_per_epoch)
-        cbs.insert(0, bar)
-    return cbs
+def _fit_callbacks(cbs: list[Callback], verbose: int | str, train: Iterable[Any], epochs: int,
+                   steps_per_epoch: int | None, accumulation: int) -> tuple[list[Callback], dict[str, Any]]:
+    """(`cbs` with a progress bar first when `verbose` asks for one (on the chief only), and the
+    `params` every callback is given, as Keras gives them: verbose, epochs and steps an epoch, in
+    optimizer steps (groups of `accumulation` batches))."""
+    verbose = 1 if verbose == "auto" else int(verbose)
+    steps = -(-len(train) // accumulation) if hasattr(train, "__len__") else None  # type: ignore[arg-type]
+    params = {"verbose": verbose, "epochs": epochs,
+              "steps": min(steps, steps_per_epoch) if steps and steps_per_epoch else steps or steps_per_epoch}
+    return ([ProgbarLogger(verbose)] if verbose and is_chief() else []) + cbs, params
 
 
 def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any, verbose: Any = 0) -> None:
@@ -200,9 +208,7 @@ class Trainer(WeightFiles):
                  strategy: Strategy | None = None, seed: int = 0, batch_statistics: str = "global",
                  gradient_accumulation_steps: int = 1, dtype_policy: str | None = None):
         self._accumulation = checked_accumulation(gradient_accumulation_steps)
-        self.strategy = strategy or _strategy_for(model)
-        if not isinstance(self.strategy, Strategy):
-            raise TypeError(f"`strategy` must be a lockstep strategy, got {type(strategy).__name__}.")
+        self.strategy = _strategy_for(model, strategy)
         self.model = model
         self._engine = self.strategy.extended
         self._adapter = adapt(model, seed, batch_statistics)
@@ -300,11 +306,13 @@ class Trainer(WeightFiles):
             verbose: int | str = "auto", callbacks: Iterable[Callback] | None = None,
             validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True, seed: int = 0,
             sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
-            validation_batch_size: int | None = None) -> History:
+            validation_steps: int | None = None, validation_batch_size: int | None = None,
+            validation_freq: int | list[int] = 1) -> History:
         """Trains for `epochs` epochs; returns the `History` (one entry per epoch and log name).
 
         `batch_size` is global (all replicas). `x` may be arrays (with `y`, `sample_weight`) or an
-        iterable of batches ``(x, y)`` / ``(x, y, sample_weight)``.
+        iterable of batches ``(x, y)`` / ``(x, y, sample_weight)``. Validation runs after the epochs
+        `validation_freq` names (as in Keras), on `validation_steps` batches at most.
 
         Raises:
           ValueError: `x` and `y` of different lengths, `validation_split` outside [0, 1), ...
@@ -315,15 +323,16 @@ class Trainer(WeightFiles):
             x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split,
                                                                     validation_data)
         train = to_batches(self.strategy, x, y, sample_weight, batch_size, shuffle, seed)
-        val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size)
+        val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size, validation_freq,
+                                 validation_steps)
         first, train = peek(train)
         inputs = self._build(first, "x")
-        cbs = _with_progress_bar(list(callbacks or []), verbose, train, epochs, steps_per_epoch, self._accumulation)
+        cbs, params = _fit_callbacks(list(callbacks or []), verbose, train, epochs, steps_per_epoch, self._accumulation)
         train = checked(train, self._labels, y, "y" if y is not None else "x", first, inputs)
         checked([], self._labels, validation_labels(validation_data), "validation_data")  # arrays: now, not after an epoch
         history = self.history = History()
         cbs.append(history)
-        cblist = CallbackList(cbs, self)
+        cblist = CallbackList(cbs, self, params)
         self.stop_training = False
         self._live.begin(cblist.callbacks, DataStream(self.strategy, train, steps_per_epoch, self._accumulation,
                                                       initial_epoch), initial_epoch, seed, self._fresh_state(),
@@ -346,7 +355,7 @@ class Trainer(WeightFiles):
                 cblist.on_train_exit()
         return history
 
-    def _fit_epoch(self, epoch: int, train: DataStream, val: Iterable[Any] | None, cblist: CallbackList
+    def _fit_epoch(self, epoch: int, train: DataStream, val: Validation | None, cblist: CallbackList
                    ) -> dict[str, Any]:
         """One epoch (from step `self._live.step` on, after a resume); returns the epoch's logs."""
         skip = self._live.step
@@ -364,21 +373,21 @@ class Trainer(WeightFiles):
         logs = self._read(self._live.metric_state)
         if (skipped := skipped_steps(self._live.opt_state)) is not None:
             logs["skipped_steps"] = skipped  # mixed_float16: steps skipped for non-finite gradients so far
-        if val is not None:
-            logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val, cblist).items()})
+        if val is not None and val.due(epoch):
+            logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val.batches, cblist, steps=val.steps).items()})
         cblist.on_epoch_end(epoch, logs)
         self.stop_training = bool(broadcast_from_chief(np.asarray(self.stop_training)))  # every worker agrees
         return logs
 
     # --- evaluate / predict --------------------------------------------------------------------
     def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList, y: Any = None,
-                          arg: str = "validation_data") -> dict[str, Any]:
+                          arg: str = "validation_data", steps: int | None = None) -> dict[str, Any]:
         first, data = peek(data)
         inputs = self._build(first, "x" if arg in ("x", "y") else arg)
         data = checked(data, self._labels, y, arg, inputs=inputs)
         state = self._fresh_state()
         cblist.on_test_begin()
-        for step, batch in enumerate(distribute(self.strategy, data)):
+        for step, batch in enumerate(itertools.islice(distribute(self.strategy, data), steps)):  # steps: None, all
             state = self._runner.evaluate(self._live.params, state, batch)
             cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
         logs = self._read(state)
@@ -386,9 +395,9 @@ class Trainer(WeightFiles):
         return logs
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, sample_weight: Any = None,
-                 verbose: int | str = 0, callbacks: Iterable[Callback] | None = None,
-                 return_dict: bool = True) -> dict[str, Any] | list[Any]:
-        """Loss and metrics over the whole data, exactly as one device computes them.
+                 verbose: int | str = 0, callbacks: Iterable[Callback] | None = None, return_dict: bool = True,
+                 steps: int | None = None) -> dict[str, Any] | list[Any]:
+        """Loss and metrics over the whole data (its first `steps` batches), exactly as one device computes them.
 
         Returns:
           ``{"loss": ..., <metric name>: ...}`` (a list in that order if `return_dict` is False).
@@ -396,7 +405,7 @@ class Trainer(WeightFiles):
         data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
         _note_weighted_metrics(sample_weight, self._metrics)
         cblist = CallbackList(list(callbacks or []), self)
-        logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x")
+        logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x", checked_steps(steps))
         if verbose and is_chief():
             print(format_logs(logs))
         return logs if return_dict else list(logs.values())
@@ -414,8 +423,6 @@ class Trainer(WeightFiles):
             outputs.append(self._runner.predict(self._live.params, batch))
             cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})
         cblist.on_predict_end()
-        if not outputs:
-            raise ValueError("`x` yields no batch to predict on.")
         return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
     # --- weights -----------------------------------------------------------------------------
