@@ -152,6 +152,12 @@ def test_what_does_not_fit_the_outputs_is_a_clear_error_and_the_model_is_left_wh
         model.fit(x, [Y_CLS, Y_REG, Y_REG], verbose=0)
     with pytest.raises(ValueError, match=r"`y` is keyed by \['value'\], which are not outputs of the model"):
         model.fit(x, {"cls": Y_CLS, "value": Y_REG}, verbose=0)
+    bad = Y_CLS.copy()
+    bad[7] = 3  # the cls head predicts 3 classes
+    with pytest.raises(ValueError, match=r"`y\['cls'\]` holds label 3 \(at index 7\), outside the 3 classes"):
+        model.fit(x, {"cls": bad, "reg": Y_REG}, verbose=0)
+    with pytest.raises(ValueError, match=r"`validation_data\['cls'\]` holds label 3"):
+        model.fit(x, [Y_CLS, Y_REG], validation_data=(x, [bad, Y_REG]), verbose=0)
     with pytest.raises(ValueError, match=r"`x` and `y` must have the same number of samples: `x` has 61, `y` has 60"):
         model.fit(x, [Y_CLS, Y_REG[:60]], verbose=0)
     with ls.MirroredStrategy(2).scope():

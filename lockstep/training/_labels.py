@@ -76,15 +76,41 @@ def check_labels(kind: str, y: Any, num_classes: int, arg: str = "y", where: str
 
 class LabelCheck:
     """What a `Trainer` checks labels against: its loss's kind, and the model's number of classes
-    (`num_classes`, set once the model is built)."""
+    (set by `set_classes` once the model is built); for a loss per output (`_outputs.OutputLosses`),
+    each output's labels against its own loss."""
 
     def __init__(self, loss: Any):
-        self.kind = label_kind(loss)
-        self.num_classes = 0
+        self._outputs = getattr(loss, "outputs", None)
+        per_output = getattr(loss, "losses", None) if self._outputs is not None else None
+        kinds = {k: label_kind(fn) for k, fn in per_output.items()} if per_output is not None else {"": label_kind(loss)}
+        self._kinds = {k: kind for k, kind in kinds.items() if kind is not None}
+        self._classes: dict[str, int] = {}
+
+    @property
+    def kind(self) -> str | None:
+        """The kind of the (single) loss, or ``"per_output"``; None when nothing is checked."""
+        if not self._kinds:
+            return None
+        return self._kinds.get("", "per_output")
 
     @property
     def needs_classes(self) -> bool:
-        return self.kind is not None and not self.num_classes
+        return bool(self._kinds) and not self._classes
+
+    def set_classes(self, pred_shape: Any) -> None:
+        """The number of classes of each checked output, from the model's output shape(s)."""
+        shapes = {"": pred_shape} if self._outputs is None else self._outputs.named(pred_shape, "the model's outputs")
+        self._classes = {k: (shapes[k][-1] if shapes[k] else 1) for k in self._kinds}
+
+    def check(self, y: Any, arg: str, where: str = "") -> None:
+        """Raises `ValueError` naming `arg` (and the output) when labels `y` cannot be what the loss takes."""
+        if self._outputs is None:
+            check_labels(self._kinds[""], y, self._classes[""], arg, where)
+            return
+        named = self._outputs.named(y, arg)
+        for name, kind in self._kinds.items():
+            if name in named:
+                check_labels(kind, named[name], self._classes[name], f"{arg}['{name}']", where)
 
 
 def checked(data: Iterable[Any], labels: LabelCheck, y: Any, arg: str, first: Any = None,
@@ -94,8 +120,8 @@ def checked(data: Iterable[Any], labels: LabelCheck, y: Any, arg: str, first: An
     batch) is checked when `data` is a `Batches` that `fit` reads by position. `inputs(x, where)`
     checks an iterable's inputs batch by batch (arrays' samples all have the first's shape)."""
     label_check = None
-    if labels.kind is not None and labels.num_classes:
-        label_check = functools.partial(check_labels, labels.kind, num_classes=labels.num_classes, arg=arg)
+    if labels.kind is not None and not labels.needs_classes:
+        label_check = functools.partial(labels.check, arg=arg)
     if isinstance(data, (IndexedBatches, TFDatasetBatches)):  # read per worker: labels not seen whole on the host
         return data
     if y is not None or (isinstance(data, Batches) and first is not None):

@@ -239,8 +239,7 @@ class Trainer(WeightFiles):
         self._inputs.check(self._live.params, x, arg)
         if y is not None and (not self._all.built or self._labels.needs_classes):
             pred_shape = output_shape(self._adapter, self._live.params, x)  # a tree of shapes for several outputs
-            if self._labels.kind is not None:
-                self._labels.num_classes = pred_shape[-1] if pred_shape else 1
+            self._labels.set_classes(pred_shape)
             self._all.build(shapes_of(y), pred_shape)
         if self._runner is None:
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
