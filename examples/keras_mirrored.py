@@ -1,6 +1,7 @@
 """Scale a Keras model with a strategy: the main job of `make demo`.
 
-A Keras MLP on scikit-learn's handwritten digits, trained by `lockstep.Trainer` under
+A Keras MLP on scikit-learn's handwritten digits, written as Keras code is (build and compile in
+the strategy's scope, `model.fit` with Keras callbacks), trained by lockstep under
 `MirroredStrategy` on 4 simulated CPU devices, with a validation split, early stopping that
 restores the best weights, a best-only checkpoint, macro F1 as a training metric and a PNG of
 the curves. At the end, lockstep's exact held-out metrics are printed next to scikit-learn's on
@@ -32,29 +33,28 @@ def main(out_dir: str = "demo_output") -> int:
     x_train, x_test, y_train, y_test = train_test_split(x, y, test_size=0.25, random_state=0, stratify=y)
 
     strategy = ls.MirroredStrategy()
+    print(f"training on {strategy.num_replicas_in_sync} replicas")
     keras.utils.set_random_seed(0)
-    with strategy.scope():
+    with strategy.scope():  # Keras code as written: build and compile in the scope, then model.fit
         model = keras.Sequential([
             keras.Input((64,)),
             keras.layers.Dense(128, activation="relu"),
             keras.layers.Dense(10, activation="softmax"),
         ])
-    # built in the scope: the trainer runs on that strategy
-    trainer = ls.Trainer(model, optimizer="adam", loss="sparse_categorical_crossentropy",
-                         metrics=["accuracy", ls.metrics.F1Score(average="macro")])
-    print(f"the trainer runs on {trainer.strategy.num_replicas_in_sync} replicas")
-    best_path = os.path.join(out_dir, "best.weights.npz")
-    history = trainer.fit(
-        x_train, y_train, batch_size=64, epochs=60, validation_split=0.2, seed=0, verbose=2,
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy", ls.metrics.F1Score(average="macro")])
+    best_path = os.path.join(out_dir, "best.weights.h5")
+    history = model.fit(
+        x_train, y_train, batch_size=64, epochs=60, validation_split=0.2, verbose=2,
         callbacks=[
-            ls.callbacks.EarlyStopping(monitor="val_loss", patience=3, restore_best_weights=True, verbose=1),
-            ls.callbacks.ModelCheckpoint(best_path, monitor="val_loss", save_best_only=True, save_weights_only=True),
+            keras.callbacks.EarlyStopping(monitor="val_loss", patience=3, restore_best_weights=True, verbose=1),
+            keras.callbacks.ModelCheckpoint(best_path, monitor="val_loss", save_best_only=True, save_weights_only=True),
         ])
     png = history.plot(os.path.join(out_dir, "curves.png"), keys=["loss", "accuracy", "f1_score"])
     print(f"curves: {png}; best weights: {best_path}")
 
-    results = trainer.evaluate(x_test, y_test, batch_size=64)
-    probs = trainer.predict(x_test, batch_size=64)
+    results = model.evaluate(x_test, y_test, batch_size=64, verbose=0, return_dict=True)
+    probs = model.predict(x_test, batch_size=64, verbose=0)
     assert probs.shape[0] == len(x_test)
     pred = probs.argmax(1)
     reference = {
