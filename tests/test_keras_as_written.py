@@ -382,6 +382,28 @@ def test_train_on_batch_and_test_on_batch_in_a_loop_equal_keras_own(replicas):
                       keras_model.train_on_batch(X[:7], Y_CLASS[:7], return_dict=True))
 
 
+def test_a_generator_function_is_read_anew_every_epoch():
+    """Before: refused ("`x` must be arrays or an iterable of batches, got function"); Keras refuses it too,
+    and a generator object is used up after one pass (lockstep then says so)."""
+    def batches(n=N):
+        for lo in range(0, n, B):
+            yield X[lo:min(lo + B, n)], Y_VALUE[lo:min(lo + B, n)]
+
+    def validation():
+        yield from batches(50)
+
+    keras_model = regressor()
+    want = keras_model.fit(X, Y_VALUE, batch_size=B, epochs=3, shuffle=False, verbose=0,
+                           validation_data=(X[:50], Y_VALUE[:50]))
+    with ls.MirroredStrategy(4).scope():
+        model = regressor()
+    got = model.fit(batches, epochs=3, verbose=0, validation_data=validation)
+    assert_logs_close(got.history, want.history)
+    assert_weights_close(model.get_weights(), keras_model.get_weights(), atol=1e-5)
+    np.testing.assert_allclose(model.evaluate(batches, verbose=0), keras_model.evaluate(X, Y_VALUE, verbose=0),
+                               rtol=1e-5)
+
+
 def test_what_lockstep_cannot_run_as_keras_does_is_refused_and_the_model_left_whole():
     """Before: a refused `predict` left the Keras model broken (`model(x)`: 'NoneType' object is not callable)."""
     with ls.MirroredStrategy(4).scope():

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import zlib
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
@@ -96,12 +97,33 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
         _check_same_content_on_every_worker({arg: x, **{name: None if a is None else next(given) for name, a in
                                                         (("y", y), ("sample_weight", sample_weight))}}, n, arg)
         return make_batches(tuple(arrays), 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
+    if inspect.isgeneratorfunction(x):
+        x = Regenerated(x)
     if isinstance(x, (str, bytes)) or not isinstance(x, Iterable):
-        raise TypeError(f"`{arg}` must be arrays or an iterable of batches, got {type(x).__name__}.")
+        raise TypeError(f"`{arg}` must be arrays, an iterable of batches or a generator function, got "
+                        f"{type(x).__name__}.")
     if y is not None or sample_weight is not None:
         raise ValueError(f"when `{arg}` is an iterable of batches, `y` and `sample_weight` must be None "
                          "(each batch carries them).")
     return x
+
+
+class Regenerated:
+    """A generator function given as data: re-iterable, each pass (epoch) calls it anew (a
+    generator object given instead is used up after one pass).
+
+    >>> def gen():
+    ...     yield np.zeros((2, 3)), np.zeros(2)
+    >>> data = Regenerated(gen)
+    >>> len(list(data)), len(list(data))
+    (1, 1)
+    """
+
+    def __init__(self, fn: Callable[[], Iterator[Any]]):
+        self._fn = fn
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self._fn())
 
 
 def _check_same_length_on_every_worker(n: int, arg: str) -> None:
