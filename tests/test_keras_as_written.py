@@ -277,6 +277,48 @@ def test_callbacks_and_the_history_get_keras_params():
     assert got_reader.seen == want_reader.seen == got.params == want.params == {"verbose": 0, "epochs": 2, "steps": 13}
 
 
+class StopAt(keras.callbacks.Callback):
+    """A crash at the start of an epoch (after the previous epoch's backup)."""
+
+    def __init__(self, epoch):
+        super().__init__()
+        self.at = epoch
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.at:
+            raise RuntimeError("interrupted")
+
+
+@pytest.mark.parametrize("at", [3, 5])
+def test_keras_callbacks_bookkeeping_resumes_from_a_lockstep_backup(at, tmp_path):
+    """Before: a resume from lockstep's BackupAndRestore restarted Keras' EarlyStopping and
+    ReduceLROnPlateau from zero (their `wait` and `best`), so the resumed run stopped later."""
+    kw = dict(batch_size=B, epochs=12, shuffle=False, verbose=0, validation_data=(X[:40], Y_VALUE[:40]))
+
+    def callbacks():
+        return [keras.callbacks.EarlyStopping(monitor="val_loss", min_delta=0.05, patience=2, restore_best_weights=True),
+                keras.callbacks.ReduceLROnPlateau(monitor="val_loss", factor=0.5, patience=1, min_delta=0.05),
+                EpochRecorder()]
+
+    keras_model = regressor(optimizer=keras.optimizers.Adam(0.2))
+    want_cbs = callbacks()
+    want = keras_model.fit(X[40:], Y_VALUE[40:], callbacks=want_cbs, **kw).history
+    assert at < len(want["loss"]) < 12
+    with ls.MirroredStrategy(3).scope():
+        model = regressor(optimizer=keras.optimizers.Adam(0.2))
+    with pytest.raises(RuntimeError, match="interrupted"):
+        model.fit(X[40:], Y_VALUE[40:], callbacks=[ls.callbacks.BackupAndRestore(tmp_path), *callbacks(), StopAt(at)],
+                  **kw)
+    with ls.MirroredStrategy(3).scope():  # a new process would build the model again
+        model = regressor(optimizer=keras.optimizers.Adam(0.2))
+    got_cbs = callbacks()
+    got = model.fit(X[40:], Y_VALUE[40:], callbacks=[ls.callbacks.BackupAndRestore(tmp_path), *got_cbs], **kw).history
+    assert_logs_close(got, want)
+    assert got_cbs[0].stopped_epoch == want_cbs[0].stopped_epoch and got_cbs[0].best_epoch == want_cbs[0].best_epoch
+    assert [s[0] for s in got_cbs[-1].seen] == [s[0] for s in want_cbs[-1].seen]  # the user's own list, resumed too
+    assert_weights_close(model.get_weights(), keras_model.get_weights(), atol=1e-5)
+
+
 def test_keras_backup_and_restore_is_refused_naming_lockstep_s(tmp_path):
     t = ls.Trainer(regressor(), strategy=ls.MirroredStrategy(2))
     with pytest.raises(TypeError, match=r"keras.callbacks.BackupAndRestore saves the weights only .* use "

@@ -120,13 +120,34 @@ def interrupted(tmp_path, **kwargs):
     with pytest.raises(Boom):
         resumable(**kwargs).fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0,
                                 callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=3),
-                                           RaiseAt("on_train_batch_end", step=9)])
+                                           RaiseAt("on_train_batch_end", step=10)])  # after the backup of step 9
 
 
 def resume(tmp_path, **kwargs):
     t = resumable(**kwargs)
     return t, t.fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0,
                     callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=3)]).history
+
+
+@pytest.mark.parametrize("replicas", [1, 4])
+@pytest.mark.parametrize("hook", ["on_epoch_begin", "on_train_batch_begin"])
+def test_a_fit_interrupted_after_an_epoch_end_backup_resumes_with_the_whole_history(hook, replicas, tmp_path):
+    """Before: the resume stopped with "`x` yielded no batch in epoch 3" (the pass of the backed-up
+    epoch was taken up again at its end), and the backup's History lacked the epoch it was taken at
+    (listed after BackupAndRestore, it had not recorded it yet)."""
+    n = 90  # 6 batches of 16, the last of 10: 3, 3, 2, 2 rows on 4 replicas
+    kw = dict(batch_size=B, epochs=4, seed=1, verbose=0, validation_data=(X[:20], Y[:20]))
+    want = resumable(replicas=1).fit(X[:n], Y[:n], **kw).history
+    stop = ls.callbacks.EarlyStopping(monitor="val_loss", patience=10)  # its state rides along
+    with pytest.raises(Boom):
+        resumable(replicas=replicas).fit(X[:n], Y[:n], **kw, callbacks=[
+            ls.callbacks.BackupAndRestore(tmp_path), stop, RaiseAt(hook, step=12)])  # in epoch 3, before its 1st step
+    t = resumable(replicas=replicas)
+    got = t.fit(X[:n], Y[:n], **kw, callbacks=[ls.callbacks.BackupAndRestore(tmp_path), ls.callbacks.EarlyStopping(
+        monitor="val_loss", patience=10)]).history
+    assert sorted(got) == sorted(want) and len(got["loss"]) == 4
+    for k in want:
+        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, err_msg=k)
 
 
 @pytest.fixture(scope="module")
@@ -185,7 +206,7 @@ def keras_interrupted(backup):
     with pytest.raises(Boom):
         keras_resumable().fit(X, Y, batch_size=B, epochs=2, seed=1, verbose=0,
                               callbacks=[ls.callbacks.BackupAndRestore(backup, save_freq=3),
-                                         RaiseAt("on_train_batch_end", step=9)])
+                                         RaiseAt("on_train_batch_end", step=10)])  # after the backup of step 9
 
 
 def test_a_keras_backup_is_matched_by_layer_position_not_by_auto_generated_names(tmp_path):

@@ -30,9 +30,9 @@ class BackupAndRestore(Callback):
     complete backup); a backup damaged on disk afterwards is detected by its checksums, set aside
     with a warning, and the newest intact one is used. A backup is the trainer's `TrainState` (`trainer.train_state`), restored
     with `trainer.restore`. Callback states are matched by class and order among callbacks of
-    that class, so a restart may add or drop callbacks; a new one starts fresh. It saves and
-    checks for preemption in `on_train_batch_end`: list it after callbacks that keep per-batch
-    state, so a backup holds their state after the step.
+    that class, so a restart may add or drop callbacks; a new one starts fresh. Its hooks run after
+    every other callback's (wherever it is listed), so a backup holds their state after the step
+    or epoch, and the `History` with that epoch.
 
     On SIGTERM (preemption) every worker finishes its current step, all agree on one step (JAX's
     preemption sync point across workers), save a backup there, and exit with
@@ -43,6 +43,9 @@ class BackupAndRestore(Callback):
       save_freq: ``"epoch"``, or a number of training steps between backups.
       delete_checkpoint: delete the backups when `fit` finishes.
     """
+
+    #: `fit` calls its hooks after every other callback's (see `CallbackList`)
+    runs_last = True
 
     def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch",
                  delete_checkpoint: bool = True):

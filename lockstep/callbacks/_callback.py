@@ -76,12 +76,14 @@ _HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
 
 
 class CallbackList:
-    """Calls every hook on every callback, in order."""
+    """Calls every hook on every callback, in order (callbacks marked `runs_last`, the backups, last)."""
 
     def __init__(self, callbacks: Iterable[Callback], trainer: "Trainer", params: dict[str, Any] | None = None):
         from ._keras_callback import KerasCallback, is_keras_callback  # it builds on Callback
 
         self.callbacks = [KerasCallback(cb) if is_keras_callback(cb) else cb for cb in callbacks]
+        # those that back up the training state last, so the backup holds what the others did at that step
+        self.callbacks.sort(key=lambda cb: bool(getattr(cb, "runs_last", False)))
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"`callbacks` must hold lockstep or Keras callback objects, got {type(cb).__name__}.")

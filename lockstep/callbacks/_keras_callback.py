@@ -16,6 +16,8 @@ from __future__ import annotations
 import functools
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
 from ._callback import Callback, is_chief
 
 if TYPE_CHECKING:
@@ -92,6 +94,34 @@ class _ModelView:
             setattr(self._trainer.model, name, value)
 
 
+#: What Keras' own callbacks count with (EarlyStopping, ReduceLROnPlateau, ModelCheckpoint, ...).
+_KERAS_STATE = frozenset({"wait", "best", "best_epoch", "best_weights", "stopped_epoch", "cooldown_counter",
+                          "epochs_since_last_save", "_batches_seen_since_last_saving", "_last_batch_seen",
+                          "_current_epoch"})
+_NOT_PLAIN = object()
+
+
+def _plain(value: Any) -> Any:
+    """`value` as a backup keeps it (JSON data, or a list of arrays), or `_NOT_PLAIN`.
+
+    >>> _plain(np.float32(0.5)), _plain((1, [2.0, None])), _plain(print) is _NOT_PLAIN
+    (0.5, [1, [2.0, None]], True)
+    """
+    if value is None or isinstance(value, (bool, int, str)):
+        return value
+    if isinstance(value, (float, np.floating, np.integer)) or (isinstance(value, np.ndarray) and value.ndim == 0):
+        return value.item() if hasattr(value, "item") else value
+    if isinstance(value, (list, tuple)) and value and all(isinstance(a, np.ndarray) and a.ndim for a in value):
+        return [np.asarray(a) for a in value]  # say, EarlyStopping's best_weights
+    if isinstance(value, (list, tuple)):
+        items = [_plain(v) for v in value]
+        return _NOT_PLAIN if any(v is _NOT_PLAIN for v in items) else items
+    if isinstance(value, dict) and all(isinstance(k, str) for k in value):
+        items = {k: _plain(v) for k, v in value.items()}
+        return _NOT_PLAIN if any(v is _NOT_PLAIN for v in items.values()) else items
+    return _NOT_PLAIN
+
+
 class KerasCallback(Callback):
     """A Keras callback object as a lockstep callback: the hooks it overrides are forwarded, its
     `model` is a view of the Keras model whose state is the trainer's (see the module docstring).
@@ -113,6 +143,7 @@ class KerasCallback(Callback):
                             "training exactly: use lockstep.callbacks.BackupAndRestore(backup_dir), which also "
                             "restores the optimizer, the metrics and the data position, on every worker.")
         self.keras_callback = callback
+        self.state_name = f"keras.{type(callback).__name__}"  # its bookkeeping's name in backups
         if any(n in _WRITERS for n in names) and not is_chief():
             return  # a callback that only writes files or prints: worker 0's job
         base = next(c for c in classes if c.__name__ == "Callback")
@@ -128,3 +159,21 @@ class KerasCallback(Callback):
     def set_params(self, params: dict[str, Any]) -> None:
         super().set_params(params)
         self.keras_callback.set_params(params)
+
+    def get_state(self) -> dict[str, Any]:
+        """The Keras callback's bookkeeping, for lockstep's backups: the attributes Keras' own
+        callbacks count with (`wait`, `best`, `best_weights`, `cooldown_counter`, ...), and a user
+        subclass's public attributes that hold plain data (numbers, strings, lists of them, arrays)."""
+        callback = self.keras_callback
+        own = not type(callback).__module__.startswith("keras")
+        out = {}
+        for name, value in vars(callback).items():
+            if name in _KERAS_STATE or (own and not name.startswith("_") and name not in ("params", "model")):
+                plain = _plain(value)
+                if plain is not _NOT_PLAIN:
+                    out[name] = plain
+        return out
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            setattr(self.keras_callback, name, value)

@@ -127,8 +127,9 @@ class DataStream:
     def epoch(self, epoch: int, done: int = 0) -> Iterator["DistributedBatch"]:
         """Epoch `epoch`'s batches: the rest of a pass, or of `steps_per_epoch` steps (`done` steps
         of it taken before a resume)."""
-        if self._per_epoch is None and self._batches is None and (self._offset == 0 or self._ended):
-            # an epoch is a pass: its order derives from (seed, epoch)
+        if self._per_epoch is None and self._batches is None and (self._offset == 0 or self._ended or not done):
+            # an epoch is a pass: its order derives from (seed, epoch); a resume at an epoch's start
+            # (from a backup at the previous epoch's end) starts its pass afresh too
             self._pass, self._offset, self._ended = epoch, 0, False
         given, crossed = done * self._k, False
         while self._per_epoch is None or given < self._per_epoch:

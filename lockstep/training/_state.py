@@ -82,7 +82,7 @@ def callback_key(callbacks: list[Any]) -> dict[str, Any]:
     seen: dict[str, int] = {}
     out = {}
     for cb in callbacks:
-        name = type(cb).__name__
+        name = getattr(cb, "state_name", None) or type(cb).__name__  # a Keras callback: keras.<its class>
         out[f"{name}.{seen.get(name, 0)}"] = cb
         seen[name] = seen.get(name, 0) + 1
     return out
