@@ -173,6 +173,39 @@ def test_the_keras_optimizer_holds_the_trained_state_and_a_saved_model_resumes_e
         assert_weights_close(resumed.get_weights(), keras_model.get_weights(), atol=1e-5)
 
 
+def mixed_float16_classifier():
+    keras.config.set_dtype_policy("mixed_float16")
+    try:
+        model = classifier()
+        model.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(0.01),
+                                                                    dynamic_growth_steps=5),
+                      loss="sparse_categorical_crossentropy")
+    finally:
+        keras.config.set_dtype_policy("float32")
+    return model
+
+
+def test_the_loss_scale_of_mixed_float16_round_trips_through_the_keras_optimizer(tmp_path):
+    """Before: the Keras LossScaleOptimizer was left unbuilt (no `dynamic_scale`), so a saved model
+    restarted its loss scale from 2**15."""
+    keras_model = mixed_float16_classifier()
+    keras_model.fit(X, Y_CLASS, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    with ls.MirroredStrategy(4).scope():
+        model = mixed_float16_classifier()
+    model.fit(X, Y_CLASS, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    for opt in (model.optimizer, keras_model.optimizer):  # 26 steps: the scale doubled every 5 finite ones, and
+        # halved twice where float16 gradients overflowed (those 2 steps skipped): as Keras does
+        assert (float(opt.dynamic_scale.value), int(opt.step_counter.value), int(opt.iterations)) == (2.0**17, 2, 24)
+    model.save(tmp_path / "m.keras")
+    model.fit(X, Y_CLASS, batch_size=B, epochs=1, shuffle=False, verbose=0)  # one more epoch in memory
+    resumed = ls.Trainer(keras.models.load_model(tmp_path / "m.keras"), strategy=ls.MirroredStrategy(4))
+    resumed.fit(X, Y_CLASS, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    resumed.sync_model()
+    assert float(resumed.model.optimizer.dynamic_scale.value) == float(model.optimizer.dynamic_scale.value)
+    assert int(resumed.model.optimizer.iterations) == int(model.optimizer.iterations) > 24
+    assert_weights_close(resumed.get_weights(), model.get_weights(), atol=0)
+
+
 WORKER_JOB = """
 import json, os, sys
 os.environ["KERAS_BACKEND"] = "jax"

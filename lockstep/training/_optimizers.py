@@ -48,12 +48,17 @@ def get_optimizer(optimizer: Any, trainable_variables: Any = None) -> optax.Grad
                     f"{type(optimizer).__name__}.")
 
 
-def loss_scale_settings(optimizer: Any) -> tuple[float, int]:
-    """(initial scale, growth steps) of a Keras `LossScaleOptimizer` (Keras' `compile` wraps the
-    optimizer in one under ``mixed_float16``), else Keras' defaults (2**15, 2000)."""
+def loss_scale_settings(optimizer: Any) -> tuple[float, int, int]:
+    """(scale, growth steps, finite steps since the scale last changed) of a Keras
+    `LossScaleOptimizer` (Keras' `compile` wraps the optimizer in one under ``mixed_float16``):
+    where it stands after earlier training (a loaded model's), else its initial scale; without
+    one, Keras' defaults (2**15, 2000, 0)."""
     if hasattr(optimizer, "inner_optimizer") and hasattr(optimizer, "dynamic_growth_steps"):
-        return float(optimizer.initial_scale), int(optimizer.dynamic_growth_steps)
-    return 2.0**15, 2000
+        if optimizer.built:
+            return (float(np.asarray(optimizer.dynamic_scale.value)), int(optimizer.dynamic_growth_steps),
+                    int(np.asarray(optimizer.step_counter.value)))
+        return float(optimizer.initial_scale), int(optimizer.dynamic_growth_steps), 0
+    return 2.0**15, 2000, 0
 
 
 class KerasOptimizerState(NamedTuple):
@@ -118,6 +123,7 @@ def to_keras(optimizer: Any, opt_state: Any) -> None:
     for `optimizer` None (an optax one) or no state yet."""
     if optimizer is None or opt_state is None:
         return
+    _loss_scale_to_keras(optimizer, opt_state)
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     stack = [opt_state]
     while stack:
@@ -132,6 +138,20 @@ def to_keras(optimizer: Any, opt_state: Any) -> None:
             return
         if isinstance(node, (tuple, list)):
             stack.extend(node)
+
+
+def _loss_scale_to_keras(optimizer: Any, opt_state: Any) -> None:
+    """A Keras `LossScaleOptimizer`'s scale and its count of finite steps since the scale last
+    changed, from lockstep's loss-scaling state (built first if Keras never ran it)."""
+    if not (hasattr(optimizer, "inner_optimizer") and hasattr(optimizer, "dynamic_growth_steps")):
+        return
+    scale, good = getattr(opt_state, "scale", None), getattr(opt_state, "good_steps", None)
+    if scale is None or good is None:
+        return
+    if not optimizer.built:
+        optimizer.build(list(optimizer.inner_optimizer._trainable_variables))  # the inner one is built: kept
+    optimizer.dynamic_scale.assign(np.asarray(scale, np.float32))
+    optimizer.step_counter.assign(np.asarray(good).astype(optimizer.step_counter.dtype))
 
 
 def find_hyperparams(opt_state: Any) -> dict[str, Any] | None:

@@ -48,6 +48,10 @@ def resolve_policy(model: Any, dtype_policy: str | None) -> str:
     keras_policy = getattr(getattr(model, "dtype_policy", None), "name", None)
     if keras_policy is None or not type(model).__module__.startswith("keras"):
         return dtype_policy or "float32"
+    layers = {getattr(getattr(layer, "dtype_policy", None), "name", None) for layer in getattr(model, "layers", [])}
+    mixed = [p for p in ("mixed_float16", "mixed_bfloat16") if p in layers]
+    if keras_policy == "float32" and mixed:  # a loaded mixed model: its layers keep the policy, the model says float32
+        keras_policy = mixed[0]
     if dtype_policy is not None and dtype_policy != keras_policy:
         raise ValueError(
             f"`dtype_policy={dtype_policy!r}` but the Keras model was built with the dtype policy {keras_policy!r}: "
@@ -101,12 +105,13 @@ class LossScaleState(NamedTuple):
 
 
 def with_loss_scaling(optimizer: optax.GradientTransformation, initial_scale: float = 2.0**15,
-                      growth_steps: int = 2000) -> optax.GradientTransformation:
-    """`optimizer` with dynamic loss scaling; `update` takes unscaled gradients (summed over
-    replicas) and skips the step — zero updates, the inner state kept — when any is not finite."""
+                      growth_steps: int = 2000, good_steps: int = 0) -> optax.GradientTransformation:
+    """`optimizer` with dynamic loss scaling (from `initial_scale`, `good_steps` finite steps since
+    it last changed); `update` takes unscaled gradients (summed over replicas) and skips the step
+    — zero updates, the inner state kept — when any is not finite."""
 
     def init(params: Any) -> LossScaleState:
-        return LossScaleState(optimizer.init(params), np.float32(initial_scale), np.int32(0), np.int32(0))
+        return LossScaleState(optimizer.init(params), np.float32(initial_scale), np.int32(good_steps), np.int32(0))
 
     def update(grads: Any, state: LossScaleState, params: Any = None) -> tuple[Any, LossScaleState]:
         finite = jnp.all(jnp.array([jnp.all(jnp.isfinite(g)) for g in jax.tree.leaves(grads)]))
