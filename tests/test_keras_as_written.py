@@ -15,6 +15,7 @@ from keras import ops
 
 import lockstep as ls
 
+FULL = pytest.mark.full_suite  # variants `make test-full` adds (CI time)
 N, B = 203, 16  # 13 batches, the last of 11 rows: on 4 replicas 3, 3, 3, 2; on 3 replicas 4, 4, 3
 _rng = np.random.default_rng(0)
 X = _rng.normal(size=(N, 5)).astype(np.float32)
@@ -322,7 +323,7 @@ class StopAt(keras.callbacks.Callback):
             raise RuntimeError("interrupted")
 
 
-@pytest.mark.parametrize("at", [3, 5])
+@pytest.mark.parametrize("at", [3, pytest.param(5, marks=FULL)])
 def test_keras_callbacks_bookkeeping_resumes_from_a_lockstep_backup(at, tmp_path):
     """Before: a resume from lockstep's BackupAndRestore restarted Keras' EarlyStopping and
     ReduceLROnPlateau from zero (their `wait` and `best`), so the resumed run stopped later."""
@@ -420,7 +421,7 @@ def test_model_fit_evaluate_and_predict_as_written_equal_keras_own(replicas, n):
     assert_weights_close(model.get_weights(), keras_model.get_weights(), atol=1e-5)
 
 
-@pytest.mark.parametrize("replicas", [1, 3, 4])
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=FULL), pytest.param(3, marks=FULL), 4])
 def test_validation_freq_validation_steps_and_evaluate_steps_as_in_keras(replicas):
     """Before: `validation_freq`, `validation_steps` and `evaluate(steps=)` were refused."""
     val = (X[:45], Y_CLASS[:45])  # 3 batches of 16, the last of 13: validation_steps=2 reads 32 rows
@@ -437,7 +438,7 @@ def test_validation_freq_validation_steps_and_evaluate_steps_as_in_keras(replica
                                    keras_model.evaluate(X, Y_CLASS, batch_size=B, steps=3, verbose=0), rtol=1e-5)
 
 
-@pytest.mark.parametrize("replicas", [1, 3, 4])
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=FULL), pytest.param(3, marks=FULL), 4])
 def test_train_on_batch_and_test_on_batch_in_a_loop_equal_keras_own(replicas):
     """Before: refused. A hand-written loop over batches (the last of 3 rows: on 4 replicas one holds none)."""
     keras_model = classifier()

@@ -53,7 +53,11 @@ def assert_weights_close(a, b, atol=1e-5):
         np.testing.assert_allclose(u, v, rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("replicas, n", [(1, N), (3, N), (4, N), (4, 58)])
+FULL = pytest.mark.full_suite  # make test: 3 replicas and 4 with two empty ones; make test-full: all
+
+
+@pytest.mark.parametrize("replicas, n", [pytest.param(1, N, marks=FULL), (3, N), pytest.param(4, N, marks=FULL),
+                                         (4, 58)])
 def test_two_inputs_two_outputs_with_a_loss_per_output_equal_keras_own(replicas, n):
     x, y = [XA[:n], XB[:n]], [Y_CLS[:n], Y_REG[:n]]
     kw = dict(batch_size=B, epochs=3, shuffle=False, verbose=0, sample_weight=W[:n],
@@ -79,7 +83,7 @@ def test_two_inputs_two_outputs_with_a_loss_per_output_equal_keras_own(replicas,
         np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.parametrize("replicas", [1, 4])
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=FULL), 4])
 def test_dict_inputs_and_outputs_with_sample_weights_per_output_and_a_callback_on_one_output(replicas):
     x, y = {"a": XA, "b": XB}, {"cls": Y_CLS, "reg": Y_REG}
     def compile_kw():  # a fresh optimizer for each model

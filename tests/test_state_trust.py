@@ -129,7 +129,7 @@ def resume(tmp_path, **kwargs):
                     callbacks=[ls.callbacks.BackupAndRestore(tmp_path, save_freq=3)]).history
 
 
-@pytest.mark.parametrize("replicas", [1, 4])
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=pytest.mark.full_suite), 4])
 @pytest.mark.parametrize("hook", ["on_epoch_begin", "on_train_batch_begin"])
 def test_a_fit_interrupted_after_an_epoch_end_backup_resumes_with_the_whole_history(hook, replicas, tmp_path):
     """Before: the resume stopped with "`x` yielded no batch in epoch 3" (the pass of the backed-up
