@@ -24,7 +24,7 @@ from sklearn.datasets import load_digits  # noqa: E402
 N, BATCH = 90, 16  # 6 steps, the last of 10 rows
 
 
-class FirstLoss(ls.callbacks.Callback):
+class FirstLoss(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None):
         if batch == 0:
             self.value = float(logs["loss"])
@@ -40,22 +40,18 @@ def main() -> int:
     x, y = digits()
     strategy = ls.MirroredStrategy()
     keras.utils.set_random_seed(0)
-    with strategy.scope():
+    with strategy.scope():  # the seed's code as written: build and compile in the scope, then model.fit
         model = keras.applications.ResNet50(weights=None, input_shape=(32, 32, 3), classes=10)
+        model.compile(optimizer="sgd", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
     # what Keras computes on one device for the first batch, in training mode (batch statistics)
     logits, _ = model.stateless_call(model.trainable_variables, model.non_trainable_variables, x[:BATCH],
                                      training=True)
     keras_first = float(np.mean(keras.losses.sparse_categorical_crossentropy(y[:BATCH], logits)))
 
-    trainer = ls.Trainer(model, optimizer="sgd", loss="sparse_categorical_crossentropy",
-                         metrics=["accuracy"])
     first = FirstLoss()
-    history = trainer.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=2, callbacks=[first])
-    on_four = trainer.evaluate(x, y, batch_size=BATCH)
-    one = ls.Trainer(model, loss="sparse_categorical_crossentropy", metrics=["accuracy"],
-                     strategy=ls.MirroredStrategy(1))
-    one.set_weights(trainer.get_weights())
-    on_one = one.evaluate(x, y, batch_size=BATCH)
+    history = model.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=2, callbacks=[first])
+    on_four = model.evaluate(x, y, batch_size=BATCH, verbose=0, return_dict=True)
+    on_one = ls.Trainer(model, strategy=ls.MirroredStrategy(1)).evaluate(x, y, batch_size=BATCH)  # the trained weights
 
     checks = {
         "first step's loss vs Keras on one device": (first.value, keras_first, 1e-4),
@@ -63,7 +59,7 @@ def main() -> int:
         "evaluate accuracy, 4 replicas vs 1": (on_four["accuracy"], on_one["accuracy"], 0.0),
     }
     agree = np.isfinite(history.history["loss"][0])
-    print(f"\n{trainer.strategy.num_replicas_in_sync} replicas        lockstep     reference")
+    print(f"\n{strategy.num_replicas_in_sync} replicas        lockstep     reference")
     for name, (got, want, rtol) in checks.items():
         ok = abs(got - want) <= rtol * abs(want)
         agree &= ok

@@ -102,7 +102,8 @@ def assert_weights_close(a, b, atol=1e-6):
 
 
 # n=194: a last batch of 2 rows, which leaves two of 4 replicas with none
-@pytest.mark.parametrize("replicas, n", [(1, N), (3, N), (4, N), (4, 194)])
+@pytest.mark.parametrize("replicas, n", [pytest.param(1, N, marks=FULL), (3, N), pytest.param(4, N, marks=FULL),
+                                         (4, 194)])
 @pytest.mark.parametrize("weighted", [False, True])
 def test_custom_keras_metrics_equal_keras_own_fit_and_evaluate(replicas, n, weighted):
     """Before: logged as `mean_metric_wrapper` with other values (RMSE 3.878 on 4 replicas, Keras
@@ -148,7 +149,7 @@ def test_metrics_given_to_compile_keep_their_arguments():
     np.testing.assert_allclose(got["f1_score_1"], f1_score(Y_CLASS, pred, average="weighted"), rtol=1e-5)
 
 
-@pytest.mark.parametrize("replicas", [1, 4])
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=FULL), 4])
 def test_the_keras_optimizer_holds_the_trained_state_and_a_saved_model_resumes_exactly(replicas, tmp_path):
     """Before: after `Trainer.fit`, `model.optimizer.iterations` stayed 0 and `model.save` wrote
     all-zero Adam moments; resuming from the file ended 0.015 away from continuing in memory."""
@@ -268,7 +269,7 @@ def keras_callbacks(path):
             EpochRecorder()]
 
 
-@pytest.mark.parametrize("replicas", [1, 3, 4])
+@pytest.mark.parametrize("replicas", [pytest.param(1, marks=FULL), 3, pytest.param(4, marks=FULL)])
 def test_keras_callbacks_as_written_decide_and_write_as_in_keras_own_fit(replicas, tmp_path):
     """Before: every keras.callbacks object was refused ("`callbacks` must hold lockstep.callbacks.Callback
     objects, got ModelCheckpoint")."""
@@ -353,6 +354,39 @@ def test_keras_callbacks_bookkeeping_resumes_from_a_lockstep_backup(at, tmp_path
     assert_weights_close(model.get_weights(), keras_model.get_weights(), atol=1e-5)
 
 
+def test_every_batch_hook_is_called_as_keras_calls_it():
+    """Before: `on_test_batch_begin` and `on_predict_batch_begin` were never called."""
+    class Counter(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.calls = {}
+
+        def _count(self, name):
+            self.calls[name] = self.calls.get(name, 0) + 1
+
+        def on_test_batch_begin(self, batch, logs=None):
+            self._count(f"test_begin_{batch}")
+
+        def on_test_batch_end(self, batch, logs=None):
+            self._count("test_end")
+
+        def on_predict_batch_begin(self, batch, logs=None):
+            self._count(f"predict_begin_{batch}")
+
+        def on_predict_batch_end(self, batch, logs=None):
+            self._count("predict_end")
+
+    want, got = Counter(), Counter()
+    keras_model = regressor()
+    keras_model.evaluate(X, Y_VALUE, batch_size=B, verbose=0, callbacks=[want])
+    keras_model.predict(X, batch_size=B, verbose=0, callbacks=[want])
+    with ls.MirroredStrategy(4).scope():
+        model = regressor()
+    model.evaluate(X, Y_VALUE, batch_size=B, verbose=0, callbacks=[got])
+    model.predict(X, batch_size=B, verbose=0, callbacks=[got])
+    assert got.calls == want.calls and want.calls["test_end"] == 13
+
+
 def test_keras_backup_and_restore_is_refused_naming_lockstep_s(tmp_path):
     t = ls.Trainer(regressor(), strategy=ls.MirroredStrategy(2))
     with pytest.raises(TypeError, match=r"keras.callbacks.BackupAndRestore saves the weights only .* use "
@@ -390,7 +424,8 @@ def test_a_keras_distribution_that_lockstep_would_ignore_is_refused():
 
 
 # n=186: 146 training rows, whose last batch of 2 rows leaves two of 4 replicas with none
-@pytest.mark.parametrize("replicas, n", [(1, N), (3, N), (4, N), (4, 186)])
+@pytest.mark.parametrize("replicas, n", [pytest.param(1, N, marks=FULL), (3, N), pytest.param(4, N, marks=FULL),
+                                         (4, 186)])
 def test_model_fit_evaluate_and_predict_as_written_equal_keras_own(replicas, n):
     """Seed 004's way: build and compile in the scope, then Keras' own `model.fit` (was refused;
     `class_weight` was an unexpected keyword)."""

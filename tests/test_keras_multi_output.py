@@ -192,6 +192,7 @@ print("RESULT", json.dumps({{"history": history, "weights": [w.tolist() for w in
 """
 
 
+@pytest.mark.full_suite  # a 2-worker launch (about 25 s): make test-full
 @pytest.mark.xdist_group("processes")
 def test_on_two_workers_a_model_with_two_outputs_equals_keras_own_fit(tmp_path):
     script = tmp_path / "job.py"

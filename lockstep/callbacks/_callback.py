@@ -103,9 +103,3 @@ class CallbackList:
                 hook(*args, **kwargs)
         setattr(self, name, call)  # later lookups find the attribute and skip __getattr__
         return call
-
-    def needs_batch_logs(self) -> bool:
-        """Whether any callback overrides a per-batch hook (else the trainer skips building batch logs)."""
-        names = ("on_train_batch_end", "on_test_batch_end", "on_predict_batch_end")
-        return any(getattr(type(cb), n) is not getattr(Callback, n) or n in vars(cb)
-                   for cb in self.callbacks for n in names)

@@ -382,11 +382,11 @@ class Trainer(WeightFiles):
     def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList, y: Any = None,
                           arg: str = "validation_data", steps: int | None = None) -> dict[str, Any]:
         first, data = peek(data)
-        inputs = self._build(first, "x" if arg in ("x", "y") else arg)
-        data = checked(data, self._labels, y, arg, inputs=inputs)
+        data = checked(data, self._labels, y, arg, inputs=self._build(first, "x" if arg in ("x", "y") else arg))
         state = self._fresh_state()
         cblist.on_test_begin()
         for step, batch in enumerate(itertools.islice(distribute(self.strategy, data), steps)):  # steps: None, all
+            cblist.on_test_batch_begin(step)
             state = self._runner.evaluate(self._live.params, state, batch)
             cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
         logs = self._read(state)
@@ -412,13 +412,13 @@ class Trainer(WeightFiles):
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0,
                 callbacks: Iterable[Callback] | None = None) -> Any:
         """The model's outputs for every sample: exactly `len(x)` rows, in input order (NumPy)."""
-        data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
-        first, data = peek(data)
+        first, data = peek(to_batches(self.strategy, x, None, None, batch_size, False, 0))
         data = checked(data, LabelCheck(None), None, "x", inputs=self._build(first, "x"))
         cblist = CallbackList(list(callbacks or []), self)
         cblist.on_predict_begin()
         outputs = []
         for step, batch in enumerate(distribute(self.strategy, data)):
+            cblist.on_predict_batch_begin(step)
             outputs.append(self._runner.predict(self._live.params, batch))
             cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})
         cblist.on_predict_end()
