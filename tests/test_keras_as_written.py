@@ -14,6 +14,7 @@ import pytest
 from keras import ops
 
 import lockstep as ls
+from keras_reference import assert_logs_close, assert_weights_close
 
 FULL = pytest.mark.full_suite  # variants `make test-full` adds (CI time)
 N, B = 203, 16  # 13 batches, the last of 11 rows: on 4 replicas 3, 3, 3, 2; on 3 replicas 4, 4, 3
@@ -88,17 +89,6 @@ def classifier(metrics=("accuracy",)):
                               keras.layers.Dense(3, activation="softmax")])
     model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=list(metrics))
     return model
-
-
-def assert_logs_close(got, want):
-    assert sorted(got) == sorted(want)
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=1e-5, atol=1e-6, err_msg=k)
-
-
-def assert_weights_close(a, b, atol=1e-6):
-    for u, v in zip(a, b):
-        np.testing.assert_allclose(u, v, rtol=0, atol=atol)
 
 
 # n=194: a last batch of 2 rows, which leaves two of 4 replicas with none

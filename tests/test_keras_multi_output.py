@@ -13,6 +13,7 @@ import sys
 
 import keras
 import numpy as np
+import keras_reference
 import pytest
 
 import lockstep as ls
@@ -43,14 +44,11 @@ def two_headed(dict_io=False, compile_kw=None):
 
 
 def assert_logs_close(got, want):
-    assert sorted(got) == sorted(want)
-    for k in want:
-        np.testing.assert_allclose(got[k], want[k], rtol=2e-5, atol=1e-6, err_msg=k)
+    keras_reference.assert_logs_close(got, want, rtol=2e-5)  # this file's tolerance
 
 
-def assert_weights_close(a, b, atol=1e-5):
-    for u, v in zip(a, b):
-        np.testing.assert_allclose(u, v, rtol=0, atol=atol)
+def assert_weights_close(a, b):
+    keras_reference.assert_weights_close(a, b, atol=1e-5)
 
 
 FULL = pytest.mark.full_suite  # make test: 3 replicas and 4 with two empty ones; make test-full: all
