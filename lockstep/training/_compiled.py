@@ -11,7 +11,7 @@ from typing import Any
 
 from .. import losses as _losses
 from ..metrics import get as get_metric
-from ._outputs import Outputs
+from ._outputs import Outputs, loss_weight
 from ._outputs import settings as output_settings
 
 DEFAULT_OPTIMIZER = "adam"
@@ -99,8 +99,7 @@ def _loss_weights(model: Any) -> Any:
 
 def _scaled(fn: Any, weight: Any, loss: Any) -> Any:
     """`fn` (a per-sample loss) times a single output's `loss_weights` entry."""
-    if not isinstance(weight, (int, float)) or isinstance(weight, bool):
-        raise ValueError(f"`loss_weights` must hold numbers, got {weight!r}.")
+    weight = loss_weight(weight)
 
     def scaled(y_true: Any, y_pred: Any) -> Any:
         return fn(y_true, y_pred) * weight

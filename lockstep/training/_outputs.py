@@ -28,6 +28,7 @@ import jax.numpy as jnp
 from .. import losses as _losses
 from ..metrics import Metric, divide_no_nan
 from ..metrics import get as get_metric
+from ._steps import times_sample_weight
 
 State = dict[str, Any]  # a metric's state
 
@@ -78,6 +79,18 @@ class Outputs:
                          "keyed by output name, or a list in output order.")
 
 
+def loss_weight(weight: Any, output: str | None = None) -> float:
+    """An entry of `loss_weights` checked: a number.
+
+    >>> loss_weight(0.5)
+    0.5
+    """
+    if not isinstance(weight, (int, float)) or isinstance(weight, bool):
+        where = "" if output is None else f" for output {output!r}"
+        raise ValueError(f"`loss_weights` must hold numbers, got {weight!r}{where}.")
+    return float(weight)
+
+
 def _per_entry(spec: Any, outputs: Outputs, arg: str) -> dict[str, Any]:
     """A `compile` argument given per output (a dict by name, or a list in output order), as a dict."""
     if isinstance(spec, Mapping):
@@ -113,25 +126,22 @@ class OutputLosses:
         if not self.losses:
             raise ValueError("`loss` gives no output a loss.")
         weights = {} if loss_weights is None else _per_entry(loss_weights, outputs, "loss_weights")
-        for name, w in weights.items():
-            if not isinstance(w, (int, float)) or isinstance(w, bool):
-                raise ValueError(f"`loss_weights` must hold numbers, got {w!r} for output {name!r}.")
-        self.weights = {name: float(weights.get(name, 1.0)) for name in self.losses}
+        checked = {name: loss_weight(w, name) for name, w in weights.items()}
+        self.weights = {name: checked.get(name, 1.0) for name in self.losses}
 
-    def per_output(self, y: Any, y_pred: Any, sample_weight: Any = None) -> dict[str, jax.Array]:
-        """Each output's per-sample loss, times its sample weights (shape ``(batch,)``)."""
+    def per_output(self, y: Any, y_pred: Any, sample_weight: Any = None,
+                   only: str | None = None) -> dict[str, jax.Array]:
+        """Each output's (or the output `only`'s) per-sample loss, times its sample weights (shape ``(batch,)``)."""
         y_true = self.outputs.named(y, "y")
         pred = self.outputs.named(y_pred, "the model's outputs")
         weights = {} if sample_weight is None else self.outputs.named(sample_weight, "sample_weight", shared=True)
         out = {}
         for name, fn in self.losses.items():
+            if only is not None and name != only:
+                continue
             if name not in y_true:
                 raise ValueError(f"`y` has no labels for output {name!r}, which has a loss; it has {sorted(y_true)}.")
-            value = jnp.asarray(fn(y_true[name], pred[name]), jnp.float32)
-            w = weights.get(name)
-            if w is not None:
-                w = jnp.asarray(w, value.dtype)
-                value = value * w.reshape(w.shape + (1,) * (value.ndim - w.ndim))
+            value = times_sample_weight(jnp.asarray(fn(y_true[name], pred[name]), jnp.float32), weights.get(name))
             out[name] = value if value.ndim <= 1 else jnp.mean(value.reshape(value.shape[0], -1), axis=-1)
         return out
 
@@ -154,7 +164,7 @@ class OutputLoss(Metric):
         self.add_state("count")
 
     def update(self, state: State, y_true: Any, y_pred: Any, sample_weight: Any = None, mask: Any = None) -> State:
-        value = self._losses.per_output(y_true, y_pred, sample_weight)[self._output]
+        value = self._losses.per_output(y_true, y_pred, sample_weight, only=self._output)[self._output]
         m = jnp.ones(value.shape[:1], value.dtype) if mask is None else jnp.asarray(mask, value.dtype)
         return self.merge(state, {"total": jnp.sum(jnp.where(m > 0, value, 0.0)), "count": jnp.sum(m)})
 

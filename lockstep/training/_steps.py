@@ -57,7 +57,8 @@ def unpack(batch: Any) -> tuple[Any, Any, Any]:
     return batch, None, None
 
 
-def _weighted(per_example: jax.Array, sample_weight: Any) -> jax.Array:
+def times_sample_weight(per_example: jax.Array, sample_weight: Any) -> jax.Array:
+    """Per-sample losses times their weights (one per sample, or per leading axes such as time steps)."""
     if sample_weight is None:
         return per_example
     w = jnp.asarray(sample_weight, per_example.dtype)
@@ -69,7 +70,7 @@ def weighted_losses(loss_fn: LossFn, y: Any, y_pred: Any, sample_weight: Any) ->
     losses by its own sample weights itself)."""
     if getattr(loss_fn, "takes_sample_weight", False):
         return loss_fn(y, y_pred, sample_weight)  # type: ignore[call-arg]
-    return _weighted(loss_fn(y, y_pred), sample_weight)
+    return times_sample_weight(loss_fn(y, y_pred), sample_weight)
 
 
 def global_penalty(penalty: jax.Array | None, num_replicas: int) -> jax.Array | None:
