@@ -199,7 +199,7 @@ def test_batch_norm_equals_keras_own_fit_and_its_moving_statistics():
     p.fit(x, y, batch_size=BATCH, epochs=2, verbose=0, shuffle=False)
     assert max(float(np.abs(a - b).max()) for a, b in zip(km.get_weights(), p.get_weights())) > 1e-3
     with pytest.raises(ValueError, match="batch_statistics"):
-        ls.Trainer(_build(factory), batch_statistics="sync")
+        ls.Trainer(_build(factory), batch_statistics="sync", strategy=ls.MirroredStrategy(1))
 
 
 @pytest.mark.parametrize("replicas", [1, 3, 4])
