@@ -11,37 +11,39 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .distribute import _scope  # standard library only: `import lockstep.launch` stays free of JAX
+
 __version__ = "0.1.0"
 
 # public name -> module that defines it (relative to this package)
 _EXPORTS: dict[str, str] = {
-    "ClusterResolver": "._multi_worker",
-    "EnvClusterResolver": "._multi_worker",
-    "MultiWorkerMirroredStrategy": "._multi_worker",
-    "SlurmClusterResolver": "._multi_worker",
-    "TFConfigClusterResolver": "._multi_worker",
-    "resolve_cluster": "._multi_worker",
-    "DistributedDataset": "._datasets",
-    "InputContext": "._datasets",
-    "MirroredStrategy": "._strategy",
-    "OneDeviceStrategy": "._strategy",
-    "Strategy": "._strategy",
-    "TPUStrategy": "._strategy",
-    "StrategyExtended": "._extended",
-    "ValueContext": "._strategy",
-    "get_strategy": "._strategy",
-    "has_strategy": "._strategy",
-    "in_cross_replica_context": "._strategy",
-    "Mirrored": "._values",
-    "PerReplica": "._values",
-    "ReplicaContext": "._values",
-    "get_replica_context": "._values",
-    "ReduceOp": "._reduce",
+    "ClusterResolver": ".cluster._multi_worker",
+    "EnvClusterResolver": ".cluster._multi_worker",
+    "MultiWorkerMirroredStrategy": ".cluster._multi_worker",
+    "SlurmClusterResolver": ".cluster._multi_worker",
+    "TFConfigClusterResolver": ".cluster._multi_worker",
+    "resolve_cluster": ".cluster._multi_worker",
+    "DistributedDataset": ".distribute._datasets",
+    "InputContext": ".distribute._datasets",
+    "MirroredStrategy": ".distribute._strategy",
+    "OneDeviceStrategy": ".distribute._strategy",
+    "Strategy": ".distribute._strategy",
+    "TPUStrategy": ".distribute._strategy",
+    "StrategyExtended": ".distribute._extended",
+    "ValueContext": ".distribute._strategy",
+    "get_strategy": ".distribute._strategy",
+    "has_strategy": ".distribute._strategy",
+    "in_cross_replica_context": ".distribute._strategy",
+    "Mirrored": ".distribute._values",
+    "PerReplica": ".distribute._values",
+    "ReplicaContext": ".engine._replica_context",
+    "get_replica_context": ".engine._replica_context",
+    "ReduceOp": ".engine._reduce_op",
     "UsageError": "._errors",
     "WorkersDisagreeError": "._errors",
-    "simulate_cpu_devices": "._devices",
+    "simulate_cpu_devices": ".engine._devices",
     "compute_average_loss": ".losses",
-    "cross_replica_moments": "._moments",
+    "cross_replica_moments": ".engine._moments",
     "DataPosition": ".training",
     "FunctionalModel": ".training",
     "TrainState": ".training",
@@ -50,6 +52,18 @@ _EXPORTS: dict[str, str] = {
 _SUBMODULES = ("callbacks", "checkpoint", "data", "launch", "losses", "metrics", "training")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
+
+
+def _keras_fit_through_lockstep(keras: Any) -> None:
+    """Keras' own `model.fit` / `evaluate` / `predict` run by lockstep's Trainer on a model of a
+    lockstep scope (installed when a scope first sets Keras' distribution)."""
+    from .training._keras_fit import install
+
+    install(keras)
+
+
+# the composition root connects the scopes (`distribute`) to training, which builds on them
+_scope.KERAS_HOOKS.append(_keras_fit_through_lockstep)
 
 
 def __getattr__(name: str) -> Any:
@@ -75,32 +89,32 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from . import losses as losses
     from . import metrics as metrics
     from . import training as training
-    from ._datasets import DistributedDataset as DistributedDataset
-    from ._datasets import InputContext as InputContext
-    from ._devices import simulate_cpu_devices as simulate_cpu_devices
+    from .distribute._datasets import DistributedDataset as DistributedDataset
+    from .distribute._datasets import InputContext as InputContext
+    from .engine._devices import simulate_cpu_devices as simulate_cpu_devices
     from ._errors import UsageError as UsageError
     from ._errors import WorkersDisagreeError as WorkersDisagreeError
-    from ._moments import cross_replica_moments as cross_replica_moments
-    from ._multi_worker import ClusterResolver as ClusterResolver
-    from ._multi_worker import EnvClusterResolver as EnvClusterResolver
-    from ._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
-    from ._multi_worker import SlurmClusterResolver as SlurmClusterResolver
-    from ._multi_worker import TFConfigClusterResolver as TFConfigClusterResolver
-    from ._multi_worker import resolve_cluster as resolve_cluster
-    from ._reduce import ReduceOp as ReduceOp
-    from ._strategy import MirroredStrategy as MirroredStrategy
-    from ._strategy import OneDeviceStrategy as OneDeviceStrategy
-    from ._strategy import Strategy as Strategy
-    from ._strategy import TPUStrategy as TPUStrategy
-    from ._extended import StrategyExtended as StrategyExtended
-    from ._strategy import ValueContext as ValueContext
-    from ._strategy import get_strategy as get_strategy
-    from ._strategy import has_strategy as has_strategy
-    from ._strategy import in_cross_replica_context as in_cross_replica_context
-    from ._values import Mirrored as Mirrored
-    from ._values import PerReplica as PerReplica
-    from ._values import ReplicaContext as ReplicaContext
-    from ._values import get_replica_context as get_replica_context
+    from .engine._moments import cross_replica_moments as cross_replica_moments
+    from .cluster._multi_worker import ClusterResolver as ClusterResolver
+    from .cluster._multi_worker import EnvClusterResolver as EnvClusterResolver
+    from .cluster._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
+    from .cluster._multi_worker import SlurmClusterResolver as SlurmClusterResolver
+    from .cluster._multi_worker import TFConfigClusterResolver as TFConfigClusterResolver
+    from .cluster._multi_worker import resolve_cluster as resolve_cluster
+    from .engine._reduce_op import ReduceOp as ReduceOp
+    from .distribute._strategy import MirroredStrategy as MirroredStrategy
+    from .distribute._strategy import OneDeviceStrategy as OneDeviceStrategy
+    from .distribute._strategy import Strategy as Strategy
+    from .distribute._strategy import TPUStrategy as TPUStrategy
+    from .distribute._extended import StrategyExtended as StrategyExtended
+    from .distribute._strategy import ValueContext as ValueContext
+    from .distribute._strategy import get_strategy as get_strategy
+    from .distribute._strategy import has_strategy as has_strategy
+    from .distribute._strategy import in_cross_replica_context as in_cross_replica_context
+    from .distribute._values import Mirrored as Mirrored
+    from .distribute._values import PerReplica as PerReplica
+    from .engine._replica_context import ReplicaContext as ReplicaContext
+    from .engine._replica_context import get_replica_context as get_replica_context
     from .losses import compute_average_loss as compute_average_loss
     from .training import DataPosition as DataPosition
     from .training import FunctionalModel as FunctionalModel

@@ -14,8 +14,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._cross_replica import to_varying
-from ._values import get_replica_context
+from .engine._cross_replica import to_varying
+from .engine._replica_context import get_replica_context
 
 EPSILON = 1e-7  # Keras' backend epsilon, used to clip probabilities
 

@@ -19,40 +19,57 @@ def _name(path: pathlib.Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def _is_type_checking(node: ast.If) -> bool:
-    return isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING"
-
-
-def _module_level_imports(path: pathlib.Path) -> set[str]:
-    """Modules of the package that `path` imports when it is imported (not inside functions or
-    `if TYPE_CHECKING:`)."""
+def _imports(path: pathlib.Path) -> set[str]:
+    """Modules of the package that `path` imports anywhere: at module level, inside functions and
+    in `if TYPE_CHECKING:` blocks (a lazy import is a dependency all the same)."""
     name = _name(path)
     package = name if path.name == "__init__.py" else name.rsplit(".", 1)[0]
     found: set[str] = set()
-
-    def visit(body: list[ast.stmt]) -> None:
-        for node in body:
-            if isinstance(node, ast.If) and not _is_type_checking(node):
-                visit(node.body + node.orelse)
-            elif isinstance(node, ast.Try):
-                visit(node.body)
-            elif isinstance(node, ast.Import):
-                found.update(a.name for a in node.names if a.name.startswith("lockstep"))
-            elif isinstance(node, ast.ImportFrom):
-                if node.level:
-                    base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
-                    mod = f"{base}.{node.module}" if node.module else base
-                else:
-                    mod = node.module or ""
-                if not mod.startswith("lockstep"):
-                    continue
-                for alias in node.names:  # `from . import x` imports the submodule x
-                    sub = f"{mod}.{alias.name}"
-                    found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists()
-                              or (PACKAGE.parent / sub.replace(".", "/")).is_dir() else mod)
-    visit(ast.parse(path.read_text()).body)
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names if a.name.startswith("lockstep"))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module or ""
+            if not mod.startswith("lockstep"):
+                continue
+            for alias in node.names:  # `from . import x` imports the submodule x
+                sub = f"{mod}.{alias.name}"
+                found.add(sub if (PACKAGE.parent / (sub.replace(".", "/") + ".py")).exists()
+                          or (PACKAGE.parent / sub.replace(".", "/")).is_dir() else mod)
     found.discard(name)
-    return found
+    # importing a submodule imports its parent packages first: that is not a dependency on them
+    return {d for d in found if not name.startswith(d + ".")}
+
+
+GRAPH = {_name(p): _imports(p) for p in MODULES}
+
+
+def _part(module: str) -> str:
+    """The part of the package a module belongs to: its subpackage (``lockstep.engine``), or the
+    top-level module itself (``lockstep.losses``)."""
+    return ".".join(module.split(".")[:2])
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    cycles = []
+    state: dict[str, int] = {}
+
+    def walk(m: str, path: list[str]) -> None:
+        state[m] = 1
+        for d in sorted(graph.get(m, ())):
+            if state.get(d) == 1:
+                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
+            elif d not in state:
+                walk(d, path + [d])
+        state[m] = 2
+    for m in sorted(graph):
+        if m not in state:
+            walk(m, [m])
+    return cycles
 
 
 def test_no_module_class_or_function_is_oversized():
@@ -72,24 +89,30 @@ def test_no_module_class_or_function_is_oversized():
 
 
 def test_no_import_cycle_between_modules_of_the_package():
-    graph = {_name(p): _module_level_imports(p) for p in MODULES}
-    # importing a submodule imports its parent packages first: that is not a cycle
-    graph = {m: {d for d in deps if not m.startswith(d + ".")} for m, deps in graph.items()}
-    cycles = []
-    state: dict[str, int] = {}
+    assert not _cycles(GRAPH), _cycles(GRAPH)
 
-    def walk(m: str, path: list[str]) -> None:
-        state[m] = 1
-        for d in sorted(graph.get(m, ())):
-            if state.get(d) == 1:
-                cycles.append(path[path.index(d):] + [d] if d in path else [m, d])
-            elif d not in state:
-                walk(d, path + [d])
-        state[m] = 2
-    for m in sorted(graph):
-        if m not in state:
-            walk(m, [m])
-    assert not cycles, cycles
+
+def test_no_import_cycle_between_the_parts_of_the_package():
+    parts: dict[str, set[str]] = {}
+    for module, deps in GRAPH.items():
+        if module != "lockstep":  # the root re-exports every part
+            parts.setdefault(_part(module), set()).update(_part(d) for d in deps if _part(d) != _part(module))
+    assert not _cycles(parts), _cycles(parts)
+
+
+ENGINE_MAY_IMPORT = {"lockstep.engine", "lockstep._errors", "lockstep._optional"}
+
+
+def test_the_engine_imports_nothing_above_it():
+    above = {m: sorted(d for d in deps if _part(d) not in ENGINE_MAY_IMPORT)
+             for m, deps in GRAPH.items() if _part(m) == "lockstep.engine"}
+    assert not any(above.values()), {m: d for m, d in above.items() if d}
+
+
+def test_the_launcher_imports_only_the_exit_codes():
+    found = {m: sorted(d for d in deps if _part(d) not in {"lockstep.launch", "lockstep._exit_codes"})
+             for m, deps in GRAPH.items() if _part(m) in ("lockstep.launch", "lockstep.cli")}
+    assert not any(found.values()), found
 
 
 def test_the_launcher_imports_no_jax():

@@ -255,15 +255,15 @@ def test_collection_reads_all_states_in_one_reduction_and_matches_each_metric():
     for batch in s.experimental_distribute_dataset(ls.data.batches((y, p), 64)):
         state = s.run(lambda st, b: c.update(st, b[0], b[1]), args=(state, batch))
     reads = []
-    run = s.run
-    s.run = lambda fn, *a, **k: (reads.append(fn), run(fn, *a, **k))[1]
+    run = s.extended.run_to_host
+    s.extended.run_to_host = lambda fn, *a, **k: (reads.append(fn), run(fn, *a, **k))[1]
     psums = []
     psum = jax.lax.psum
     jax.lax.psum = lambda x, axis: (psums.append(len(jax.tree.leaves(x))), psum(x, axis))[1]
     try:
         out = c.compute(state)
     finally:
-        s.run, jax.lax.psum = run, psum
+        s.extended.run_to_host, jax.lax.psum = run, psum
     assert len(reads) == 1  # one program reads every state of every metric...
     # ...with one all-reduce of all their sum states (traced twice: the probe for mirrored outputs, then the compile)
     assert psums == [len(c._specs())] * len(psums) and 1 <= len(psums) <= 2

@@ -176,10 +176,8 @@ def test_a_backup_of_another_model_or_optimizer_is_refused_naming_the_first_diff
 
 def test_a_backup_without_names_still_restores_by_position(tmp_path, monkeypatch, want):
     """Backups written before names were recorded restore as they did, checked by position."""
-    import lockstep.checkpoint
-
-    plain = lockstep.checkpoint.flatten_train_state
-    monkeypatch.setattr(lockstep.checkpoint, "flatten_train_state", lambda state: plain(state.replace(names=None)))
+    plain = ls.TrainState.to_arrays
+    monkeypatch.setattr(ls.TrainState, "to_arrays", lambda state: plain(state.replace(names=None)))
     interrupted(tmp_path / "a")
     _, got = resume(tmp_path / "a")
     np.testing.assert_allclose(got["loss"], want["loss"], rtol=1e-6)

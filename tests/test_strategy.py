@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 import lockstep as ls
-from lockstep._run import MAX_STEPS_IN_FLIGHT
+from lockstep.engine._compiler import MAX_STEPS_IN_FLIGHT
 
 REPLICAS = [1, 2, 3, 4, 8]
 SIZES = [1, 7, 63, 64, 65, 1003]
@@ -362,7 +362,7 @@ def test_combinations_are_swept():
 
 
 def test_prefetching_keeps_order_stops_early_and_surfaces_errors(monkeypatch):
-    from lockstep import _datasets
+    from lockstep.distribute import _datasets
 
     s = ls.MirroredStrategy(2)
     assert _datasets._prefetch_depth(s.devices) == (
@@ -401,7 +401,7 @@ def test_tpu_strategy_without_a_tpu_names_mirrored_strategy():
 def test_tpu_strategy_is_the_mirrored_engine_on_the_devices_it_finds(monkeypatch):
     """CPU devices stand in for TPU cores (no TPU here): TPUStrategy then trains exactly as
     MirroredStrategy does on the same devices."""
-    import lockstep._strategy as strategy_module
+    import lockstep.distribute._strategy as strategy_module
 
     monkeypatch.setattr(strategy_module, "_tpu_devices", lambda: list(jax.devices()[:4]))
     x = np.random.default_rng(0).normal(size=(103, 5)).astype(np.float32)

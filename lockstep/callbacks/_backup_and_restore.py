@@ -12,6 +12,7 @@ import jax
 import numpy as np
 
 from .._exit_codes import PREEMPTED_EXIT_CODE
+from ..engine._cross_replica import allgather_sizes, broadcast_from_chief
 from ._callback import Callback
 
 if TYPE_CHECKING:
@@ -93,13 +94,11 @@ class BackupAndRestore(Callback):
     def _save(self) -> None:
         """Backs up the state at the current step; a step already backed up is not written again
         (a preemption agreed at a periodic backup step: orbax writes each step once)."""
-        from ..checkpoint import flatten_train_state
-
         assert self.trainer is not None and self._store is not None
         if self._saved_step == self.trainer.global_step:
             return
         state = self.trainer.shared_train_state()  # every worker's data position: all save at this step
-        arrays, meta = flatten_train_state(state)
+        arrays, meta = state.to_arrays()
         self._store.save(state.global_step, arrays, meta)
         self._saved_step = state.global_step
 
@@ -136,16 +135,15 @@ class BackupAndRestore(Callback):
         """Hands the newest intact backup, if any, to the trainer (`trainer.restore`). A damaged
         one (unreadable, or its checksums differ) is named in a warning and set aside in the
         ``damaged`` folder, and the next older one is tried; every worker takes the same one."""
-        from .._cross_replica import allgather_sizes, broadcast_from_chief
-        from ..checkpoint import METRIC_STATE_PREFIX, DamagedCheckpointError, flatten_train_state, unflatten_train_state
+        from ..checkpoint import DamagedCheckpointError
 
         assert self.trainer is not None and self._store is not None
         like = self.trainer.train_state
-        arrays_like, _ = flatten_train_state(like)
+        arrays_like, _ = like.to_arrays()
         # the metric state (one entry per replica) comes back whole, replicated: it may have been
         # taken on another number of replicas, and the trainer reduces it then (`TrainState`)
         shardings = {k: v.sharding for k, v in arrays_like.items()
-                     if isinstance(v, jax.Array) and not k.startswith(METRIC_STATE_PREFIX)}
+                     if isinstance(v, jax.Array) and not k.startswith(like.METRIC_STATE_PREFIX)}
         replicated = jax.sharding.NamedSharding(self.trainer.strategy.mesh, jax.sharding.PartitionSpec())
         tried: set[int] = set()
         damaged_any = False
@@ -166,7 +164,7 @@ class BackupAndRestore(Callback):
                 why = e.why
             damaged = allgather_sizes(int(why is not None))  # all workers agree: intact everywhere, or set aside
             if not damaged.any():
-                self.trainer.restore(unflatten_train_state(arrays, meta, like))
+                self.trainer.restore(like.from_arrays(arrays, meta))
                 self.restored_from = step
                 return
             damaged_any = True

@@ -1,14 +1,12 @@
-"""`Callback` (Keras' hook names) and `CallbackList`."""
+"""`Callback`: Keras' hook names and arguments, on a trainer seen through `TrainerView`."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 
-if TYPE_CHECKING:
-    from ..training._trainer import Trainer
+from ._trainer_view import TrainerView
 
 
 def is_chief() -> bool:
@@ -30,15 +28,15 @@ class Callback:
     """
 
     def __init__(self) -> None:
-        self.trainer: Trainer | None = None
+        self.trainer: TrainerView | None = None
         #: what `fit` gives every callback, as Keras does: ``{"verbose": ..., "epochs": ..., "steps": ...}``
         self.params: dict[str, Any] = {}
 
     @property
-    def model(self) -> "Trainer | None":
+    def model(self) -> TrainerView | None:
         return self.trainer
 
-    def set_trainer(self, trainer: "Trainer") -> None:
+    def set_trainer(self, trainer: TrainerView) -> None:
         self.trainer = trainer
 
     def set_params(self, params: dict[str, Any]) -> None:
@@ -72,34 +70,5 @@ class Callback:
         """Restores what `get_state` returned."""
 
 
-_HOOKS = [name for name in vars(Callback) if name.startswith("on_")]
-
-
-class CallbackList:
-    """Calls every hook on every callback, in order (callbacks marked `runs_last`, the backups, last)."""
-
-    def __init__(self, callbacks: Iterable[Callback], trainer: "Trainer", params: dict[str, Any] | None = None):
-        from ._keras_callback import KerasCallback, is_keras_callback  # it builds on Callback
-
-        self.callbacks = [KerasCallback(cb) if is_keras_callback(cb) else cb for cb in callbacks]
-        # those that back up the training state last, so the backup holds what the others did at that step
-        self.callbacks.sort(key=lambda cb: bool(getattr(cb, "runs_last", False)))
-        for cb in self.callbacks:
-            if not isinstance(cb, Callback):
-                raise TypeError(f"`callbacks` must hold lockstep or Keras callback objects, got {type(cb).__name__}.")
-            cb.set_trainer(trainer)
-            if params is not None:
-                cb.set_params(params)
-
-    def __getattr__(self, name: str) -> Any:
-        if name not in _HOOKS:
-            raise AttributeError(name)
-        # the hooks some callback overrides, bound once (a hook runs every step: keep it cheap)
-        bound = [getattr(cb, name) for cb in self.callbacks
-                 if getattr(type(cb), name) is not getattr(Callback, name) or name in vars(cb)]
-
-        def call(*args: Any, **kwargs: Any) -> None:
-            for hook in bound:
-                hook(*args, **kwargs)
-        setattr(self, name, call)  # later lookups find the attribute and skip __getattr__
-        return call
+#: Keras' hook names
+HOOKS = [name for name in vars(Callback) if name.startswith("on_")]

@@ -14,17 +14,15 @@ Any other attribute is the Keras model's own.
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from ._callback import Callback, is_chief
-
-if TYPE_CHECKING:
-    from ..training._trainer import Trainer
+from ._callback import HOOKS, Callback, is_chief
+from ._trainer_view import TrainerView
 
 _WRITERS = ("CSVLogger", "TensorBoard", "ProgbarLogger", "RemoteMonitor")
-_HOOKS = [name for name in vars(Callback) if name.startswith("on_") and name != "on_train_exit"]
+_HOOKS = [name for name in HOOKS if name != "on_train_exit"]
 _ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}  # Keras' own
 
 
@@ -40,7 +38,7 @@ def is_keras_callback(obj: Any) -> bool:
 class _OptimizerView:
     """`model.optimizer` as Keras' callbacks use it: `learning_rate` is the trainer's."""
 
-    def __init__(self, trainer: "Trainer"):
+    def __init__(self, trainer: TrainerView):
         object.__setattr__(self, "_trainer", trainer)
 
     def __getattr__(self, name: str) -> Any:
@@ -58,7 +56,7 @@ class _OptimizerView:
 class _ModelView:
     """The Keras model as a Keras callback sees it during lockstep's `fit`."""
 
-    def __init__(self, trainer: "Trainer"):
+    def __init__(self, trainer: TrainerView):
         object.__setattr__(self, "_trainer", trainer)
         object.__setattr__(self, "optimizer", _OptimizerView(trainer))
 
@@ -152,7 +150,7 @@ class KerasCallback(Callback):
             if any(getattr(type(callback), h, None) is not getattr(base, h, None) for h in own):
                 setattr(self, hook, functools.partial(getattr(callback, hook)))
 
-    def set_trainer(self, trainer: "Trainer") -> None:
+    def set_trainer(self, trainer: TrainerView) -> None:
         super().set_trainer(trainer)
         self.keras_callback.set_model(_ModelView(trainer))
 

@@ -1,4 +1,5 @@
-"""Atomic saving and loading of weights and training state."""
+"""Atomic files and checkpoints: named arrays plus JSON (a `TrainState`'s `to_arrays()`), written
+atomically and checked on reading. Nothing here knows what the arrays are."""
 
 from ._atomic import atomic_path as atomic_path
 from ._atomic import atomic_write as atomic_write
@@ -6,9 +7,5 @@ from ._atomic import load_tree as load_tree
 from ._atomic import save_tree as save_tree
 from ._orbax import DamagedCheckpointError as DamagedCheckpointError
 from ._orbax import TrainingCheckpointer as TrainingCheckpointer
-from ._train_state import METRIC_STATE_PREFIX as METRIC_STATE_PREFIX
-from ._train_state import flatten_train_state as flatten_train_state
-from ._train_state import unflatten_train_state as unflatten_train_state
 
-__all__ = ["METRIC_STATE_PREFIX", "DamagedCheckpointError", "TrainingCheckpointer", "atomic_path", "atomic_write", "flatten_train_state", "load_tree", "save_tree",
-           "unflatten_train_state"]
+__all__ = ["DamagedCheckpointError", "TrainingCheckpointer", "atomic_path", "atomic_write", "load_tree", "save_tree"]

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._layout import BatchRows
+from ..engine._layout import BatchRows
 
 
 class Batches:

@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._cross_replica import batch_digests
-from .._layout import BatchRows
+from ..engine._cross_replica import batch_digests
+from ..engine._layout import BatchRows
 
 
 class TFDatasetBatches:

@@ -28,9 +28,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .._cross_replica import all_gather, highest, lowest
 from .._errors import UsageError
-from .._values import Mirrored, PerReplica, get_replica_context, strategy_of, unwrap
+from ..distribute._values import Mirrored, PerReplica, engine_of, unwrap
+from ..engine._cross_replica import BATCH_AXIS, all_gather, highest, lowest
+from ..engine._replica_context import get_replica_context
 
 REDUCTIONS = ("sum", "max", "min", "cat")
 
@@ -76,18 +77,19 @@ def sync_in_replica(state: State, specs: Mapping[str, StateSpec], arg: str = "st
     for reduction, collective in (("sum", jax.lax.psum), ("max", jax.lax.pmax), ("min", jax.lax.pmin)):
         names = [k for k in state if specs[k].reduction == reduction]
         if names:
-            reduced = collective([state[k] for k in names], "replica")
+            reduced = collective([state[k] for k in names], BATCH_AXIS)
             out.update(zip(names, reduced))
     for k in (k for k in state if specs[k].reduction == "cat"):
         out[k] = all_gather(state[k], axis=0)
     return out
 
 
-def per_replica_strategy(state: Any) -> Any:
-    """The strategy of the `PerReplica` leaves of `state`, outside `run`; None otherwise."""
+def per_replica_engine(state: Any) -> Any:
+    """The engine (a strategy's ``extended``) of the `PerReplica` leaves of `state`, outside `run`;
+    None otherwise."""
     if get_replica_context() is not None:
         return None
-    found = {strategy_of(v) for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, PerReplica))
+    found = {engine_of(v) for v in jax.tree.leaves(state, is_leaf=lambda v: isinstance(v, PerReplica))
              if isinstance(v, PerReplica)}
     if len(found) > 1:
         raise ValueError("`state` mixes per-replica values of several strategies.")
@@ -100,13 +102,13 @@ def synced_result(metric: Any, state: Any) -> Any:
     return metric.result_from(metric.sync(state))
 
 
-def compute_per_replica(strategy: Any, metric: Any, state: Any) -> Any:
-    """`synced_result` of `PerReplica` state, as one compiled program on `strategy`; plain arrays back."""
-    out = strategy.run(synced_result, args=(metric, state))
-
-    def one(v: Any) -> Any:  # a per-replica output is identical on every replica (an all-gather)
-        return strategy.experimental_local_results(v)[0] if isinstance(v, PerReplica) else unwrap(v)
-    return jax.tree.map(one, out, is_leaf=lambda v: isinstance(v, (Mirrored, PerReplica)))
+def compute_per_replica(engine: Any, metric: Any, state: Any) -> Any:
+    """`synced_result` of `PerReplica` state, as one compiled program on `engine`; plain arrays back
+    (a per-replica output is identical on every replica: an all-gather)."""
+    distributed = lambda v: isinstance(v, (PerReplica, Mirrored))  # noqa: E731
+    kinds = jax.tree.map(lambda v: "per_replica" if isinstance(v, PerReplica) else "replicated", state,
+                         is_leaf=distributed)
+    return engine.run_to_host(synced_result, (metric, unwrap(state)), ("replicated", kinds))
 
 
 class Metric:
@@ -259,9 +261,9 @@ class Metric:
         """
         if isinstance(state, Mapping) and not state and (self._specs or not self.built):  # nothing seen yet
             return jnp.asarray(0.0, self.dtype)
-        strategy = per_replica_strategy(state)
-        if strategy is not None:
-            return compute_per_replica(strategy, self, state)
+        engine = per_replica_engine(state)
+        if engine is not None:
+            return compute_per_replica(engine, self, state)
         if get_replica_context() is not None:
             return synced_result(self, state)
         return self.result_from(state)

@@ -8,8 +8,8 @@ from typing import Any
 import jax
 
 from .._errors import UsageError
-from .._values import get_replica_context
-from ._base import Metric, State, StateSpec, compute_per_replica, per_replica_strategy, sync_in_replica, synced_result
+from ..engine._replica_context import get_replica_context
+from ._base import Metric, State, StateSpec, compute_per_replica, per_replica_engine, sync_in_replica, synced_result
 from ._registry import get as get_metric
 
 
@@ -79,9 +79,9 @@ class MetricCollection:
 
     def compute(self, state: dict[str, State]) -> dict[str, Any]:
         """Every metric's value; on per-replica state, one compiled program reduces and computes all."""
-        strategy = per_replica_strategy(state)
-        if strategy is not None:
-            return compute_per_replica(strategy, self, state)
+        engine = per_replica_engine(state)
+        if engine is not None:
+            return compute_per_replica(engine, self, state)
         if get_replica_context() is not None:
             return synced_result(self, state)
         return self.result_from(state)

@@ -3,12 +3,14 @@
 from ._data_stream import DataPosition as DataPosition
 from ._model import FunctionalModel as FunctionalModel
 from ._optimizers import get_optimizer as get_optimizer
-from ._state import TrainState as TrainState
 from ._state_names import StateNames as StateNames
 from ._steps import make_eval_step as make_eval_step
 from ._steps import make_predict_step as make_predict_step
 from ._steps import make_train_step as make_train_step
+from ._train_state import TrainState as TrainState
+from ._train_state import flatten_train_state as flatten_train_state
+from ._train_state import unflatten_train_state as unflatten_train_state
 from ._trainer import Trainer as Trainer
 
-__all__ = ["DataPosition", "FunctionalModel", "StateNames", "TrainState", "Trainer", "get_optimizer", "make_eval_step", "make_predict_step",
-           "make_train_step"]
+__all__ = ["DataPosition", "FunctionalModel", "StateNames", "TrainState", "Trainer", "flatten_train_state", "get_optimizer", "make_eval_step",
+           "make_predict_step", "make_train_step", "unflatten_train_state"]

@@ -25,15 +25,15 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from .._cross_replica import allgather_sizes
-from .._datasets import DistributedDataset
-from .._layout import DIGEST_MODULUS, padded_per_replica
+from ..engine._cross_replica import allgather_sizes
+from ..distribute._datasets import DistributedDataset
+from ..engine._layout import DIGEST_MODULUS, padded_per_replica
 from ..data import Batches, IndexedBatches, WorkerPipeline
 from ._inputs import distribute
 
 if TYPE_CHECKING:
-    from .._strategy import Strategy
-    from .._values import DistributedBatch
+    from ..distribute._strategy import Strategy
+    from ..engine._placement import DistributedBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -180,14 +180,14 @@ class DataStream:
         if isinstance(train, WorkerPipeline):
             state = self._my_iterator_state(restored) if restored is not None and o > 0 else None
             self._pipeline = train.iterator(state)
-            batches = iter(DistributedDataset(self._strategy, self._pipeline, per_worker=True))
+            batches = iter(DistributedDataset(self._strategy.extended, self._pipeline, per_worker=True))
             if state is not None:  # the iterator is at the position: nothing to read again
                 return batches
             batches = itertools.islice(batches, o - check, None)
         elif isinstance(train, (Batches, IndexedBatches)):  # read by index: each worker reads only its rows
             r = self._strategy.num_replicas_in_sync
             padded = padded_per_replica(train.batch_size, r) * r
-            batches = iter(DistributedDataset(self._strategy, train.rows(p, o - check), padded_size=padded))
+            batches = iter(DistributedDataset(self._strategy.extended, train.rows(p, o - check), padded_size=padded))
         else:
             batches = itertools.islice(iter(distribute(self._strategy, train)), o - check, None)
         if check:

@@ -11,14 +11,14 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from .._cross_replica import allgather_ints, allgather_sizes
-from .._datasets import DistributedDataset
+from ..engine._cross_replica import allgather_ints, allgather_sizes
+from ..distribute._datasets import DistributedDataset
 from ..data import Batches
 from ..data import batches as make_batches
 from ..data import IndexedBatches, TFDatasetBatches, WorkerPipeline
 
 if TYPE_CHECKING:
-    from .._strategy import Strategy
+    from ..distribute._strategy import Strategy
 
 
 def is_arrays(x: Any) -> bool:
@@ -49,7 +49,7 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
     if x is None:
         raise ValueError(f"`{arg}` is required, got None.")
     if isinstance(x, DistributedDataset):
-        if x.strategy is not strategy:
+        if x.extended is not strategy.extended:
             raise ValueError(f"`{arg}` is a distributed dataset of another strategy than the trainer's.")
         if y is not None or sample_weight is not None:
             raise ValueError(f"when `{arg}` is a distributed dataset, `y` and `sample_weight` must be None.")
@@ -283,7 +283,7 @@ def peek(data: Iterable[Any]) -> tuple[Any, Iterable[Any]]:
 def distribute(strategy: "Strategy", data: Iterable[Any]) -> DistributedDataset:
     """`data` as distributed batches; indexed sources and unshuffled arrays are read per worker."""
     if isinstance(data, IndexedBatches) or (isinstance(data, Batches) and not data.shuffle):
-        return DistributedDataset(strategy, data.rows(0))
+        return DistributedDataset(strategy.extended, data.rows(0))
     if isinstance(data, WorkerPipeline):
-        return DistributedDataset(strategy, data.iterator(), per_worker=True)
+        return DistributedDataset(strategy.extended, data.iterator(), per_worker=True)
     return data if isinstance(data, DistributedDataset) else strategy.experimental_distribute_dataset(data)

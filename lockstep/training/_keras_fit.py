@@ -32,7 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from .. import _scope
+from ..distribute import _scope
 from ._trainer import Trainer
 
 _ORIGINAL: dict[str, Any] = {}

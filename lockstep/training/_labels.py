@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from .._datasets import DistributedDataset
+from ..distribute._datasets import DistributedDataset
 from ..data import Batches, IndexedBatches, TFDatasetBatches, WorkerPipeline
 from ._steps import unpack
 

@@ -23,9 +23,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .. import _scope
-from .._cross_replica import AXIS
-from .._values import get_replica_context
+from ..distribute import _scope
+from ..engine._cross_replica import BATCH_AXIS
+from ..engine._replica_context import get_replica_context
 from ._keras_layers import activity_penalties_masked, check_activity_regularizers, check_supported, hook_batch_norm
 
 #: Odd 32-bit constant (the golden ratio) that separates replicas' seeds.
@@ -95,7 +95,7 @@ class _FunctionalAdapter:
             return self.model.apply(params["trainable"], x, **flag), state, None
         key = jax.random.fold_in(jax.random.key(self._seed), state["rng_step"])
         if get_replica_context() is not None:
-            key = jax.random.fold_in(key, jax.lax.axis_index(AXIS))
+            key = jax.random.fold_in(key, jax.lax.axis_index(BATCH_AXIS))
         y = self.model.apply(params["trainable"], x, rng=key, **flag)
         return y, {"rng_step": state["rng_step"] + jnp.uint32(training)}, None
 
@@ -165,7 +165,7 @@ class _KerasAdapter:
         slots = self._seed_states() if get_replica_context() is not None else []
         offset = None
         if slots:  # each replica draws its own randomness (see the module docstring)
-            replica = jax.lax.axis_index(AXIS).astype(jnp.uint32)
+            replica = jax.lax.axis_index(BATCH_AXIS).astype(jnp.uint32)
             offset = jnp.stack([replica * jnp.uint32(_REPLICA_SEED_STRIDE), jnp.uint32(0)])
             for i in slots:
                 non_trainable[i] = non_trainable[i] + offset.astype(non_trainable[i].dtype)

@@ -21,8 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from .._cross_replica import AXIS, all_reduce
-from .._reduce import ReduceOp
+from ..engine._cross_replica import BATCH_AXIS, all_reduce
+from ..engine._reduce_op import ReduceOp
 from ..losses import masked_average_loss
 from ..metrics import Mean, MetricCollection
 from ._precision import loss_scale_of
@@ -33,7 +33,7 @@ LossFn = Callable[[Any, Any], jax.Array]
 #: Steps are traced without replication typing (see the module docstring).
 CHECK_VMA = False
 
-#: The kinds of the steps' arguments and results (see `lockstep._run`).
+#: The kinds of the steps' arguments and results (see `lockstep.engine._compiler`).
 TRAIN_KINDS = ("replicated", "replicated", "per_replica", "rows", "rows", "replicated")
 TRAIN_OUT = ("replicated", "replicated", "per_replica")
 ACCUMULATE_KINDS = ("replicated", "replicated", "per_replica", "per_replica", "rows", "rows", "replicated")
@@ -76,7 +76,7 @@ def weighted_losses(loss_fn: LossFn, y: Any, y_pred: Any, sample_weight: Any) ->
 def global_penalty(penalty: jax.Array | None, num_replicas: int) -> jax.Array | None:
     """The step's whole penalty (regularisers, `add_loss`) from each replica's: every replica
     contributes ``penalty / num_replicas`` (see `_model`), so the sum counts it once."""
-    return None if penalty is None else jax.lax.psum(penalty / num_replicas, AXIS)
+    return None if penalty is None else jax.lax.psum(penalty / num_replicas, BATCH_AXIS)
 
 
 def update_logs(loss_tracker: Mean, metrics: MetricCollection, state: dict[str, Any], y: Any, y_pred: Any,
@@ -136,7 +136,7 @@ def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTran
         x, y, sw = unpack(data)
         grads, (y_pred, per_example, non_trainable, penalty) = _local_gradients(
             apply, loss_fn, num_replicas, params, x, y, sw, mask, count, loss_scale_of(opt_state))
-        grads = jax.lax.psum(grads, AXIS)  # this replica's share -> the global gradient (CHECK_VMA off)
+        grads = jax.lax.psum(grads, BATCH_AXIS)  # this replica's share -> the global gradient (CHECK_VMA off)
         updates, opt_state = optimizer.update(grads, opt_state, params["trainable"])
         trainable = optax.apply_updates(params["trainable"], updates)
         new_params = {"trainable": trainable, "non_trainable": _agree_non_trainable(non_trainable, mask)}
@@ -172,7 +172,7 @@ def make_apply_step(optimizer: optax.GradientTransformation) -> Callable[..., An
     divided once by the group's real sample count; the accumulators start again from zero."""
 
     def apply_step(params: dict[str, Any], opt_state: Any, acc: Any, count: jax.Array) -> Any:
-        grads = jax.tree.map(lambda a: a / count, jax.lax.psum(acc, AXIS))
+        grads = jax.tree.map(lambda a: a / count, jax.lax.psum(acc, BATCH_AXIS))
         updates, opt_state = optimizer.update(grads, opt_state, params["trainable"])
         trainable = optax.apply_updates(params["trainable"], updates)
         return ({"trainable": trainable, "non_trainable": params["non_trainable"]}, opt_state,

@@ -13,12 +13,13 @@ import jax
 import numpy as np
 import optax
 
-from .. import _scope
+from ..distribute import _scope
 from .. import losses as _losses
-from .._cross_replica import broadcast_from_chief
-from .._strategy import Strategy, get_strategy
+from ..engine._cross_replica import broadcast_from_chief
+from ..distribute._strategy import Strategy, get_strategy
 from ..callbacks import Callback, History, ProgbarLogger
-from ..callbacks._callback import CallbackList, is_chief
+from ..callbacks._callback import is_chief
+from ..callbacks._callback_list import CallbackList
 from ..callbacks._progbar import format_logs
 from ..data import accumulation_groups
 from ..metrics import Mean, Metric, MetricCollection
@@ -49,7 +50,8 @@ from ._optimizers import (
     to_keras,
 )
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
-from ._state import LiveState, TrainState
+from ._live_state import LiveState
+from ._train_state import TrainState
 from ._state_names import state_names
 from ._step_runner import StepRunner, checked_accumulation
 from ._weight_files import WeightFiles

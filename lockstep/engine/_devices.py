@@ -6,10 +6,10 @@ import os
 
 import jax
 
-from ._errors import UsageError
+from .._errors import UsageError
 
 
-def _backends_started() -> bool:
+def backends_started() -> bool:
     from jax._src import xla_bridge
 
     return bool(xla_bridge.backends_are_initialized())
@@ -39,7 +39,7 @@ def simulate_cpu_devices(n: int) -> None:
         raise UsageError(
             f"simulate_cpu_devices({n}) in a script that `lockstep launch --devices-per-proc {launched}` started: "
             f"each worker gets the launcher's {launched} devices. Drop the call, or make the two numbers agree.")
-    if _backends_started():
+    if backends_started():
         have = jax.local_device_count("cpu") if jax.default_backend() == "cpu" else None
         if have == n:
             return

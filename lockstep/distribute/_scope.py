@@ -11,13 +11,25 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any, Protocol
 
-from ._errors import UsageError
+from .._errors import UsageError
 
-if TYPE_CHECKING:
-    from ._strategy import Strategy
+
+class Strategy(Protocol):
+    """What a scope holds: a strategy (its devices and replica count are read here and by the trainer)."""
+
+    @property
+    def devices(self) -> tuple[Any, ...]: ...
+
+    @property
+    def num_replicas_in_sync(self) -> int: ...
+
+
+#: called with the `keras` module each time a scope sets Keras' distribution: `lockstep/__init__`
+#: connects Keras' own `model.fit` / `evaluate` / `predict` to lockstep's Trainer here
+KERAS_HOOKS: list[Callable[[Any], None]] = []
 
 
 class _Scopes(threading.local):
@@ -88,9 +100,8 @@ def _enter_keras_distribution(strategy: "Strategy") -> Any:
     distribution = _keras_data_parallel(keras)(devices=list(strategy.devices))
     distribution.strategy = weakref.ref(strategy)
     keras.distribution.set_distribution(distribution)
-    from .training._keras_fit import install  # Keras' own fit / evaluate / predict, run by lockstep
-
-    install(keras)
+    for hook in KERAS_HOOKS:
+        hook(keras)
     return previous
 
 

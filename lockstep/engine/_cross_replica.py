@@ -1,6 +1,6 @@
 """Cross-replica reductions: collectives inside a replica, and reductions of per-replica arrays.
 
-Inside `strategy.run` (a `shard_map` over the ``"replica"`` axis) values are combined with
+Inside `strategy.run` (a `shard_map` over the mesh's ``"batch"`` axis) values are combined with
 `all_reduce`; outside, a per-replica value is a global array whose leading axis is the replica
 (shape ``(R, ...)``), reduced by `reduce_stacked` / `gather_stacked` in one compiled program
 whose result is replicated on every device (so every worker can read it). `MEAN` is weighted by
@@ -20,10 +20,10 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._layout import StepInfo, rows_digest
-from ._reduce import ReduceOp
+from ._reduce_op import ReduceOp
 
 #: The mesh axis of replicas.
-AXIS = "replica"
+BATCH_AXIS = "batch"
 
 
 # --- inside a replica ----------------------------------------------------------------------
@@ -32,14 +32,14 @@ def varies(x: Any) -> bool:
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
-        return AXIS in mat.varying
+        return BATCH_AXIS in mat.varying
     vma = getattr(aval, "vma", None)  # older JAX spelling
-    return True if vma is None else AXIS in vma
+    return True if vma is None else BATCH_AXIS in vma
 
 
 def to_varying(x: jax.Array) -> jax.Array:
     """`x` typed as differing between replicas (a no-op when it already does)."""
-    return jax.lax.pcast(x, AXIS, to="varying") if not varies(x) else x
+    return jax.lax.pcast(x, BATCH_AXIS, to="varying") if not varies(x) else x
 
 
 def lowest(dtype: Any) -> Any:
@@ -58,21 +58,21 @@ def all_reduce(op: ReduceOp, v: jax.Array, count: jax.Array | None) -> jax.Array
     """`v` combined over replicas; `MEAN` weighs each replica by its real-sample `count`
     (a replica holding only padding, weight 0, is left out so its NaN cannot leak in)."""
     if op is ReduceOp.SUM:
-        return jax.lax.psum(v, AXIS)
+        return jax.lax.psum(v, BATCH_AXIS)
     if op is ReduceOp.MAX:
-        return jax.lax.pmax(v, AXIS)
+        return jax.lax.pmax(v, BATCH_AXIS)
     if op is ReduceOp.MIN:
-        return jax.lax.pmin(v, AXIS)
+        return jax.lax.pmin(v, BATCH_AXIS)
     if count is None:
-        return jax.lax.pmean(v, AXIS)
+        return jax.lax.pmean(v, BATCH_AXIS)
     w = count.astype(jnp.result_type(v, jnp.float32))
-    total = jax.lax.psum(jnp.where(count > 0, v * w, jnp.zeros_like(v * w)), AXIS)
-    return total / jax.lax.psum(w, AXIS)
+    total = jax.lax.psum(jnp.where(count > 0, v * w, jnp.zeros_like(v * w)), BATCH_AXIS)
+    return total / jax.lax.psum(w, BATCH_AXIS)
 
 
 def all_gather(v: jax.Array, axis: int = 0) -> jax.Array:
     """Every replica's `v` concatenated along `axis`."""
-    return jax.lax.all_gather(to_varying(v), AXIS, axis=axis, tiled=True)
+    return jax.lax.all_gather(to_varying(v), BATCH_AXIS, axis=axis, tiled=True)
 
 
 # --- outside: per-replica arrays of shape (R, ...) ------------------------------------------------

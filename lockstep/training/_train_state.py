@@ -1,7 +1,8 @@
-"""A `TrainState` as a checkpoint: a flat dict of arrays plus JSON, and back (pure functions).
+"""`TrainState`: the whole state of a `fit` in progress, one pytree of plain arrays and numbers;
+and as a checkpoint stores it, a flat dict of named arrays plus JSON, and back (pure functions).
 
 >>> import numpy as np, lockstep as ls
->>> from lockstep.checkpoint import flatten_train_state, unflatten_train_state
+>>> from lockstep.training import flatten_train_state, unflatten_train_state
 >>> s = ls.TrainState(params={"trainable": [np.ones(2)], "non_trainable": []}, opt_state=(np.zeros(2),),
 ...                   metric_state=None, epoch=1, step=3, global_step=7, seed=0,
 ...                   callbacks={"EarlyStopping.0": {"wait": 1, "best_weights": [np.ones(2)]}})
@@ -15,18 +16,91 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from typing import TYPE_CHECKING, Any
+from typing import Any, ClassVar
 
 import jax
 import numpy as np
 
-if TYPE_CHECKING:
-    from ..training import TrainState
+from ._data_stream import DataPosition
+from ._state_names import StateNames
+
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+    """Everything a `fit` needs to continue exactly where it was: read it with
+    `trainer.train_state`, put it back with `trainer.restore(state)`.
+
+    Checkpoints (`BackupAndRestore`) save this pytree and nothing else, so a new piece of state
+    cannot be forgotten by backups.
+
+    Attributes:
+      params: ``{"trainable": ..., "non_trainable": ...}``, arrays replicated on every device.
+      opt_state: the optax optimizer state, replicated.
+      metric_state: the running loss and metric states of the epoch in progress, one entry per
+        replica (global arrays whose leading axis is the replica), or None outside `fit`. Restored
+        onto another number of replicas (W x R taken, W' x R' now), the entries are reduced with
+        each field's declared reduction and the result goes to the first replica, the empty state
+        to the others; on the same number they are restored as they were (bit for bit).
+      epoch: epochs completed.
+      step: optimizer steps completed in the epoch in progress.
+      global_step: optimizer steps taken in this `fit` (over all epochs).
+      seed: the seed of `fit`'s shuffling (the order of an epoch derives from seed and epoch).
+      callbacks: each callback's `get_state()`, keyed by class name and rank among callbacks of
+        that class (``"EarlyStopping.0"``).
+      batch_size: the global batch size of `fit` (None: batches came whole from an iterable).
+      accumulation: batches per optimizer step (`gradient_accumulation_steps`). A resume with
+        another `batch_size` or `accumulation` is refused: the data order and positions depend on them.
+      data: the position in the training data (`DataPosition`: pass, batches consumed, a checksum
+        of the last one, Grain iterator states), or None outside `fit`. In a multi-worker job the
+        checksum and iterator states are every worker's in backups (`BackupAndRestore` gathers
+        them); a worker's own `train_state` leaves them out.
+      names: the name of every array of `params` and `opt_state` and what the model and the
+        optimizer are (`StateNames`), so a checkpoint is restored by name and checked; None:
+        matched by position.
+
+    >>> import lockstep as ls
+    >>> s = ls.TrainState(params={"trainable": [], "non_trainable": []}, opt_state=(), metric_state=None,
+    ...                   epoch=2, step=5, global_step=25, seed=0, callbacks={})
+    >>> (s.epoch, s.step, s.global_step)
+    (2, 5, 25)
+    """
+
+    params: Any
+    opt_state: Any
+    metric_state: Any
+    epoch: int
+    step: int
+    global_step: int
+    seed: int
+    callbacks: dict[str, dict[str, Any]]
+    batch_size: int | None = None
+    accumulation: int = 1
+    data: DataPosition | None = None
+    names: StateNames | None = None
+    #: names of the metric state's arrays in `to_arrays` start with this (one entry per replica along axis 0)
+    METRIC_STATE_PREFIX: ClassVar[str] = "metrics/"
+
+    def replace(self, **changes: Any) -> TrainState:
+        """A copy with `changes` applied."""
+        return dataclasses.replace(self, **changes)
+
+    def to_arrays(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        """`flatten_train_state(self)`: what a checkpoint stores (named arrays, JSON)."""
+        return flatten_train_state(self)
+
+    def from_arrays(self, arrays: dict[str, Any], meta: dict[str, Any]) -> TrainState:
+        """`unflatten_train_state(arrays, meta, like=self)`: the state a checkpoint stored."""
+        return unflatten_train_state(arrays, meta, self)
+
+
+jax.tree_util.register_dataclass(
+    TrainState, data_fields=["params", "opt_state", "metric_state", "callbacks"],
+    meta_fields=["epoch", "step", "global_step", "seed", "batch_size", "accumulation", "data", "names"])
+
 
 _PREFIX = {"params": "params", "opt_state": "opt_state"}
-#: Names of the metric state's arrays start with this (one entry per replica along axis 0).
-METRIC_STATE_PREFIX = "metrics/"
+METRIC_STATE_PREFIX = TrainState.METRIC_STATE_PREFIX
 
 
 def _split_state(state: dict[str, Any], prefix: str, arrays: dict[str, Any]) -> dict[str, Any]:
@@ -59,7 +133,7 @@ def _metric_names(metric_state: Any) -> list[tuple[str, str]] | None:
     return [(name, field) for name in sorted(metric_state) for field in sorted(metric_state[name])]
 
 
-def flatten_train_state(state: "TrainState") -> tuple[dict[str, Any], dict[str, Any]]:
+def flatten_train_state(state: TrainState) -> tuple[dict[str, Any], dict[str, Any]]:
     """(arrays, meta): every array of `state` under a flat name, and the rest as JSON-able values.
     The metric state's arrays are named by metric and field (``metrics/accuracy/total``), so a
     restore matches them by name."""
@@ -163,7 +237,7 @@ def _metric_state(arrays: dict[str, Any], like: Any) -> Any:
     return out
 
 
-def unflatten_train_state(arrays: dict[str, Any], meta: dict[str, Any], like: "TrainState") -> "TrainState":
+def unflatten_train_state(arrays: dict[str, Any], meta: dict[str, Any], like: TrainState) -> TrainState:
     """The `TrainState` that `flatten_train_state` made `arrays` and `meta` from; `like` (a state of
     the same model, optimizer and metrics) gives the structure of its array trees. Arrays are
     matched to `like`'s by name when both carry `names` (a backup of another process, whose
@@ -174,8 +248,6 @@ def unflatten_train_state(arrays: dict[str, Any], meta: dict[str, Any], like: "T
         `like`'s in names, number, shape or dtype (the message names the first difference and
         both values).
     """
-    from ..training import DataPosition, StateNames  # here: training imports checkpoint
-
     saved_names = None if meta.get("names") is None else StateNames.from_json(meta["names"])
     names = like.names
     if saved_names is not None and names is not None and saved_names.optimizer != names.optimizer:

@@ -17,25 +17,10 @@ from __future__ import annotations
 import os
 import sys
 import time
-import zlib
 from typing import Any
 
-from ._errors import WorkersDisagreeError
-from ._exit_codes import LOST_WORKER_EXIT_CODE
-
-
-def describe(fn: Any, kinds: list[str], signatures: list[Any]) -> str:
-    """A short description of a program, the same on every worker that runs the same code: the
-    function, its batch-like arguments' shapes, and a checksum of every argument's shape.
-
-    >>> describe(len, ["replicated", "rows"], [((2, 3), "float32"), ((8,), "int32")])
-    'builtins.len(1 replicated, rows int32[8]; shapes #1323490905)'
-    """
-    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
-    replicated = sum(k == "replicated" for k in kinds)
-    shown = [f"{k} {s[1]}{list(s[0])}" for k, s in zip(kinds, signatures) if k != "replicated" and len(s) == 2]
-    checksum = zlib.crc32(repr((kinds, signatures)).encode())
-    return f"{name}({', '.join([f'{replicated} replicated', *shown])}; shapes #{checksum})"
+from .._errors import WorkersDisagreeError
+from .._exit_codes import LOST_WORKER_EXIT_CODE
 
 
 class ProgramAgreement:

@@ -21,7 +21,7 @@ import socket
 import time
 from typing import Any
 
-from ._errors import UsageError
+from .._errors import UsageError
 
 _MAGIC = b"lockstep-roll-call-1 "
 

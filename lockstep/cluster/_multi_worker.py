@@ -37,9 +37,9 @@ import jax
 
 from . import _roll_call as roll_call
 from ._agreement import ProgramAgreement
-from ._errors import UsageError
-from ._exit_codes import LOST_WORKER_EXIT_CODE
-from ._strategy import Strategy
+from .._errors import UsageError
+from .._exit_codes import LOST_WORKER_EXIT_CODE
+from ..distribute._strategy import Strategy
 
 DEFAULT_FAILURE_TIMEOUT = 20.0
 # a peer silent for _WATCHDOG x failure_timeout is declared lost by the watchdog (named exit);
@@ -327,9 +327,9 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
                 resolver.coordinator_address, resolver.num_processes, resolver.process_id):
             raise UsageError(f"jax.distributed is already initialised for {prev!r}; cannot join {resolver!r}.")
         return
-    from ._devices import _backends_started
+    from ..engine._devices import backends_started
 
-    if _backends_started():
+    if backends_started():
         raise UsageError(
             "MultiWorkerMirroredStrategy must be created before any JAX computation (JAX has already started "
             "its backend): create the strategy first thing in the script, after `simulate_cpu_devices` if any.")

@@ -20,6 +20,7 @@ import contextlib
 import functools
 import os
 import threading
+import zlib
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -29,17 +30,16 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ._agreement import describe
-from ._cross_replica import AXIS, to_varying, varies
+from ._cross_replica import BATCH_AXIS, to_varying, varies
 from ._loops import loops_vary_their_carry
-from ._values import ReplicaContext, replica_context
+from ._replica_context import ReplicaContext, replica_context
 
 #: Most compiled steps lockstep lets run ahead of the host before it waits on the oldest
 #: (DESIGN.md: more than ~32 collective steps in flight wedge XLA on a multi-device CPU).
 MAX_STEPS_IN_FLIGHT = int(os.environ.get("LOCKSTEP_MAX_STEPS_IN_FLIGHT", "8"))
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
-_SPEC = {"rows": P(AXIS), "per_replica": P(AXIS), "replicated": P()}
+_SPEC = {"rows": P(BATCH_AXIS), "per_replica": P(BATCH_AXIS), "replicated": P()}
 
 
 class _Entry:
@@ -81,6 +81,20 @@ def signature(x: Any) -> Any:
         return (x.shape, x.dtype)
     except AttributeError:
         return (type(x),)
+
+
+def describe(fn: Any, kinds: list[str], signatures: list[Any]) -> str:
+    """A short description of a program, the same on every worker that runs the same code: the
+    function, its batch-like arguments' shapes, and a checksum of every argument's shape.
+
+    >>> describe(len, ["replicated", "rows"], [((2, 3), "float32"), ((8,), "int32")])
+    'builtins.len(1 replicated, rows int32[8]; shapes #1323490905)'
+    """
+    name = f"{getattr(fn, '__module__', '?')}.{getattr(fn, '__qualname__', type(fn).__name__)}"
+    replicated = sum(k == "replicated" for k in kinds)
+    shown = [f"{k} {s[1]}{list(s[0])}" for k, s in zip(kinds, signatures) if k != "replicated" and len(s) == 2]
+    checksum = zlib.crc32(repr((kinds, signatures)).encode())
+    return f"{name}({', '.join([f'{replicated} replicated', *shown])}; shapes #{checksum})"
 
 
 class RunCompiler:
@@ -214,18 +228,18 @@ class RunCompiler:
                 return tuple(o[None] for o in out_leaves)
             return tuple(o if mirrored else o[None] for o, mirrored in zip(out_leaves, flags))
 
-        in_specs = ([_SPEC[k] for k in dyn_kinds], [P(AXIS), P()][:len(ctx_arrays)])
+        in_specs = ([_SPEC[k] for k in dyn_kinds], [P(BATCH_AXIS), P()][:len(ctx_arrays)])
         if out_kinds is not None:
             out_specs = jax.tree.map(lambda k: _SPEC[k], out_kinds)
             entry.call = jax.jit(jax.shard_map(declared, mesh=self._mesh, in_specs=in_specs, out_specs=out_specs,
                                                check_vma=check_vma))
             return entry
         probe = jax.shard_map(functools.partial(inferred, None), mesh=self._mesh, in_specs=in_specs,
-                              out_specs=P(AXIS))
+                              out_specs=P(BATCH_AXIS))
         jax.eval_shape(probe, dyn, ctx_arrays)
         flags = entry.flags
         assert flags is not None
-        out_specs = tuple(P() if m else P(AXIS) for m in flags)
+        out_specs = tuple(P() if m else P(BATCH_AXIS) for m in flags)
         entry.call = jax.jit(jax.shard_map(functools.partial(inferred, flags), mesh=self._mesh,
                                            in_specs=in_specs, out_specs=out_specs))
         return entry

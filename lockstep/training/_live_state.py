@@ -1,4 +1,5 @@
-"""`TrainState`: the whole state of a `fit` in progress, one pytree of plain arrays and numbers."""
+"""`LiveState`: the state of a `fit` in progress as the trainer holds it between steps, read and
+restored as a `TrainState`."""
 
 from __future__ import annotations
 
@@ -8,72 +9,10 @@ from typing import Any
 import jax
 import numpy as np
 
-from .._cross_replica import broadcast_from_chief
+from ..engine._cross_replica import broadcast_from_chief
 from ._data_stream import DataPosition, DataStream
 from ._state_names import StateNames
-
-
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-    """Everything a `fit` needs to continue exactly where it was: read it with
-    `trainer.train_state`, put it back with `trainer.restore(state)`.
-
-    Checkpoints (`BackupAndRestore`) save this pytree and nothing else, so a new piece of state
-    cannot be forgotten by backups.
-
-    Attributes:
-      params: ``{"trainable": ..., "non_trainable": ...}``, arrays replicated on every device.
-      opt_state: the optax optimizer state, replicated.
-      metric_state: the running loss and metric states of the epoch in progress, one entry per
-        replica (global arrays whose leading axis is the replica), or None outside `fit`. Restored
-        onto another number of replicas (W x R taken, W' x R' now), the entries are reduced with
-        each field's declared reduction and the result goes to the first replica, the empty state
-        to the others; on the same number they are restored as they were (bit for bit).
-      epoch: epochs completed.
-      step: optimizer steps completed in the epoch in progress.
-      global_step: optimizer steps taken in this `fit` (over all epochs).
-      seed: the seed of `fit`'s shuffling (the order of an epoch derives from seed and epoch).
-      callbacks: each callback's `get_state()`, keyed by class name and rank among callbacks of
-        that class (``"EarlyStopping.0"``).
-      batch_size: the global batch size of `fit` (None: batches came whole from an iterable).
-      accumulation: batches per optimizer step (`gradient_accumulation_steps`). A resume with
-        another `batch_size` or `accumulation` is refused: the data order and positions depend on them.
-      data: the position in the training data (`DataPosition`: pass, batches consumed, a checksum
-        of the last one, Grain iterator states), or None outside `fit`. In a multi-worker job the
-        checksum and iterator states are every worker's in backups (`BackupAndRestore` gathers
-        them); a worker's own `train_state` leaves them out.
-      names: the name of every array of `params` and `opt_state` and what the model and the
-        optimizer are (`StateNames`), so a checkpoint is restored by name and checked; None:
-        matched by position.
-
-    >>> import lockstep as ls
-    >>> s = ls.TrainState(params={"trainable": [], "non_trainable": []}, opt_state=(), metric_state=None,
-    ...                   epoch=2, step=5, global_step=25, seed=0, callbacks={})
-    >>> (s.epoch, s.step, s.global_step)
-    (2, 5, 25)
-    """
-
-    params: Any
-    opt_state: Any
-    metric_state: Any
-    epoch: int
-    step: int
-    global_step: int
-    seed: int
-    callbacks: dict[str, dict[str, Any]]
-    batch_size: int | None = None
-    accumulation: int = 1
-    data: DataPosition | None = None
-    names: StateNames | None = None
-
-    def replace(self, **changes: Any) -> "TrainState":
-        """A copy with `changes` applied."""
-        return dataclasses.replace(self, **changes)
-
-
-jax.tree_util.register_dataclass(
-    TrainState, data_fields=["params", "opt_state", "metric_state", "callbacks"],
-    meta_fields=["epoch", "step", "global_step", "seed", "batch_size", "accumulation", "data", "names"])
+from ._train_state import TrainState
 
 
 def callback_key(callbacks: list[Any]) -> dict[str, Any]:

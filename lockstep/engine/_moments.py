@@ -8,8 +8,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._cross_replica import AXIS
-from ._values import get_replica_context
+from ._cross_replica import BATCH_AXIS
+from ._replica_context import get_replica_context
 
 
 def cross_replica_moments(x: Any, axes: int | Sequence[int], mask: Any = None, keepdims: bool = False,
@@ -65,12 +65,12 @@ def cross_replica_moments(x: Any, axes: int | Sequence[int], mask: Any = None, k
     count = jnp.sum(w, axes, keepdims=True)
     total = jnp.sum(w * x, axes, keepdims=True)
     if across:
-        count, total = jax.lax.psum((count, total), AXIS)
+        count, total = jax.lax.psum((count, total), BATCH_AXIS)
     count = jnp.maximum(count, jnp.finfo(x.dtype).tiny)
     mean = total / count
     squares = jnp.sum(w * jnp.square(x - mean), axes, keepdims=True)
     if across:
-        squares = jax.lax.psum(squares, AXIS)
+        squares = jax.lax.psum(squares, BATCH_AXIS)
     var = squares / count
     if not keepdims:
         mean, var = jnp.squeeze(mean, axes), jnp.squeeze(var, axes)

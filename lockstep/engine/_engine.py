@@ -1,72 +1,62 @@
-"""The engine under a strategy, on plain arrays (`tf.distribute`'s ``strategy.extended``): the
-mesh, batch placement, the `run` compiler, and reading per-replica arrays back.
+"""The engine: plain arrays on a `jax.sharding.Mesh` with named axes. It holds the mesh, batch
+placement, the `run` compiler and reading per-replica arrays back; data parallelism is the mesh
+with one axis, ``"batch"`` (`BATCH_AXIS`), over which rows are split and reductions run. It knows
+no strategy: the `tf.distribute` face (`lockstep.distribute`) is built on it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import AxisType, Mesh
 
-from ._cross_replica import AXIS, ReplicatedCall, gather_stacked
-from ._datasets import BatchDistributor
+from ._compiler import RunCompiler
+from ._cross_replica import BATCH_AXIS, ReplicatedCall, gather_stacked
 from ._layout import StepInfo
-from ._run import RunCompiler
-from ._values import ReplicaContext
-
-if TYPE_CHECKING:
-    from ._strategy import Strategy
+from ._placement import BatchDistributor
+from ._replica_context import ReplicaContext
 
 
-class StrategyExtended:
-    """The engine under a strategy, on plain arrays (`tf.distribute`'s ``strategy.extended``).
+class Engine:
+    """Compiled replica functions on plain global arrays over a mesh of `devices`.
 
     `run_arrays` runs a replica function whose arguments and results are plain global arrays
-    of declared kinds; lockstep's `Trainer` drives its compiled steps through it.
+    of declared kinds; lockstep's `Trainer` drives its compiled steps through it. `owner` (the
+    strategy built on it) is what replica contexts name as their ``strategy`` and what error
+    messages about values of another engine name.
 
-    >>> import lockstep as ls, numpy as np
-    >>> s = ls.MirroredStrategy(2)
-    >>> total, = s.extended.run_arrays(lambda v: (ls.get_replica_context().all_reduce("SUM", v),),
-    ...                                (np.array([[1.0], [2.0]]),), kinds=("per_replica",),
-    ...                                out_kinds=("replicated",))
+    >>> import jax, numpy as np
+    >>> from lockstep.engine import Engine, get_replica_context
+    >>> engine = Engine(jax.devices()[:2])
+    >>> engine.mesh.axis_names
+    ('batch',)
+    >>> total, = engine.run_arrays(lambda v: (get_replica_context().all_reduce("SUM", v),),
+    ...                            (np.array([[1.0], [2.0]]),), kinds=("per_replica",), out_kinds=("replicated",))
     >>> total.tolist()
     [3.0]
     """
 
-    def __init__(self, strategy: "Strategy", devices: Sequence[jax.Device]):
-        self.mesh = Mesh(np.asarray(devices, dtype=object), (AXIS,), axis_types=(AxisType.Auto,))
-        self.distributor = BatchDistributor(strategy, self.mesh)
+    def __init__(self, devices: Sequence[jax.Device], owner: Any = None):
+        self.mesh = Mesh(np.asarray(devices, dtype=object), (BATCH_AXIS,), axis_types=(AxisType.Auto,))
+        self.owner = owner
+        self.num_replicas = len(devices)
+        self.distributor = BatchDistributor(self.mesh, self)
         self.replicated_call = ReplicatedCall(self.mesh)
         self._compiler = RunCompiler(
-            self.mesh, lambda mask, count, typed: ReplicaContext(strategy, mask, count, typed))
+            self.mesh, lambda mask, count, typed: ReplicaContext(self.num_replicas, mask, count, typed, owner))
 
     @property
-    def worker_devices(self) -> tuple[str, ...]:
-        """This worker's devices among the strategy's (TF's ``extended.worker_devices``), by name.
+    def num_local_replicas(self) -> int:
+        """How many of the replicas this worker's devices hold."""
+        return len(self.distributor.local_replica_ids)
 
-        >>> import lockstep as ls
-        >>> len(ls.MirroredStrategy(2).extended.worker_devices)
-        2
-        """
-        return tuple(str(d) for d in self.mesh.devices.flat if d.process_index == jax.process_index())
-
-    @property
-    def parameter_devices(self) -> tuple[str, ...]:
-        """Where this worker holds the variables: a copy on each of its devices (mirrored)."""
-        return self.worker_devices
-
-    @property
-    def should_checkpoint(self) -> bool:
-        """Whether this worker writes checkpoints: worker 0 only, as lockstep's callbacks do."""
-        return jax.process_index() == 0
-
-    @property
-    def should_save_summary(self) -> bool:
-        """Whether this worker writes summaries (TensorBoard): worker 0 only."""
-        return jax.process_index() == 0
+    def local_entries(self, stacked: jax.Array) -> tuple[jax.Array, ...]:
+        """This worker's replicas' entries of a per-replica (R, ...) array, in replica order."""
+        shards = sorted(stacked.addressable_shards, key=lambda s: s.index[0].start or 0)
+        return tuple(s.data[0] for s in shards)
 
     def agree_on_programs(self, check: Callable[[str], None] | None) -> None:
         """Calls `check(description)` before each new compiled program runs (the workers of a
@@ -79,7 +69,7 @@ class StrategyExtended:
 
     def run_arrays(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, out_kinds: Any,
                    mask: jax.Array | None = None, count: jax.Array | None = None, check_vma: bool = True) -> Any:
-        """`fn(*args)` on every replica; see `lockstep._run.RunCompiler.call` for the kinds and
+        """`fn(*args)` on every replica; see `lockstep.engine._compiler.RunCompiler.call` for the kinds and
         `check_vma`.
 
         `mask` and `count` (a distributed batch's) make the replica context that layers and

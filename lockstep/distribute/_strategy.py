@@ -1,11 +1,10 @@
 """Strategies: the public `tf.distribute`-style face (`Strategy`, `OneDeviceStrategy`,
-`MirroredStrategy`, `TPUStrategy`) over the engine's parts.
+`MirroredStrategy`, `TPUStrategy`) over the engine (`lockstep.engine`).
 
-The parts, one module each: batch layout (`_layout`), distributed datasets (`_datasets`), the
-`run` compiler (`_run`), cross-replica reductions (`_cross_replica`), scopes and Keras'
-distribution (`_scope`), the engine on plain arrays (`_extended`). `Strategy` turns distributed values into plain arrays for them and
-the results back into distributed values; `strategy.extended` is the engine for lockstep's own
-code (the `Trainer`) that works on plain arrays.
+`Strategy` turns distributed values (`_values`) and datasets (`_datasets`) into plain arrays for
+the engine and the results back into distributed values; scopes are `_scope`'s;
+`strategy.extended` is the engine itself, which lockstep's own code (the `Trainer`) drives on
+plain arrays.
 """
 
 from __future__ import annotations
@@ -19,22 +18,16 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
+from .._errors import UsageError
+from ..data import IndexedBatches, TFDatasetBatches, WorkerPipeline
+from ..engine._cross_replica import gather_stacked, reduce_replicated, reduce_stacked, split_rows
+from ..engine._placement import DistributedBatch
+from ..engine._reduce_op import ReduceOp
+from ..engine._replica_context import get_replica_context
 from . import _scope
-from ._cross_replica import gather_stacked, reduce_replicated, reduce_stacked, split_rows
 from ._datasets import DistributedDataset, InputContext
-from ._errors import UsageError
 from ._extended import StrategyExtended
-from ._reduce import ReduceOp
-from ._values import (
-    DistributedBatch,
-    Mirrored,
-    PerReplica,
-    get_replica_context,
-    is_distributed,
-    step_of,
-    strategy_of,
-    unwrap,
-)
+from ._values import Mirrored, PerReplica, engine_of, is_distributed, step_of, unwrap
 
 
 class ValueContext:
@@ -46,14 +39,14 @@ class ValueContext:
 
 
 class Strategy:
-    """Synchronous data parallelism over a 1-D mesh of devices (axis name ``"replica"``).
+    """Synchronous data parallelism over a 1-D mesh of devices (axis name ``"batch"``).
 
     Use a subclass: `OneDeviceStrategy`, `MirroredStrategy` or `MultiWorkerMirroredStrategy`.
     """
 
     def __init__(self, devices: Sequence[jax.Device]):
         self._devices = tuple(devices)
-        self._extended = StrategyExtended(self, self._devices)
+        self._extended = StrategyExtended(self._devices, owner=self)
 
     # --- facts -------------------------------------------------------------------------
     @property
@@ -67,7 +60,7 @@ class Strategy:
 
     @property
     def mesh(self) -> Mesh:
-        """The 1-D `jax.sharding.Mesh` (axis ``"replica"``) that steps run on."""
+        """The 1-D `jax.sharding.Mesh` (axis ``"batch"``) that steps run on."""
         return self._extended.mesh
 
     @property
@@ -98,8 +91,8 @@ class Strategy:
 
     # --- checks ------------------------------------------------------------------------
     def _check_owner(self, value: Any, arg: str) -> None:
-        owner = strategy_of(value)
-        if owner is not self:
+        owner = engine_of(value).owner
+        if engine_of(value) is not self._extended:
             raise ValueError(
                 f"`{arg}` holds a {type(value).__name__} value made by {owner!r}, "
                 f"but this call is on another strategy, {self!r}. Distributed values are bound "
@@ -123,11 +116,11 @@ class Strategy:
         if not isinstance(dataset, Iterable):
             raise TypeError(f"`dataset` must be an iterable of batches, got {type(dataset).__name__}.")
         _refuse_grain(dataset)
-        from .data import TFDatasetBatches
+        from ..data import TFDatasetBatches
 
         if TFDatasetBatches.accepts(dataset):  # each worker converts only its rows of each global batch
             dataset = TFDatasetBatches(dataset)
-        return DistributedDataset(self, dataset)
+        return DistributedDataset(self._extended, dataset)
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]
                                           ) -> DistributedDataset:
@@ -146,7 +139,7 @@ class Strategy:
         dataset = dataset_fn(ctx)
         if not isinstance(dataset, Iterable):
             raise TypeError(f"`dataset_fn` must return an iterable of batches, got {type(dataset).__name__}.")
-        return DistributedDataset(self, dataset, per_worker=True)
+        return DistributedDataset(self._extended, dataset, per_worker=True)
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """A per-replica value made by calling `value_fn(ValueContext)` once per replica.
@@ -166,7 +159,7 @@ class Strategy:
         columns = [jax.tree.leaves(p) for p in per]
         stacked = [np.stack([np.asarray(c[j]) for c in columns]) for j in range(len(leaves0))]
         placed = distributor.place_split(stacked, n)
-        return jax.tree.unflatten(treedef, [PerReplica(a, self) for a in placed])
+        return jax.tree.unflatten(treedef, [PerReplica(a, self._extended) for a in placed])
 
     # --- run ---------------------------------------------------------------------------
     def run(self, fn: Callable[..., Any], args: Any = (), kwargs: dict[str, Any] | None = None) -> Any:
@@ -209,7 +202,7 @@ class Strategy:
             with_kwargs=True)
         out_leaves, out_tree = jax.tree.flatten(out)
         step = None if batch is None else batch.step
-        wrapped = [Mirrored(o, self) if m else PerReplica(o, self, step) for o, m in zip(out_leaves, flags)]
+        wrapped = [Mirrored(o, self._extended) if m else PerReplica(o, self._extended, step) for o, m in zip(out_leaves, flags)]
         return jax.tree.unflatten(out_tree, wrapped)
 
     def _plain_leaves(self, leaves: list[Any]) -> tuple[list[Any], list[str], DistributedBatch | None]:
@@ -251,7 +244,7 @@ class Strategy:
                 self._check_owner(v, arg)
             if isinstance(v, DistributedBatch):
                 r = self.num_replicas_in_sync
-                return jax.tree.map(lambda a: PerReplica(split_rows(a, r), self, v.step), v.data)
+                return jax.tree.map(lambda a: PerReplica(split_rows(a, r), self._extended, v.step), v.data)
             return v
         return jax.tree.map(expand, value, is_leaf=is_distributed)
 
@@ -323,14 +316,8 @@ class Strategy:
                                            is_leaf=is_distributed)
         if not any(is_distributed(v) for v in leaves):
             return (value,)
-        n_local = len(self._extended.distributor.local_replica_ids)
-
-        def local(v: Any) -> tuple[Any, ...]:
-            if isinstance(v, PerReplica):
-                shards = sorted(unwrap(v).addressable_shards, key=lambda s: s.index[0].start or 0)
-                return tuple(s.data[0] for s in shards)
-            return (unwrap(v),) * n_local
-        columns = [local(v) for v in leaves]
+        n_local = self._extended.num_local_replicas
+        columns = [v.values if isinstance(v, (PerReplica, Mirrored)) else (v,) * n_local for v in leaves]
         return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n_local))
 
 
@@ -484,7 +471,7 @@ def get_strategy() -> Strategy:
 
 def _refuse_grain(dataset: Any) -> None:
     """Grain datasets are not global batches: name the call that takes each kind."""
-    from .data import IndexedBatches, WorkerPipeline
+    from ..data import IndexedBatches, WorkerPipeline
 
     if IndexedBatches.accepts(dataset):
         raise TypeError(

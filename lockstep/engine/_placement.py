@@ -1,74 +1,108 @@
-"""Distributed datasets: global batches split over replicas (padded, masked) and placed on devices.
-
-`BatchDistributor` turns host batches into `DistributedBatch`es with the layout functions of
-`_layout` (the same padding and masks for global batches and per-worker pipelines);
-`DistributedDataset` is the iterable that `experimental_distribute_dataset` and
-`distribute_datasets_from_function` return.
+"""Placing data on the mesh: global batches split over the batch axis (padded, masked), each
+worker keeping only its replicas' rows (`BatchDistributor`), and the placed batch itself
+(`DistributedBatch`).
 """
 
 from __future__ import annotations
 
 import collections
-import os
-import queue
-import threading
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._cross_replica import AXIS, allgather_sizes, batch_digests
+from ._cross_replica import BATCH_AXIS, allgather_sizes, batch_digests
 from ._layout import BatchRows, StepInfo, batch_length, pad_and_mask, padded_per_replica, rows_digest, to_numpy
-from ._values import DistributedBatch
-
-if TYPE_CHECKING:
-    from ._strategy import Strategy
 
 
-class InputContext:
-    """What a per-worker input function needs to know, as in `tf.distribute.InputContext`.
+class DistributedBatch:
+    """One global batch split across replicas, padded to equal shapes, with a per-sample mask.
 
-    >>> import lockstep as ls
-    >>> ctx = ls.InputContext(num_input_pipelines=2, input_pipeline_id=1, num_replicas_in_sync=8)
-    >>> ctx.get_per_replica_batch_size(64)
-    8
+    Inside `strategy.run` the function receives `data`'s structure with each replica's rows
+    (padding included); the mask is on `get_replica_context().mask`.
+
+    Args:
+      leaves: the padded global arrays, split over replicas.
+      treedef: the structure the dataset yielded.
+      mask: (padded rows,) float32, 1.0 for real rows, split like the leaves.
+      step: the host-side layout of the batch.
+      engine: the engine whose devices hold it.
+      count: the step's real sample count, a replicated float32 scalar (losses divide by it).
     """
 
-    def __init__(self, num_input_pipelines: int = 1, input_pipeline_id: int = 0,
-                 num_replicas_in_sync: int = 1):
-        self.num_input_pipelines = num_input_pipelines
-        self.input_pipeline_id = input_pipeline_id
-        self.num_replicas_in_sync = num_replicas_in_sync
+    __slots__ = ("_leaves", "_treedef", "_mask", "_count", "_step", "engine", "origin", "digest")
 
-    def get_per_replica_batch_size(self, global_batch_size: int) -> int:
-        """`global_batch_size // num_replicas_in_sync`.
+    def __init__(self, leaves: list[jax.Array], treedef: Any, mask: jax.Array, step: StepInfo,
+                 engine: Any, count: jax.Array, origin: "DistributedBatch | None" = None):
+        self.origin = origin or self  # the whole batch that parts unpacked from it share
+        #: this worker's part of the batch's `rows_digest` (a callable: computed only when asked)
+        self.digest: Any = None
+        self._leaves = leaves
+        self._treedef = treedef
+        self._mask = mask
+        self._step = step
+        self.engine = engine
+        self._count = count
 
-        Raises:
-          ValueError: `global_batch_size` does not divide by the number of replicas.
-        """
-        if global_batch_size % self.num_replicas_in_sync:
-            raise ValueError(
-                f"`global_batch_size` must be a multiple of num_replicas_in_sync="
-                f"{self.num_replicas_in_sync}, got global_batch_size={global_batch_size}."
-            )
-        return global_batch_size // self.num_replicas_in_sync
+    @property
+    def data(self) -> Any:
+        """The padded global batch, in the structure the dataset yielded."""
+        return jax.tree.unflatten(self._treedef, self._leaves)
+
+    @property
+    def mask(self) -> jax.Array:
+        """Per-sample mask of the padded global batch: 1.0 for real rows, 0.0 for padding."""
+        return self._mask
+
+    @property
+    def count(self) -> jax.Array:
+        """The real number of samples, a replicated float32 scalar."""
+        return self._count
+
+    @property
+    def step(self) -> StepInfo:
+        """The batch's layout: real rows per replica."""
+        return self._step
+
+    @property
+    def num_real(self) -> int:
+        """Number of real (not padding) samples in this global batch."""
+        return self._step.num_real
+
+    def __len__(self) -> int:
+        data = self.data
+        if not isinstance(data, (tuple, list)):
+            raise TypeError(f"a DistributedBatch of a {type(data).__name__} has no parts to count or unpack.")
+        return len(data)
+
+    def __getitem__(self, i: int) -> "DistributedBatch":
+        """Part `i` of a batch that is a tuple or list (``features, labels = batch``, as TF users
+        unpack a distributed batch): the same rows, mask and step; several parts of one batch may
+        go into one `run` together."""
+        part = self.data[i] if isinstance(self.data, (tuple, list)) else None
+        if part is None:
+            raise TypeError(f"a DistributedBatch of a {type(self.data).__name__} cannot be indexed or unpacked.")
+        leaves, treedef = jax.tree.flatten(part)
+        return DistributedBatch(leaves, treedef, self._mask, self._step, self.engine, self._count, self.origin)
+
+    def __iter__(self) -> Iterator["DistributedBatch"]:
+        return (self[i] for i in range(len(self)))
 
     def __repr__(self) -> str:
-        return (f"InputContext(num_input_pipelines={self.num_input_pipelines}, "
-                f"input_pipeline_id={self.input_pipeline_id}, "
-                f"num_replicas_in_sync={self.num_replicas_in_sync})")
+        return (f"DistributedBatch(num_real={self.num_real}, padded={self._step.padded_size}, "
+                f"replicas={self._step.num_replicas})")
 
 
 class BatchDistributor:
     """Places batches on a strategy's mesh: each worker keeps only its replicas' rows."""
 
-    def __init__(self, strategy: "Strategy", mesh: Mesh):
-        self._strategy = strategy
+    def __init__(self, mesh: Mesh, engine: Any = None):
+        self._engine = engine  # what the batches it makes say holds them
         self.replicated = NamedSharding(mesh, P())
-        self.split = NamedSharding(mesh, P(AXIS))
+        self.split = NamedSharding(mesh, P(BATCH_AXIS))
         devices = list(mesh.devices.flat)
         self.num_replicas = len(devices)
         me = jax.process_index()
@@ -128,7 +162,7 @@ class BatchDistributor:
                 self._layouts.clear()
             layout = self._layouts[key] = (self.place_split([mask], r * b)[0], StepInfo.contiguous(r, b, n),
                                            self._count(n))
-        dist = DistributedBatch(self.place_split(rows, r * b), treedef, layout[0], layout[1], self._strategy,
+        dist = DistributedBatch(self.place_split(rows, r * b), treedef, layout[0], layout[1], self._engine,
                                 layout[2])
         dist.digest = lambda: rows_digest([x[:real] for x in rows], lo)
         return dist
@@ -164,7 +198,7 @@ class BatchDistributor:
             rows, mask = pad_and_mask(leaves if n else template, n, 0, mine * per_replica)
             step = StepInfo.of_workers(sizes, self.replicas_per_process, per_replica)
             placed = self.place_split([*rows, mask], step.padded_size)
-            dist = DistributedBatch(placed[:-1], treedef, placed[-1], step, self._strategy, self._count(step.num_real))
+            dist = DistributedBatch(placed[:-1], treedef, placed[-1], step, self._engine, self._count(step.num_real))
             start = int(sizes[:jax.process_index()].sum())
             dist.digest = lambda rows=rows, n=n, start=start: rows_digest([x[:n] for x in rows], start)
             yield dist
@@ -188,7 +222,7 @@ def _check_sharded(leaves: list[np.ndarray], sizes: np.ndarray) -> None:
             seen[int(d)] = w
 
 
-def _check_same_first_batch(batch: Any) -> None:
+def check_same_first_batch(batch: Any) -> None:
     """Every worker iterates the same global batches and keeps its replicas' rows: the first batch
     of a pass must be the same everywhere (a checksum, one small collective; all workers raise
     together)."""
@@ -200,119 +234,3 @@ def _check_same_first_batch(batch: Any) -> None:
             "every worker, which keeps its replicas' rows of each (batches that differ drop some samples and repeat "
             "others). Seed any shuffling the same on every worker; for data that differs per worker, use "
             "strategy.distribute_datasets_from_function.")
-
-
-#: Global batches prepared (sliced, padded, placed on the devices) ahead of the step that uses
-#: them, in a background thread, so host work overlaps device work. 0 turns it off; unset, it is
-#: 2 on accelerators and 0 on CPU devices, where the "device" work runs on the same cores and a
-#: second Python thread only contends for them (and for the GIL).
-PREFETCH = os.environ.get("LOCKSTEP_PREFETCH")
-
-
-def _prefetch_depth(devices: Iterable[jax.Device]) -> int:
-    if PREFETCH is not None:
-        return int(PREFETCH)
-    return 0 if all(d.platform == "cpu" for d in devices) else 2
-
-
-_DONE = object()
-
-
-def _prefetch(source: Iterator[Any], depth: int) -> Iterator[Any]:
-    """Runs `source` in a background thread, `depth` items ahead; errors surface in the consumer."""
-    items: queue.Queue[Any] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in source:
-                while not stop.is_set():
-                    try:
-                        items.put((True, item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            items.put((True, _DONE))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            items.put((False, e))
-
-    thread = threading.Thread(target=produce, name="lockstep-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            ok, item = items.get()
-            if not ok:
-                raise item
-            if item is _DONE:
-                return
-            yield item
-    finally:
-        stop.set()
-        thread.join(timeout=5.0)
-
-
-class DistributedDataset:
-    """An iterable of distributed batches.
-
-    Made by `experimental_distribute_dataset` (every worker iterates the same *global* batches
-    and keeps its replicas' rows) or by `distribute_datasets_from_function` (each worker has its
-    own pipeline of *local* batches; per step, the workers agree on a padded size, and a worker
-    whose pipeline ran out contributes a batch of padding only, so all take the same steps).
-    """
-
-    def __init__(self, strategy: "Strategy", dataset: Iterable[Any], per_worker: bool = False,
-                 padded_size: int | None = None):
-        self._strategy = strategy
-        self._dataset = dataset
-        self._per_worker = per_worker
-        self._padded_size = padded_size
-        self._used_up = False  # a one-shot source ran to its end
-
-    @property
-    def strategy(self) -> "Strategy":
-        """The strategy whose replicas the batches are split over."""
-        return self._strategy
-
-    @property
-    def source(self) -> Iterable[Any]:
-        """The iterable of host batches this dataset distributes."""
-        return self._dataset
-
-    def with_source(self, dataset: Iterable[Any]) -> "DistributedDataset":
-        """The same distribution over another iterable of host batches."""
-        return DistributedDataset(self._strategy, dataset, self._per_worker, self._padded_size)
-
-    def __iter__(self) -> Iterator[DistributedBatch]:
-        one_shot = isinstance(self._dataset, Iterator)  # a generator or iterator: one pass only
-        if one_shot and self._used_up:
-            raise ValueError(
-                f"this distributed dataset wraps a one-shot {type(self._dataset).__name__} (a generator or "
-                "iterator) that an earlier pass used up, so a new pass would yield nothing: pass a re-iterable "
-                "(a list, lockstep.data.batches, a tf.data dataset, or an object whose `__iter__` starts a new "
-                "generator).")
-        distributor = self._strategy.extended.distributor
-        if self._per_worker:
-            batches = distributor.local_batches(self._dataset)
-        else:
-            batches = self._distributed(distributor)
-            depth = _prefetch_depth(self._strategy.devices)
-            if jax.process_count() == 1 and depth > 0:
-                batches = _prefetch(batches, depth)
-        yield from batches
-        self._used_up = one_shot
-
-    def _distributed(self, distributor: BatchDistributor) -> Iterator[DistributedBatch]:
-        padded = self._padded_size
-        next_rows = getattr(self._dataset, "next_rows", None)  # lockstep's batches: each worker reads its rows
-        for i, batch in enumerate(next_rows() if callable(next_rows) else self._dataset):
-            if i == 0 and jax.process_count() > 1 and not isinstance(batch, BatchRows):
-                _check_same_first_batch(batch)
-            dist = distributor.global_batch(batch, padded)
-            if padded is None:
-                padded = dist.step.padded_size
-            yield dist
-
-    def __len__(self) -> int:
-        return len(self._dataset)  # type: ignore[arg-type]

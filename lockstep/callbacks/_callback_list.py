@@ -1,0 +1,38 @@
+"""`CallbackList`: every callback's hooks called in order, Keras callbacks wrapped."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from ._callback import HOOKS, Callback
+from ._keras_callback import KerasCallback, is_keras_callback
+from ._trainer_view import TrainerView
+
+
+class CallbackList:
+    """Calls every hook on every callback, in order (callbacks marked `runs_last`, the backups, last)."""
+
+    def __init__(self, callbacks: Iterable[Callback], trainer: TrainerView, params: dict[str, Any] | None = None):
+        self.callbacks = [KerasCallback(cb) if is_keras_callback(cb) else cb for cb in callbacks]
+        # those that back up the training state last, so the backup holds what the others did at that step
+        self.callbacks.sort(key=lambda cb: bool(getattr(cb, "runs_last", False)))
+        for cb in self.callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"`callbacks` must hold lockstep or Keras callback objects, got {type(cb).__name__}.")
+            cb.set_trainer(trainer)
+            if params is not None:
+                cb.set_params(params)
+
+    def __getattr__(self, name: str) -> Any:
+        if name not in HOOKS:
+            raise AttributeError(name)
+        # the hooks some callback overrides, bound once (a hook runs every step: keep it cheap)
+        bound = [getattr(cb, name) for cb in self.callbacks
+                 if getattr(type(cb), name) is not getattr(Callback, name) or name in vars(cb)]
+
+        def call(*args: Any, **kwargs: Any) -> None:
+            for hook in bound:
+                hook(*args, **kwargs)
+        setattr(self, name, call)  # later lookups find the attribute and skip __getattr__
+        return call

@@ -1,0 +1,34 @@
+"""`TrainerView`: what callbacks may use of the trainer that runs them (lockstep's `Trainer` is
+one). Callbacks depend on this protocol, not on the training package, which builds on them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+
+class TrainerView(Protocol):
+    """The trainer as callbacks see it: its model, decisions, weights, state and files."""
+
+    model: Any
+    strategy: Any
+    stop_training: bool
+    learning_rate: float
+
+    @property
+    def global_step(self) -> int: ...
+
+    @property
+    def train_state(self) -> Any:
+        """The training state (a `TrainState`): `to_arrays()` gives its named arrays and JSON."""
+
+    def shared_train_state(self) -> Any:
+        """`train_state` with every worker's data position (a collective: every worker calls it)."""
+
+    def restore(self, state: Any) -> None: ...
+    def get_metric(self, name: str) -> Any: ...
+    def sync_model(self) -> None: ...
+    def get_weights(self) -> Any: ...
+    def set_weights(self, weights: Any) -> None: ...
+    def save(self, path: str, epoch: int | None = None) -> None: ...
+    def save_weights(self, path: str) -> None: ...
