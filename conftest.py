@@ -1,4 +1,4 @@
-"""Doctests and tests see 8 simulated CPU devices (set before JAX starts)."""
+"""Doctests and tests see Keras on JAX and 8 simulated CPU devices (set before JAX starts)."""
 
 import os
 

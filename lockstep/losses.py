@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from .engine._cross_replica import to_varying
+from .engine._layout import along_rows
 from .engine._replica_context import get_replica_context
 
 EPSILON = 1e-7  # Keras' backend epsilon, used to clip probabilities
@@ -177,10 +178,18 @@ def _weighted_loss(per_example_loss: Any, sample_weight: Any, global_batch_size:
         raise ValueError(f"`per_example_loss` must have a batch axis, got a scalar of shape {loss.shape}.")
     if global_batch_size is not None and (isinstance(global_batch_size, bool) or global_batch_size <= 0):
         raise ValueError(f"`global_batch_size` must be a positive integer, got {global_batch_size!r}.")
-    if sample_weight is not None:
-        loss = loss * jnp.broadcast_to(jnp.asarray(sample_weight, loss.dtype).reshape(
-            jnp.shape(sample_weight) + (1,) * (loss.ndim - jnp.ndim(sample_weight))), loss.shape)
-    return loss
+    return times_sample_weight(loss, sample_weight)
+
+
+def times_sample_weight(per_example_loss: jax.Array, sample_weight: Any) -> jax.Array:
+    """Per-sample losses times their weights (one per sample, or per leading axes such as time steps).
+
+    >>> times_sample_weight(jnp.ones((2, 3)), [0.5, 2.0]).tolist()
+    [[0.5, 0.5, 0.5], [2.0, 2.0, 2.0]]
+    """
+    if sample_weight is None:
+        return per_example_loss
+    return per_example_loss * along_rows(jnp.asarray(sample_weight, per_example_loss.dtype), per_example_loss.ndim)
 
 
 def masked_average_loss(per_example_loss: Any, mask: jax.Array, count: jax.Array, sample_weight: Any = None,

@@ -1,12 +1,7 @@
-"""Every test sees 8 simulated CPU devices (set before JAX starts)."""
+"""The tests' markers and what is not a test module (the 8 simulated CPU devices and Keras on JAX
+are set by the repository's root `conftest.py`, for doctests and tests alike)."""
 
 import os
-
-os.environ.setdefault("KERAS_BACKEND", "jax")
-
-import lockstep as ls  # noqa: E402
-
-ls.simulate_cpu_devices(8)
 
 # scripts that worker processes run (started by the multi-process tests), not test modules
 collect_ignore = ["workers"]

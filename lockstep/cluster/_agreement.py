@@ -16,20 +16,18 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from typing import Any
 
 from .._errors import WorkersDisagreeError
 from .._exit_codes import LOST_WORKER_EXIT_CODE
+from ._coordination import Coordination
 
 
 class ProgramAgreement:
     """Checks, through the coordination service, that all workers run the same new program."""
 
     def __init__(self, rank: int, num_workers: int, timeout: float):
-        from jax._src import distributed
-
-        self._client = distributed.global_state.client
+        self._service = Coordination()
         self._rank, self._num, self._timeout = rank, num_workers, timeout
         self._count = 0
 
@@ -38,7 +36,7 @@ class ProgramAgreement:
         n = self._count
         self._count += 1
         mine = description[:2000]
-        self._client.key_value_set(f"lockstep/program/{n}/{self._rank}", mine)
+        self._service.publish(f"lockstep/program/{n}/", self._rank, mine)
         theirs = self._wait_for_all(f"lockstep/program/{n}/")
         for r in range(self._num):
             if r not in theirs:
@@ -53,22 +51,12 @@ class ProgramAgreement:
                     "batches of the same shapes (say, all call fit, with the same batch_size).")
 
     def _wait_for_all(self, prefix: str) -> dict[int, str]:
-        """Every worker's entry under `prefix`, or those there when the time-out expires. Polls
-        (sleeping between reads) rather than blocking in the runtime, which would hold the GIL and
-        starve the watchdog that names a dead or frozen peer."""
-        deadline = time.monotonic() + self._timeout
-        delay = 0.0005
-        while True:
-            found = {int(k.rsplit("/", 1)[-1]): v for k, v in self._client.key_value_dir_get(prefix)}
-            if len(found) >= self._num or time.monotonic() > deadline:
-                return found
-            if delay >= 0.05:  # waiting a while: a missing worker whose script has finished never comes
-                done = {int(k.rsplit("/", 1)[-1]) for k, _ in self._client.key_value_dir_get("lockstep/done/")}
-                gone = sorted(done - set(found))
-                if gone:
-                    self._lost(gone[0], prefix)
-            time.sleep(delay)
-            delay = min(2 * delay, 0.05)
+        """Every worker's entry under `prefix`, or those there when the time-out expires."""
+        def check(found: dict[int, str]) -> None:  # waiting a while: a missing worker whose script has finished never comes
+            gone = sorted(set(self._service.by_rank("lockstep/done/")) - set(found))
+            if gone:
+                self._lost(gone[0], prefix)
+        return self._service.wait_for(prefix, self._num, self._timeout, check=check)
 
     def _lost(self, worker: int, prefix: str) -> None:
         """Ends this worker as the watchdog ends one that lost a peer (the same exit code and words)."""

@@ -37,6 +37,7 @@ import jax
 
 from . import _roll_call as roll_call
 from ._agreement import ProgramAgreement
+from ._coordination import Coordination
 from .._errors import UsageError
 from .._exit_codes import LOST_WORKER_EXIT_CODE
 from ..distribute._strategy import Strategy
@@ -207,9 +208,7 @@ class _Watchdog:
     """
 
     def __init__(self, rank: int, num: int, timeout: float):
-        from jax._src import distributed
-
-        self._client = distributed.global_state.client
+        self._service = Coordination()
         self._rank, self._num, self._timeout = rank, num, timeout
         self._finishing = False
         self._done = threading.Event()  # ends the heartbeat loop
@@ -225,11 +224,9 @@ class _Watchdog:
             return
         self._finishing = True
         try:
-            self._client.key_value_set(f"lockstep/done/{self._rank}", "1", allow_overwrite=True)
-            delay = 0.01
-            while len(self._client.key_value_dir_get("lockstep/done/")) < self._num:
-                time.sleep(delay)  # the heartbeat loop keeps running: a lost peer ends this process, named
-                delay = min(2 * delay, 0.5)
+            self._service.publish("lockstep/done/", self._rank, "1", overwrite=True)
+            # the heartbeat loop keeps running meanwhile: a lost peer ends this process, named
+            self._service.wait_for("lockstep/done/", self._num, longest=0.5)
         except Exception:  # noqa: BLE001 - the coordinator is gone: the heartbeat loop names it
             time.sleep(3 * _BEAT_INTERVAL)
         self._done.set()
@@ -241,9 +238,9 @@ class _Watchdog:
         while not self._done.wait(_BEAT_INTERVAL):
             now = time.monotonic()
             try:
-                self._client.key_value_increment(f"lockstep/beat/{self._rank}", 1)
-                beats = dict(self._client.key_value_dir_get("lockstep/beat/"))
-                done = {k.rsplit("/", 1)[-1] for k, _ in self._client.key_value_dir_get("lockstep/done/")}
+                self._service.increment("lockstep/beat/", self._rank)
+                beats = self._service.by_rank("lockstep/beat/")
+                done = set(self._service.by_rank("lockstep/done/"))
             except Exception as e:  # noqa: BLE001 - any failure to reach the coordinator
                 if self._done.is_set():
                     return
@@ -253,7 +250,7 @@ class _Watchdog:
             for r in range(self._num):
                 if r == self._rank:
                     continue
-                if str(r) in done:
+                if r in done:
                     # a peer that has finished cannot join a collective this worker still waits in
                     since = finished_at.setdefault(r, now)
                     if not self._finishing and now - since > self._timeout and blocked > self._timeout:
@@ -262,7 +259,7 @@ class _Watchdog:
                                   "numbers of steps)")
                         return
                     continue
-                count = beats.get(f"lockstep/beat/{r}")
+                count = beats.get(r)
                 seen, since = last_seen[r]
                 if count != seen:
                     last_seen[r] = (count, now)

@@ -39,6 +39,8 @@ from ._replica_context import ReplicaContext, replica_context
 MAX_STEPS_IN_FLIGHT = int(os.environ.get("LOCKSTEP_MAX_STEPS_IN_FLIGHT", "8"))
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
+#: compiled programs kept (least recently used dropped first)
+CACHE_SIZE = 256
 _SPEC = {"rows": P(BATCH_AXIS), "per_replica": P(BATCH_AXIS), "replicated": P()}
 
 
@@ -104,7 +106,7 @@ class RunCompiler:
     def __init__(self, mesh: Mesh, context: Callable[[Any, Any, bool], ReplicaContext]):
         self._mesh = mesh
         self._context = context
-        self._entries: dict[Any, _Entry] = {}
+        self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self._in_flight: collections.deque[jax.Array] = collections.deque()
         self._lock = threading.Lock()
         self._agree: Callable[[str], None] | None = None
@@ -113,62 +115,66 @@ class RunCompiler:
         """`check(description)` runs before each new program (several workers agree on it)."""
         self._agree = check
 
-    def call(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, *, mask: Any = None,
-             count: Any = None, out_kinds: Any = None, with_kwargs: bool = False, check_vma: bool = True
-             ) -> tuple[Any, tuple[bool, ...] | None]:
-        """Runs `fn(*args)` on every replica.
+    def call_declared(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, out_kinds: Any, *,
+                      mask: Any = None, count: Any = None, check_vma: bool = True) -> Any:
+        """Runs `fn(*args)` on every replica; its outputs are of the kinds `out_kinds` declares.
 
         Args:
           fn: the replica's function.
-          args: its positional arguments (pytrees of arrays and hashable Python values); with
-            `with_kwargs`, the pair ``(positional, keyword)`` and `fn(*positional, **keyword)` runs.
+          args: its positional arguments (pytrees of arrays and hashable Python values).
           kinds: a pytree prefix of `args` naming each argument's kind (see the module doc).
+          out_kinds: a pytree prefix of the outputs naming each one's kind (``"replicated"`` or
+            ``"per_replica"``; hashable, such as a tuple of names).
           mask, count: the step's per-sample mask (split by rows) and real-sample count
             (replicated scalar), for the replica context (`None`: a context without a batch).
-          out_kinds: a pytree prefix of the outputs naming each one's kind (``"replicated"``
-            or ``"per_replica"``; hashable, such as a tuple of names); `None` reads them off the trace.
-          check_vma: trace with `shard_map`'s replication typing (JAX's default). With `False`
-            (declared `out_kinds` only), a `lax.scan` whose carry starts replicated and becomes
-            per-replica traces (every Keras recurrent layer), but gradients with respect to
-            replicated arguments are per replica: the function must sum them itself.
+          check_vma: trace with `shard_map`'s replication typing (JAX's default). With `False`, a
+            `lax.scan` whose carry starts replicated and becomes per-replica traces (every Keras
+            recurrent layer), but gradients with respect to replicated arguments are per replica:
+            the function must sum them itself.
 
         Returns:
-          The outputs (plain global arrays) and, when `out_kinds` is None, a flag per output
-          leaf saying whether it is replicated.
+          The outputs, plain global arrays.
         """
-        leaves, treedef = jax.tree.flatten(args)
-        lk = leaf_kinds(kinds, args)
-        dyn = [x for x, k in zip(leaves, lk) if k != "static"]
-        statics = tuple(x for x, k in zip(leaves, lk) if k == "static")
-        ctx_arrays = [] if mask is None else [mask, count]
-        try:
-            hash(statics)
-        except TypeError:
-            raise TypeError(
-                f"`args` leaves that are not arrays must be hashable (they are compiled in), "
-                f"got {[type(s).__name__ for s in statics]}.") from None
-        if not check_vma and out_kinds is None:
-            raise ValueError("`check_vma=False` needs declared `out_kinds` (nothing can be read off the trace).")
-        key = (fn, treedef, tuple(lk), statics, tuple(signature(x) for x in dyn), mask is None, out_kinds,
-               with_kwargs, check_vma)
+        call = _Call(fn, args, kinds, mask, count, ("declared", out_kinds, check_vma))
+        entry = self._entry(call, lambda: self._compile_declared(call, out_kinds, check_vma))
+        return self._run(entry, call)
+
+    def call_inferred(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, *, mask: Any = None,
+                      count: Any = None, with_kwargs: bool = False) -> tuple[Any, tuple[bool, ...]]:
+        """Runs `fn(*args)` on every replica (with `with_kwargs`, `args` is the pair ``(positional,
+        keyword)``); what varies between replicas is per-replica, read off the trace (`strategy.run`).
+
+        Returns:
+          The outputs (plain global arrays) and, per output leaf, whether it is replicated.
+        """
+        call = _Call(fn, args, kinds, mask, count, ("inferred", with_kwargs))
+        entry = self._entry(call, lambda: self._compile_inferred(call, with_kwargs))
+        out = self._run(entry, call)
+        assert entry.flags is not None
+        return jax.tree.unflatten(entry.out_tree, list(out)), entry.flags
+
+    def _entry(self, call: "_Call", compile_it: Callable[[], _Entry]) -> _Entry:
+        """The cached program of `call` (the least recently used goes past `CACHE_SIZE`), compiled
+        once the workers agree on it."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                if self._agree is not None:
-                    self._agree(describe(fn, [k for k in lk if k != "static"], [signature(x) for x in dyn])
-                                + f" {[type(x).__name__ for x in statics]} {mask is None} {out_kinds}")
-                if len(self._entries) > 256:
-                    self._entries.clear()
-                entry = self._entries[key] = self._compile(fn, treedef, lk, statics, dyn, ctx_arrays, out_kinds,
-                                                           with_kwargs, check_vma)
+            entry = self._entries.get(call.key)
+            if entry is not None:
+                self._entries.move_to_end(call.key)
+                return entry
+            if self._agree is not None:
+                self._agree(call.description())
+            entry = self._entries[call.key] = compile_it()
+            if len(self._entries) > CACHE_SIZE:
+                self._entries.popitem(last=False)
+            return entry
+
+    def _run(self, entry: _Entry, call: "_Call") -> Any:
         assert entry.call is not None
-        out = entry.call(dyn, ctx_arrays)
+        out = entry.call(call.dynamic, call.context)
         first = jax.tree.leaves(out)[:1]
         if first:
             self._track(first[0])
-        if out_kinds is not None:
-            return out, None
-        return jax.tree.unflatten(entry.out_tree, list(out)), entry.flags
+        return out
 
     def _track(self, token: jax.Array) -> None:
         """Bounds the compiled steps in flight (DESIGN.md's CPU deadlock)."""
@@ -186,36 +192,35 @@ class RunCompiler:
         return [e.call._cache_size() for k, e in self._entries.items()
                 if (fn is None or k[0] is fn) and e.call is not None]
 
-    def _compile(self, fn: Callable[..., Any], treedef: Any, lk: list[str], statics: tuple[Any, ...],
-                 dyn: list[Any], ctx_arrays: list[Any], out_kinds: Any, with_kwargs: bool,
-                 check_vma: bool) -> _Entry:
-        entry = _Entry()
-        dyn_kinds = [k for k in lk if k != "static"]
-
-        def rebuild(d: list[jax.Array]) -> tuple[Any, ...]:
-            d_it, s_it = iter(d), iter(statics)
-            leaves = []
-            for kind in lk:
-                if kind == "static":
-                    leaves.append(next(s_it))
-                else:
-                    x = next(d_it)
-                    leaves.append(x[0] if kind == "per_replica" else x)
-            return jax.tree.unflatten(treedef, leaves)
-
+    def _traced(self, call: "_Call", check_vma: bool, with_kwargs: bool = False) -> Callable[..., Any]:
+        """`call`'s function on one replica's view of the arguments, in its replica context."""
         def traced(d: list[jax.Array], c: list[jax.Array]) -> Any:
             ctx = self._context(*c, check_vma) if c else self._context(None, None, check_vma)
             loops = loops_vary_their_carry() if check_vma else contextlib.nullcontext()
             with replica_context(ctx), loops:
                 if with_kwargs:
-                    positional, keyword = rebuild(d)
-                    return fn(*positional, **keyword)
-                return fn(*rebuild(d))
+                    positional, keyword = call.rebuild(d)
+                    return call.fn(*positional, **keyword)
+                return call.fn(*call.rebuild(d))
+        return traced
+
+    def _compile_declared(self, call: "_Call", out_kinds: Any, check_vma: bool) -> _Entry:
+        entry = _Entry()
+        traced = self._traced(call, check_vma)
 
         def declared(d: list[jax.Array], c: list[jax.Array]) -> Any:
             out = traced(d, c)
             entry.out_tree = jax.tree.structure(out)
             return jax.tree.map(lambda k, sub: jax.tree.map(functools.partial(_as_kind, k), sub), out_kinds, out)
+
+        out_specs = jax.tree.map(lambda k: _SPEC[k], out_kinds)
+        entry.call = jax.jit(jax.shard_map(declared, mesh=self._mesh, in_specs=call.in_specs(), out_specs=out_specs,
+                                           check_vma=check_vma))
+        return entry
+
+    def _compile_inferred(self, call: "_Call", with_kwargs: bool) -> _Entry:
+        entry = _Entry()
+        traced = self._traced(call, True, with_kwargs)
 
         def inferred(flags: tuple[bool, ...] | None, d: list[jax.Array], c: list[jax.Array]) -> tuple[Any, ...]:
             out_leaves, entry.out_tree = jax.tree.flatten(traced(d, c))
@@ -228,21 +233,55 @@ class RunCompiler:
                 return tuple(o[None] for o in out_leaves)
             return tuple(o if mirrored else o[None] for o, mirrored in zip(out_leaves, flags))
 
-        in_specs = ([_SPEC[k] for k in dyn_kinds], [P(BATCH_AXIS), P()][:len(ctx_arrays)])
-        if out_kinds is not None:
-            out_specs = jax.tree.map(lambda k: _SPEC[k], out_kinds)
-            entry.call = jax.jit(jax.shard_map(declared, mesh=self._mesh, in_specs=in_specs, out_specs=out_specs,
-                                               check_vma=check_vma))
-            return entry
-        probe = jax.shard_map(functools.partial(inferred, None), mesh=self._mesh, in_specs=in_specs,
+        probe = jax.shard_map(functools.partial(inferred, None), mesh=self._mesh, in_specs=call.in_specs(),
                               out_specs=P(BATCH_AXIS))
-        jax.eval_shape(probe, dyn, ctx_arrays)
+        jax.eval_shape(probe, call.dynamic, call.context)
         flags = entry.flags
         assert flags is not None
         out_specs = tuple(P() if m else P(BATCH_AXIS) for m in flags)
         entry.call = jax.jit(jax.shard_map(functools.partial(inferred, flags), mesh=self._mesh,
-                                           in_specs=in_specs, out_specs=out_specs))
+                                           in_specs=call.in_specs(), out_specs=out_specs))
         return entry
+
+
+class _Call:
+    """One call's arguments split into arrays (`dynamic`) and compiled-in values, with its cache key."""
+
+    def __init__(self, fn: Callable[..., Any], args: Any, kinds: Any, mask: Any, count: Any, mode: tuple[Any, ...]):
+        leaves, self.treedef = jax.tree.flatten(args)
+        self.fn = fn
+        self.kinds = leaf_kinds(kinds, args)
+        self.dynamic = [x for x, k in zip(leaves, self.kinds) if k != "static"]
+        self.statics = tuple(x for x, k in zip(leaves, self.kinds) if k == "static")
+        self.context = [] if mask is None else [mask, count]
+        try:
+            hash(self.statics)
+        except TypeError:
+            raise TypeError(
+                f"`args` leaves that are not arrays must be hashable (they are compiled in), "
+                f"got {[type(s).__name__ for s in self.statics]}.") from None
+        self.key = (fn, self.treedef, tuple(self.kinds), self.statics, tuple(signature(x) for x in self.dynamic),
+                    mask is None, mode)
+
+    def description(self) -> str:
+        """What the workers compare before compiling (see `describe`)."""
+        return (describe(self.fn, [k for k in self.kinds if k != "static"], [signature(x) for x in self.dynamic])
+                + f" {[type(x).__name__ for x in self.statics]} {not self.context} {self.key[-1]}")
+
+    def in_specs(self) -> tuple[list[P], list[P]]:
+        return [_SPEC[k] for k in self.kinds if k != "static"], [P(BATCH_AXIS), P()][:len(self.context)]
+
+    def rebuild(self, dynamic: list[jax.Array]) -> Any:
+        """The arguments as one replica sees them (its entry of each per-replica array)."""
+        d_it, s_it = iter(dynamic), iter(self.statics)
+        leaves = []
+        for kind in self.kinds:
+            if kind == "static":
+                leaves.append(next(s_it))
+            else:
+                x = next(d_it)
+                leaves.append(x[0] if kind == "per_replica" else x)
+        return jax.tree.unflatten(self.treedef, leaves)
 
 
 def _as_kind(kind: str, x: Any) -> jax.Array:

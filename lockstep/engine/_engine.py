@@ -69,22 +69,18 @@ class Engine:
 
     def run_arrays(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, out_kinds: Any,
                    mask: jax.Array | None = None, count: jax.Array | None = None, check_vma: bool = True) -> Any:
-        """`fn(*args)` on every replica; see `lockstep.engine._compiler.RunCompiler.call` for the kinds and
+        """`fn(*args)` on every replica; see `RunCompiler.call_declared` for the kinds and
         `check_vma`.
 
         `mask` and `count` (a distributed batch's) make the replica context that layers and
         user code read with `get_replica_context()`.
         """
-        out, _ = self._compiler.call(fn, args, kinds, mask=mask, count=count, out_kinds=out_kinds,
-                                     check_vma=check_vma)
-        return out
+        return self._compiler.call_declared(fn, args, kinds, out_kinds, mask=mask, count=count, check_vma=check_vma)
 
     def run_inferred(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, mask: Any, count: Any,
                      with_kwargs: bool = False) -> tuple[Any, tuple[bool, ...]]:
         """Like `run_arrays`, the outputs' kinds read off the trace: (outputs, replicated flags)."""
-        out, flags = self._compiler.call(fn, args, kinds, mask=mask, count=count, with_kwargs=with_kwargs)
-        assert flags is not None
-        return out, flags
+        return self._compiler.call_inferred(fn, args, kinds, mask=mask, count=count, with_kwargs=with_kwargs)
 
     @property
     def steps_in_flight(self) -> int:

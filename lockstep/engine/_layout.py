@@ -144,3 +144,14 @@ def to_numpy(x: Any) -> np.ndarray:
     if hasattr(x, "detach") and hasattr(x, "cpu"):  # a torch tensor
         x = x.detach().cpu()
     return np.asarray(x)
+
+
+def along_rows(weight: Any, ndim: int) -> Any:
+    """`weight` (one value per row, or per leading axes such as time steps) with trailing axes of
+    size 1 up to `ndim` axes, so it multiplies an array of rank `ndim` row by row: the one
+    broadcasting of sample weights and masks (NumPy or JAX arrays).
+
+    >>> along_rows(np.array([1.0, 2.0]), 3).shape
+    (2, 1, 1)
+    """
+    return weight.reshape(weight.shape + (1,) * (ndim - weight.ndim))

@@ -31,6 +31,7 @@ import numpy as np
 from .._errors import UsageError
 from ..distribute._values import Mirrored, PerReplica, engine_of, unwrap
 from ..engine._cross_replica import BATCH_AXIS, all_gather, highest, lowest
+from ..engine._layout import along_rows
 from ..engine._replica_context import get_replica_context
 
 REDUCTIONS = ("sum", "max", "min", "cat")
@@ -331,9 +332,7 @@ def _effective_weight(args: tuple[Any, ...], sample_weight: Any, mask: Any) -> j
         )
     if w is None:
         return mask
-    if w.ndim == 0:
-        return mask * w
-    return w * mask.reshape(mask.shape + (1,) * (w.ndim - 1))
+    return w * along_rows(mask, max(w.ndim, 1))
 
 
 def divide_no_nan(a: Any, b: Any) -> jax.Array:
@@ -359,9 +358,7 @@ def expand_weight(weight: jax.Array | None, like: jax.Array) -> jax.Array:
     if weight is None:
         return jnp.ones(like.shape, jnp.float32)
     weight = jnp.asarray(weight, jnp.float32)
-    if weight.ndim < like.ndim:
-        weight = weight.reshape(weight.shape + (1,) * (like.ndim - weight.ndim))
-    return jnp.broadcast_to(weight, like.shape)
+    return jnp.broadcast_to(along_rows(weight, max(like.ndim, weight.ndim)), like.shape)
 
 
 def check_labels(labels: Any, num_classes: int, arg: str = "y_true") -> None:

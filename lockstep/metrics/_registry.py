@@ -34,7 +34,7 @@ class _AutoAccuracy(Metric):
             self._inner = acc.SparseCategoricalAccuracy(name=self.name)
         else:
             self._inner = acc.CategoricalAccuracy(name=self.name)
-        self._specs = self._inner._specs
+        self._specs = self._inner.state_specs
 
     def batch_state(self, *args: Any, sample_weight: Any = None) -> State:
         assert self._inner is not None

@@ -28,7 +28,6 @@ import jax.numpy as jnp
 from .. import losses as _losses
 from ..metrics import Metric, divide_no_nan
 from ..metrics import get as get_metric
-from ._steps import times_sample_weight
 
 State = dict[str, Any]  # a metric's state
 
@@ -141,7 +140,7 @@ class OutputLosses:
                 continue
             if name not in y_true:
                 raise ValueError(f"`y` has no labels for output {name!r}, which has a loss; it has {sorted(y_true)}.")
-            value = times_sample_weight(jnp.asarray(fn(y_true[name], pred[name]), jnp.float32), weights.get(name))
+            value = _losses.times_sample_weight(jnp.asarray(fn(y_true[name], pred[name]), jnp.float32), weights.get(name))
             out[name] = value if value.ndim <= 1 else jnp.mean(value.reshape(value.shape[0], -1), axis=-1)
         return out
 

@@ -23,7 +23,7 @@ import optax
 
 from ..engine._cross_replica import BATCH_AXIS, all_reduce
 from ..engine._reduce_op import ReduceOp
-from ..losses import masked_average_loss
+from ..losses import masked_average_loss, times_sample_weight
 from ..metrics import Mean, MetricCollection
 from ._precision import loss_scale_of
 
@@ -55,14 +55,6 @@ def unpack(batch: Any) -> tuple[Any, Any, Any]:
             return batch[0], batch[1], batch[2]
         raise ValueError(f"a batch must be (x,), (x, y) or (x, y, sample_weight), got a sequence of {len(batch)}.")
     return batch, None, None
-
-
-def times_sample_weight(per_example: jax.Array, sample_weight: Any) -> jax.Array:
-    """Per-sample losses times their weights (one per sample, or per leading axes such as time steps)."""
-    if sample_weight is None:
-        return per_example
-    w = jnp.asarray(sample_weight, per_example.dtype)
-    return per_example * w.reshape(w.shape + (1,) * (per_example.ndim - w.ndim))
 
 
 def weighted_losses(loss_fn: LossFn, y: Any, y_pred: Any, sample_weight: Any) -> jax.Array:

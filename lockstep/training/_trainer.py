@@ -1,4 +1,17 @@
-"""`Trainer`: Keras-style `fit` / `evaluate` / `predict` on any strategy, with exact numbers."""
+"""`Trainer`: Keras-style `fit` / `evaluate` / `predict` on any strategy, with exact numbers.
+
+>>> import jax, jax.numpy as jnp, numpy as np, lockstep as ls
+>>> model = ls.FunctionalModel(
+...     init=lambda rng, x: {"w": jnp.zeros((x.shape[-1], 3)), "b": jnp.zeros(3)},
+...     apply=lambda p, x, training=False: x @ p["w"] + p["b"])
+>>> x = np.random.default_rng(0).normal(size=(103, 4)).astype(np.float32); y = (x[:, 0] > 0).astype(int)
+>>> trainer = ls.Trainer(model, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
+...                      metrics=["accuracy"], strategy=ls.MirroredStrategy(4))
+>>> history = trainer.fit(x, y, batch_size=16, epochs=3, verbose=0); sorted(trainer.evaluate(x, y, batch_size=16))
+['accuracy', 'loss']
+>>> trainer.predict(x, batch_size=16).shape, trainer.train_state.global_step   # 7 steps an epoch
+((103, 3), 21)
+"""
 
 from __future__ import annotations
 
@@ -54,7 +67,7 @@ from ._live_state import LiveState
 from ._train_state import TrainState
 from ._state_names import state_names
 from ._step_runner import StepRunner, checked_accumulation
-from ._weight_files import WeightFiles
+from . import _weight_files as weight_files
 from ._steps import make_steps, unpack
 
 
@@ -164,7 +177,7 @@ def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> Non
             "are weighted here.", UserWarning, stacklevel=3)
 
 
-class Trainer(WeightFiles):
+class Trainer:
     """Trains, evaluates and predicts with a model on a strategy, Keras style.
 
     Every number it reports — losses, metrics, evaluation results, predictions, callback
@@ -191,18 +204,6 @@ class Trainer(WeightFiles):
         `global_step` and backups count updates.
       dtype_policy: ``"float32"``, ``"mixed_bfloat16"`` or ``"mixed_float16"`` for a `FunctionalModel`
         (a Keras model keeps its own policy).
-
-    >>> import jax, jax.numpy as jnp, numpy as np, lockstep as ls
-    >>> model = ls.FunctionalModel(
-    ...     init=lambda rng, x: {"w": jnp.zeros((x.shape[-1], 3)), "b": jnp.zeros(3)},
-    ...     apply=lambda p, x, training=False: x @ p["w"] + p["b"])
-    >>> x = np.random.default_rng(0).normal(size=(103, 4)).astype(np.float32); y = (x[:, 0] > 0).astype(int)
-    >>> trainer = ls.Trainer(model, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
-    ...                      metrics=["accuracy"], strategy=ls.MirroredStrategy(4))
-    >>> history = trainer.fit(x, y, batch_size=16, epochs=3, verbose=0); sorted(trainer.evaluate(x, y, batch_size=16))
-    ['accuracy', 'loss']
-    >>> trainer.predict(x, batch_size=16).shape, trainer.train_state.global_step   # 7 steps an epoch
-    ((103, 3), 21)
     """
 
     def __init__(self, model: Any, optimizer: str | optax.GradientTransformation | None = None,
@@ -462,3 +463,16 @@ class Trainer(WeightFiles):
     def learning_rate(self, value: float) -> None:
         self._require_built()
         set_learning_rate(self._live.opt_state, value, self._engine.put_replicated)
+
+    def save_weights(self, path: str) -> None:
+        """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
+        weight_files.save_weights(self, path)
+
+    def load_weights(self, path: str) -> None:
+        """Reads weights written by `save_weights` (or by `save`)."""
+        weight_files.load_weights(self, path)
+
+    def save(self, path: str, epoch: int | None = None) -> None:
+        """Writes the training state atomically: a `.keras` file for a Keras model and a `.keras`
+        path; else weights, optimizer state and epoch (`.npz` layout)."""
+        weight_files.save(self, path, epoch)

@@ -1,8 +1,8 @@
-"""`WeightFiles`: `Trainer`'s `save_weights` / `load_weights` / `save`, on its public API only."""
+"""Weight files: the `Trainer`'s `save_weights` / `load_weights` / `save`, on its public API only."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -18,45 +18,42 @@ def _load_weights(path: str, like: Any, opt_state: Any) -> Any:
         return load_tree(path, {"weights": like, "opt_state": opt_state})[0]["weights"]
 
 
-class WeightFiles:
-    """Weight and training-state files for a class with `get_weights`, `set_weights`,
-    `train_state` and `model` (the `Trainer`)."""
+class HasWeights(Protocol):
+    """What the weight files read and write: the `Trainer`."""
 
     model: Any
 
-    def get_weights(self) -> Any:  # pragma: no cover - the Trainer's
-        raise NotImplementedError
-
-    def set_weights(self, weights: Any) -> None:  # pragma: no cover - the Trainer's
-        raise NotImplementedError
+    def get_weights(self) -> Any: ...
+    def set_weights(self, weights: Any) -> None: ...
+    def sync_model(self) -> None: ...
 
     @property
-    def train_state(self) -> Any:  # pragma: no cover - the Trainer's
-        raise NotImplementedError
+    def train_state(self) -> Any: ...
 
-    def sync_model(self) -> None:  # pragma: no cover - the Trainer's
-        raise NotImplementedError
 
-    def _opt_state_on_host(self) -> Any:
-        return jax.tree.map(np.asarray, self.train_state.opt_state)
+def _opt_state_on_host(trainer: HasWeights) -> Any:
+    return jax.tree.map(np.asarray, trainer.train_state.opt_state)
 
-    def save_weights(self, path: str) -> None:
-        """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
-        save_tree(path, self.get_weights())
 
-    def load_weights(self, path: str) -> None:
-        """Reads weights written by `save_weights` (or by `save`)."""
-        like = self.get_weights()
-        self.set_weights(_load_weights(path, like, self._opt_state_on_host()))
+def save_weights(trainer: HasWeights, path: str) -> None:
+    """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
+    save_tree(path, trainer.get_weights())
 
-    def save(self, path: str, epoch: int | None = None) -> None:
-        """Writes the training state atomically: a Keras `.keras` file for a Keras model and a
-        `.keras` path; else weights, optimizer state and epoch (`.npz` layout)."""
-        weights = self.get_weights()
-        if path.endswith(".keras") and hasattr(self.model, "save"):
-            self.sync_model()  # the weights and the Keras optimizer's state, as Keras saves them
-            with atomic_path(path) as tmp:
-                self.model.save(tmp)
-            return
-        extra = {} if epoch is None else {"epoch": epoch}
-        save_tree(path, {"weights": weights, "opt_state": self._opt_state_on_host()}, **extra)
+
+def load_weights(trainer: HasWeights, path: str) -> None:
+    """Reads weights written by `save_weights` (or by `save`)."""
+    like = trainer.get_weights()
+    trainer.set_weights(_load_weights(path, like, _opt_state_on_host(trainer)))
+
+
+def save(trainer: HasWeights, path: str, epoch: int | None = None) -> None:
+    """Writes the training state atomically: a Keras `.keras` file for a Keras model and a
+    `.keras` path; else weights, optimizer state and epoch (`.npz` layout)."""
+    weights = trainer.get_weights()
+    if path.endswith(".keras") and hasattr(trainer.model, "save"):
+        trainer.sync_model()  # the weights and the Keras optimizer's state, as Keras saves them
+        with atomic_path(path) as tmp:
+            trainer.model.save(tmp)
+        return
+    extra = {} if epoch is None else {"epoch": epoch}
+    save_tree(path, {"weights": weights, "opt_state": _opt_state_on_host(trainer)}, **extra)
