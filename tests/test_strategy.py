@@ -362,12 +362,12 @@ def test_combinations_are_swept():
 
 
 def test_prefetching_keeps_order_stops_early_and_surfaces_errors(monkeypatch):
-    from lockstep.distribute import _datasets
+    from lockstep.engine import _prefetch
 
     s = ls.MirroredStrategy(2)
-    assert _datasets._prefetch_depth(s.devices) == (
-        0 if _datasets.PREFETCH is None else int(_datasets.PREFETCH))  # CPU devices: no prefetch thread by default
-    monkeypatch.setattr(_datasets, "PREFETCH", "2")
+    assert _prefetch.prefetch_depth(s.devices) == (
+        0 if _prefetch.PREFETCH is None else int(_prefetch.PREFETCH))  # CPU devices: no prefetch thread by default
+    monkeypatch.setattr(_prefetch, "PREFETCH", "2")
     x = np.arange(40, dtype=np.float32)
     got, threads = [], set()
     for b in s.experimental_distribute_dataset(ls.data.batches(x, 6)):

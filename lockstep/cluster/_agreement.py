@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Any
 
 from .._errors import WorkersDisagreeError
 from .._exit_codes import LOST_WORKER_EXIT_CODE

@@ -1,6 +1,11 @@
-"""Input pipelines: global batches from arrays; distribution happens in the strategy."""
+"""Input pipelines: every accepted input as a `DataAdapter` (`adapt`: the one place that tells the
+kinds apart); placing the batches on devices is the engine's."""
 
 from ._accumulation import AccumulationGroup as AccumulationGroup
+from ._adapt import adapt as adapt
+from ._adapter import DataAdapter as DataAdapter
+from ._adapter import IterableBatches as IterableBatches
+from ._adapter import Regenerated as Regenerated
 from ._accumulation import accumulation_groups as accumulation_groups
 from ._batches import Batches as Batches
 from ._batches import batches as batches
@@ -8,4 +13,4 @@ from ._indexed import IndexedBatches as IndexedBatches
 from ._tf_batches import TFDatasetBatches as TFDatasetBatches
 from ._worker_pipeline import WorkerPipeline as WorkerPipeline
 
-__all__ = ["AccumulationGroup", "Batches", "IndexedBatches", "TFDatasetBatches", "WorkerPipeline", "accumulation_groups", "batches"]
+__all__ = ["AccumulationGroup", "Batches", "DataAdapter", "IterableBatches", "Regenerated", "adapt", "IndexedBatches", "TFDatasetBatches", "WorkerPipeline", "accumulation_groups", "batches"]

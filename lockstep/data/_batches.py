@@ -9,16 +9,20 @@ import jax
 import numpy as np
 
 from ..engine._layout import BatchRows
+from ._adapter import DataAdapter
 
 
-class Batches:
+class Batches(DataAdapter):
     """A re-iterable sequence of global batches over a pytree of arrays.
 
     Made by `lockstep.data.batches`. With `shuffle=True` each pass over the data uses a new
     permutation, drawn from `seed` and the number of the pass, so runs are reproducible.
     """
 
+    by_index = True
+
     def __init__(self, arrays: Any, batch_size: int, shuffle: bool, seed: int, drop_remainder: bool):
+        self.arrays = arrays
         self._leaves, self._treedef = jax.tree.flatten(arrays)
         self._n = int(np.shape(self._leaves[0])[0])
         self.batch_size = batch_size
@@ -50,10 +54,17 @@ class Batches:
         epoch, self.epoch = self.epoch, self.epoch + 1
         return self.iterate(epoch)
 
-    def next_rows(self) -> Iterator[BatchRows]:
-        """The next pass (as `iter()` gives it), as `rows`: for distributed datasets."""
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        return self.rows(epoch)
+    def first(self) -> Any:
+        return next(self.iterate(0), None)
+
+    def whole(self) -> Any:
+        return self.arrays
+
+    def host_pass(self, epoch: int | None, start: int = 0, state: str | None = None) -> Iterator[BatchRows]:
+        """Pass `epoch` (None: the next, as `iter()` counts them) as `rows`: each worker reads its rows."""
+        if epoch is None:
+            epoch, self.epoch = self.epoch, self.epoch + 1
+        return self.rows(epoch, start)
 
     def rows(self, epoch: int, start: int = 0) -> Iterator[BatchRows]:
         """Batches of pass `epoch` from batch `start` on, each read only where a worker needs rows."""

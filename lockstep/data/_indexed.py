@@ -9,9 +9,10 @@ import jax
 import numpy as np
 
 from ..engine._layout import BatchRows
+from ._adapter import DataAdapter
 
 
-class IndexedBatches:
+class IndexedBatches(DataAdapter):
     """Global batches of `batch_size` samples of `source`, where `source[i]` is sample `i` (a pytree
     of arrays without the batch axis: ``(x, y)``, a dict, ...), e.g. a `grain.MapDataset` of decoded
     and transformed records.
@@ -85,10 +86,17 @@ class IndexedBatches:
             self._blank = jax.tree.map(np.zeros_like, self.read([0]))
         return self._blank
 
-    def next_rows(self) -> Iterator[BatchRows]:
-        """The next pass, each worker reading only its rows (what a distributed dataset iterates)."""
-        epoch, self.epoch = self.epoch, self.epoch + 1
-        return self.rows(epoch)
+    by_index = True
+    host_labels = False  # each worker reads only its rows: the labels are never whole on one host
+
+    def first(self) -> Any:
+        return self.blank()  # one sample's shapes (zeros): enough to build the model
+
+    def host_pass(self, epoch: int | None, start: int = 0, state: str | None = None) -> Iterator[BatchRows]:
+        """Pass `epoch` (None: the next), each worker reading only its rows."""
+        if epoch is None:
+            epoch, self.epoch = self.epoch, self.epoch + 1
+        return self.rows(epoch, start)
 
     def rows(self, epoch: int, start: int = 0) -> Iterator[BatchRows]:
         """Batches of pass `epoch` from batch `start` on; a worker reads only the rows it keeps.
@@ -112,5 +120,5 @@ class IndexedBatches:
     def __iter__(self) -> Iterator[Any]:
         """Whole batches of the next pass (every sample read here: for a look at the data; a
         distributed dataset reads per worker)."""
-        for batch in self.next_rows():
+        for batch in self.host_pass(None):
             yield batch.read(0, batch.num_real)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Iterator
 from typing import Any
 
@@ -10,9 +11,10 @@ import numpy as np
 
 from ..engine._cross_replica import batch_digests
 from ..engine._layout import BatchRows
+from ._adapter import DataAdapter
 
 
-class TFDatasetBatches:
+class TFDatasetBatches(DataAdapter):
     """A `tf.data.Dataset` of *global* batches (``dataset.batch(GLOBAL_BATCH_SIZE)``, as for
     `tf.distribute`), split by rows: every worker iterates the same batches, and converts to NumPy
     and sends to its devices only the rows of its own replicas, so each sample counts once
@@ -49,8 +51,16 @@ class TFDatasetBatches:
         """Whole batches as NumPy (every row converted: for a look at the data)."""
         return iter(self.dataset.as_numpy_iterator())
 
-    def next_rows(self) -> Iterator[BatchRows]:
-        """A pass, each batch read by a worker only where it keeps rows (what distribution iterates)."""
+    host_labels = False  # each worker converts only its rows: the labels are never whole on one host
+
+    def first(self) -> Any:
+        return next(iter(self), None)
+
+    def host_pass(self, epoch: int | None, start: int = 0, state: str | None = None) -> Iterator[BatchRows]:
+        """A pass from batch `start`, each batch read by a worker only where it keeps rows."""
+        return itertools.islice(self._rows(), start, None)
+
+    def _rows(self) -> Iterator[BatchRows]:
         for i, batch in enumerate(self.dataset):
             leaves, treedef = jax.tree.flatten(batch)
             n = int(leaves[0].shape[0])

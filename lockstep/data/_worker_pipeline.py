@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from ._adapter import DataAdapter
 
-class WorkerPipeline:
+
+class WorkerPipeline(DataAdapter):
     """This worker's batches from a Grain `IterDataset` or `DataLoader` (or anything whose iterators
     have Grain's `get_state` / `set_state`), sharded per worker by the user, as Grain does it:
     ``grain.sharding.ShardByJaxProcess()`` for a `DataLoader`, or ``dataset[jax.process_index()::
@@ -40,13 +43,28 @@ class WorkerPipeline:
         return (type(x).__module__.startswith("grain") and hasattr(x, "__iter__")
                 and not (hasattr(x, "__getitem__") and hasattr(x, "__len__")))
 
+    per_worker = True
+
     def __init__(self, source: Any, check: Callable[..., None] | None = None):
         self.source = source
         self._check = check
+        self._current: PipelineIterator | None = None  # the pass in progress
 
-    def with_check(self, check: Callable[..., None]) -> "WorkerPipeline":
+    def with_check(self, check: Callable[..., None], labels: bool = True) -> "WorkerPipeline":
         """The same pipeline, whose batches `check(batch, index)` sees as they pass."""
         return WorkerPipeline(self.source, check)
+
+    def first(self) -> Any:
+        return next(self.iterator(), None)
+
+    def host_pass(self, epoch: int | None, start: int = 0, state: str | None = None) -> Iterator[Any]:
+        """A new pass of this worker's batches: from its iterator `state` when given (a resume),
+        else from batch `start` (the batches before it read again)."""
+        self._current = self.iterator(state)
+        return self._current if state is not None else itertools.islice(self._current, start, None)
+
+    def iterator_state(self) -> str | None:
+        return None if self._current is None else self._current.state()
 
     def iterator(self, state: str | None = None) -> "PipelineIterator":
         """A new pass; from `state` (a `PipelineIterator.state()`) when given."""

@@ -1,21 +1,16 @@
 """Distributed datasets: `DistributedDataset`, the iterable that `experimental_distribute_dataset`
 and `distribute_datasets_from_function` return (the engine's `BatchDistributor` places each
-batch), `InputContext`, and prefetching.
+batch), and `InputContext`.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
-import jax
-
+from ..data import DataAdapter
 from ..engine._engine import Engine
-from ..engine._layout import BatchRows
-from ..engine._placement import BatchDistributor, DistributedBatch, check_same_first_batch
+from ..engine._placement import DistributedBatch
 
 
 class InputContext:
@@ -52,73 +47,20 @@ class InputContext:
                 f"num_replicas_in_sync={self.num_replicas_in_sync})")
 
 
-#: Global batches prepared (sliced, padded, placed on the devices) ahead of the step that uses
-#: them, in a background thread, so host work overlaps device work. 0 turns it off; unset, it is
-#: 2 on accelerators and 0 on CPU devices, where the "device" work runs on the same cores and a
-#: second Python thread only contends for them (and for the GIL).
-PREFETCH = os.environ.get("LOCKSTEP_PREFETCH")
-
-
-def _prefetch_depth(devices: Iterable[jax.Device]) -> int:
-    if PREFETCH is not None:
-        return int(PREFETCH)
-    return 0 if all(d.platform == "cpu" for d in devices) else 2
-
-
-_DONE = object()
-
-
-def _prefetch(source: Iterator[Any], depth: int) -> Iterator[Any]:
-    """Runs `source` in a background thread, `depth` items ahead; errors surface in the consumer."""
-    items: queue.Queue[Any] = queue.Queue(maxsize=depth)
-    stop = threading.Event()
-
-    def produce() -> None:
-        try:
-            for item in source:
-                while not stop.is_set():
-                    try:
-                        items.put((True, item), timeout=0.1)
-                        break
-                    except queue.Full:
-                        continue
-                if stop.is_set():
-                    return
-            items.put((True, _DONE))
-        except BaseException as e:  # noqa: BLE001 - handed to the consumer
-            items.put((False, e))
-
-    thread = threading.Thread(target=produce, name="lockstep-prefetch", daemon=True)
-    thread.start()
-    try:
-        while True:
-            ok, item = items.get()
-            if not ok:
-                raise item
-            if item is _DONE:
-                return
-            yield item
-    finally:
-        stop.set()
-        thread.join(timeout=5.0)
-
-
-class DistributedDataset:
+class DistributedDataset(DataAdapter):
     """An iterable of distributed batches.
 
     Made by `experimental_distribute_dataset` (every worker iterates the same *global* batches
     and keeps its replicas' rows) or by `distribute_datasets_from_function` (each worker has its
     own pipeline of *local* batches; per step, the workers agree on a padded size, and a worker
     whose pipeline ran out contributes a batch of padding only, so all take the same steps).
+    `fit` / `evaluate` / `predict` take it as it is: it is the data adapter of its source, bound to
+    its strategy's engine.
     """
 
-    def __init__(self, engine: Engine, dataset: Iterable[Any], per_worker: bool = False,
-                 padded_size: int | None = None):
+    def __init__(self, engine: Engine, data: DataAdapter):
         self._engine = engine
-        self._dataset = dataset
-        self._per_worker = per_worker
-        self._padded_size = padded_size
-        self._used_up = False  # a one-shot source ran to its end
+        self._data = data
 
     @property
     def extended(self) -> Engine:
@@ -126,43 +68,56 @@ class DistributedDataset:
         return self._engine
 
     @property
-    def source(self) -> Iterable[Any]:
-        """The iterable of host batches this dataset distributes."""
-        return self._dataset
+    def source(self) -> DataAdapter:
+        """The data adapter of the host batches this dataset distributes."""
+        return self._data
 
-    def with_source(self, dataset: Iterable[Any]) -> "DistributedDataset":
-        """The same distribution over another iterable of host batches."""
-        return DistributedDataset(self._engine, dataset, self._per_worker, self._padded_size)
+    @property
+    def per_worker(self) -> bool:  # type: ignore[override]
+        return self._data.per_worker
+
+    @property
+    def by_index(self) -> bool:  # type: ignore[override]
+        return self._data.by_index
+
+    @property
+    def host_labels(self) -> bool:  # type: ignore[override]
+        return self._data.host_labels
+
+    @property
+    def batch_size(self) -> int | None:  # type: ignore[override]
+        return self._data.batch_size
+
+    def first(self) -> Any:
+        return self._data.first()
+
+    def whole(self) -> Any:
+        return self._data.whole()
+
+    def host_pass(self, epoch: int | None, start: int = 0, state: str | None = None) -> Iterable[Any]:
+        return self._data.host_pass(epoch, start, state)
+
+    def distributed(self, engine: Engine, epoch: int | None = None, start: int = 0, state: str | None = None,
+                    fixed_padding: bool = False) -> Iterator[DistributedBatch]:
+        if getattr(self._data, "used_up", False):
+            raise ValueError(
+                f"this distributed dataset wraps a one-shot {type(getattr(self._data, 'data', self._data)).__name__} "
+                "(a generator or iterator) that an earlier pass used up, so a new pass would yield nothing: pass a "
+                "re-iterable (a list, lockstep.data.batches, a tf.data dataset, or an object whose `__iter__` starts "
+                "a new generator).")
+        return self._data.distributed(self._engine, epoch, start, state, fixed_padding)
+
+    def with_check(self, check: Callable[[Any, int], None], labels: bool = True) -> "DistributedDataset":
+        return DistributedDataset(self._engine, self._data.with_check(check, labels))
+
+    def iterator_state(self) -> str | None:
+        return self._data.iterator_state()
+
+    def belongs_to(self, engine: Engine) -> bool:
+        return engine is self._engine
 
     def __iter__(self) -> Iterator[DistributedBatch]:
-        one_shot = isinstance(self._dataset, Iterator)  # a generator or iterator: one pass only
-        if one_shot and self._used_up:
-            raise ValueError(
-                f"this distributed dataset wraps a one-shot {type(self._dataset).__name__} (a generator or "
-                "iterator) that an earlier pass used up, so a new pass would yield nothing: pass a re-iterable "
-                "(a list, lockstep.data.batches, a tf.data dataset, or an object whose `__iter__` starts a new "
-                "generator).")
-        distributor = self._engine.distributor
-        if self._per_worker:
-            batches = distributor.local_batches(self._dataset)
-        else:
-            batches = self._distributed(distributor)
-            depth = _prefetch_depth(self._engine.mesh.devices.flat)
-            if jax.process_count() == 1 and depth > 0:
-                batches = _prefetch(batches, depth)
-        yield from batches
-        self._used_up = one_shot
-
-    def _distributed(self, distributor: BatchDistributor) -> Iterator[DistributedBatch]:
-        padded = self._padded_size
-        next_rows = getattr(self._dataset, "next_rows", None)  # lockstep's batches: each worker reads its rows
-        for i, batch in enumerate(next_rows() if callable(next_rows) else self._dataset):
-            if i == 0 and jax.process_count() > 1 and not isinstance(batch, BatchRows):
-                check_same_first_batch(batch)
-            dist = distributor.global_batch(batch, padded)
-            if padded is None:
-                padded = dist.step.padded_size
-            yield dist
+        yield from self.distributed(self._engine)
 
     def __len__(self) -> int:
-        return len(self._dataset)  # type: ignore[arg-type]
+        return len(getattr(self._data, "data", self._data))  # type: ignore[arg-type]

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._errors import UsageError
-from ..data import IndexedBatches, TFDatasetBatches, WorkerPipeline
+from ..data import IterableBatches, adapt
 from ..engine._cross_replica import gather_stacked, reduce_replicated, reduce_stacked, split_rows
 from ..engine._placement import DistributedBatch
 from ..engine._reduce_op import ReduceOp
@@ -113,14 +113,7 @@ class Strategy:
         >>> [b.num_real for b in ds]
         [4, 4, 2]
         """
-        if not isinstance(dataset, Iterable):
-            raise TypeError(f"`dataset` must be an iterable of batches, got {type(dataset).__name__}.")
-        _refuse_grain(dataset)
-        from ..data import TFDatasetBatches
-
-        if TFDatasetBatches.accepts(dataset):  # each worker converts only its rows of each global batch
-            dataset = TFDatasetBatches(dataset)
-        return DistributedDataset(self._extended, dataset)
+        return DistributedDataset(self._extended, adapt(dataset, arg="dataset", global_batches=True))
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]
                                           ) -> DistributedDataset:
@@ -139,7 +132,7 @@ class Strategy:
         dataset = dataset_fn(ctx)
         if not isinstance(dataset, Iterable):
             raise TypeError(f"`dataset_fn` must return an iterable of batches, got {type(dataset).__name__}.")
-        return DistributedDataset(self._extended, dataset, per_worker=True)
+        return DistributedDataset(self._extended, IterableBatches(dataset, per_worker=True))
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """A per-replica value made by calling `value_fn(ValueContext)` once per replica.
@@ -468,18 +461,3 @@ def get_strategy() -> Strategy:
         _DEFAULT.append(OneDeviceStrategy())
     return _DEFAULT[0]
 
-
-def _refuse_grain(dataset: Any) -> None:
-    """Grain datasets are not global batches: name the call that takes each kind."""
-    from ..data import IndexedBatches, WorkerPipeline
-
-    if IndexedBatches.accepts(dataset):
-        raise TypeError(
-            f"`dataset` is a {type(dataset).__name__} of samples (random access): wrap it as "
-            "ls.data.IndexedBatches(dataset, batch_size) for global batches that each worker reads only its rows of, "
-            "or pass it to fit / evaluate / predict with batch_size.")
-    if WorkerPipeline.accepts(dataset):
-        raise TypeError(
-            f"`dataset` is a {type(dataset).__name__}, a per-worker pipeline (sharded by worker, as Grain does): "
-            "distribute it with `strategy.distribute_datasets_from_function(lambda ctx: dataset)`, or pass it to "
-            "fit / evaluate / predict, which also save its iterator state in backups.")

@@ -21,7 +21,7 @@ import functools
 import os
 import threading
 import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax

@@ -16,6 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 from ._cross_replica import BATCH_AXIS, allgather_sizes, batch_digests
 from ._layout import BatchRows, StepInfo, batch_length, pad_and_mask, padded_per_replica, rows_digest, to_numpy
+from ._prefetch import prefetch, prefetch_depth
 
 
 class DistributedBatch:
@@ -104,6 +105,7 @@ class BatchDistributor:
         self.replicated = NamedSharding(mesh, P())
         self.split = NamedSharding(mesh, P(BATCH_AXIS))
         devices = list(mesh.devices.flat)
+        self.devices = devices
         self.num_replicas = len(devices)
         me = jax.process_index()
         self.local_replica_ids = [i for i, d in enumerate(devices) if d.process_index == me]
@@ -166,6 +168,28 @@ class BatchDistributor:
                                 layout[2])
         dist.digest = lambda: rows_digest([x[:real] for x in rows], lo)
         return dist
+
+    def distribute(self, source: Iterable[Any], per_worker: bool = False, padded_size: int | None = None
+                   ) -> Iterator[DistributedBatch]:
+        """A pass of host batches placed on the mesh: global batches (arrays or `BatchRows`, the
+        same on every worker, padded to `padded_size` rows at least; prepared ahead on
+        accelerators), or with `per_worker` each worker's own batches."""
+        if per_worker:
+            return self.local_batches(source)
+        batches = self._global_batches(source, padded_size)
+        depth = prefetch_depth(self.devices)
+        if jax.process_count() == 1 and depth > 0:
+            batches = prefetch(batches, depth)
+        return batches
+
+    def _global_batches(self, source: Iterable[Any], padded: int | None) -> Iterator[DistributedBatch]:
+        for i, batch in enumerate(source):
+            if i == 0 and jax.process_count() > 1 and not isinstance(batch, BatchRows):
+                check_same_first_batch(batch)
+            dist = self.global_batch(batch, padded)
+            if padded is None:
+                padded = dist.step.padded_size
+            yield dist
 
     def local_batches(self, dataset: Iterable[Any]) -> Iterator[DistributedBatch]:
         """Per-worker pipelines: agree on sizes each step; a finished worker sends padding only."""

@@ -17,22 +17,19 @@ same data again (an unseeded shuffle, changed files) is an error, not a silent s
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
+from ..data import DataAdapter
 from ..engine._cross_replica import allgather_sizes
-from ..distribute._datasets import DistributedDataset
-from ..engine._layout import DIGEST_MODULUS, padded_per_replica
-from ..data import Batches, IndexedBatches, WorkerPipeline
-from ._inputs import distribute
+from ..engine._layout import DIGEST_MODULUS
 
 if TYPE_CHECKING:
-    from ..distribute._strategy import Strategy
+    from ..engine._engine import Engine
     from ..engine._placement import DistributedBatch
 
 
@@ -90,16 +87,15 @@ def _allgather_strings(s: str) -> list[str]:
 class DataStream:
     """The training batches of a `fit`, epoch by epoch, and the position in them."""
 
-    def __init__(self, strategy: "Strategy", train: Iterable[Any], steps_per_epoch: int | None, k: int,
+    def __init__(self, engine: "Engine", train: DataAdapter, steps_per_epoch: int | None, k: int,
                  first_pass: int = 0):
-        self._strategy = strategy
+        self._engine = engine
         self._train = train
         self._steps = steps_per_epoch
         self._k = k
         self._per_epoch = None if steps_per_epoch is None else steps_per_epoch * k
         self._pass, self._offset = first_pass, 0
         self._batches: Iterator[Any] | None = None  # the pass in progress
-        self._pipeline: Any = None  # its PipelineIterator (a WorkerPipeline's)
         self._last: DistributedBatch | None = None
         self._restored: DataPosition | None = None  # taken up when the pass is opened
         self._carried: DataPosition | None = None  # the restored position, until a batch is consumed
@@ -121,8 +117,9 @@ class DataStream:
             return self._carried
         if jax.process_count() > 1 and not share:
             return DataPosition(self._pass, self._offset)
+        state = self._train.iterator_state()
         return DataPosition(self._pass, self._offset, None if self._last is None else _whole_digest(self._last),
-                            None if self._pipeline is None else tuple(_allgather_strings(self._pipeline.state())))
+                            None if state is None else tuple(_allgather_strings(state)))
 
     def epoch(self, epoch: int, done: int = 0) -> Iterator["DistributedBatch"]:
         """Epoch `epoch`'s batches: the rest of a pass, or of `steps_per_epoch` steps (`done` steps
@@ -176,20 +173,10 @@ class DataStream:
         restored, self._restored = self._restored, None
         train, p, o = self._train, self._pass, self._offset
         check = int(restored is not None and restored.fingerprint is not None and o > 0)
-        batches: Iterator[Any]
-        if isinstance(train, WorkerPipeline):
-            state = self._my_iterator_state(restored) if restored is not None and o > 0 else None
-            self._pipeline = train.iterator(state)
-            batches = iter(DistributedDataset(self._strategy.extended, self._pipeline, per_worker=True))
-            if state is not None:  # the iterator is at the position: nothing to read again
-                return batches
-            batches = itertools.islice(batches, o - check, None)
-        elif isinstance(train, (Batches, IndexedBatches)):  # read by index: each worker reads only its rows
-            r = self._strategy.num_replicas_in_sync
-            padded = padded_per_replica(train.batch_size, r) * r
-            batches = iter(DistributedDataset(self._strategy.extended, train.rows(p, o - check), padded_size=padded))
-        else:
-            batches = itertools.islice(iter(distribute(self._strategy, train)), o - check, None)
+        state = self._my_iterator_state(restored) if restored is not None and o > 0 else None
+        if state is not None:  # a pipeline set to its saved position: nothing to read again
+            return train.distributed(self._engine, p, o, state, fixed_padding=True)
+        batches = train.distributed(self._engine, p, o - check, fixed_padding=True)
         if check:
             assert restored is not None
             self._check(next(batches, None), restored)

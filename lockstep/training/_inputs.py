@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-import inspect
-import itertools
 import zlib
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from ..engine._cross_replica import allgather_ints, allgather_sizes
-from ..distribute._datasets import DistributedDataset
-from ..data import Batches
+from ..data import DataAdapter, adapt
 from ..data import batches as make_batches
-from ..data import IndexedBatches, TFDatasetBatches, WorkerPipeline
+from ..engine._cross_replica import allgather_ints, allgather_sizes
 
 if TYPE_CHECKING:
     from ..distribute._strategy import Strategy
@@ -43,87 +39,43 @@ def num_samples(x: Any) -> int:
 
 
 def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool,
-               seed: int, arg: str = "x") -> Iterable[Any]:
-    """Global batches of `x` (arrays with `y` / `sample_weight`, an iterable of batches, or a
-    distributed dataset of `strategy`)."""
+               seed: int, arg: str = "x") -> DataAdapter:
+    """`x` as a data adapter: arrays (with `y` / `sample_weight`) as global batches, anything else
+    as `lockstep.data.adapt` makes it (a distributed dataset must be `strategy`'s)."""
     if x is None:
         raise ValueError(f"`{arg}` is required, got None.")
-    if isinstance(x, DistributedDataset):
-        if x.extended is not strategy.extended:
-            raise ValueError(f"`{arg}` is a distributed dataset of another strategy than the trainer's.")
-        if y is not None or sample_weight is not None:
-            raise ValueError(f"when `{arg}` is a distributed dataset, `y` and `sample_weight` must be None.")
-        return x
-    if IndexedBatches.accepts(x):  # a grain.MapDataset (or data source) of samples: read per worker, by index
-        if y is not None or sample_weight is not None:
-            raise ValueError(f"when `{arg}` is a {type(x).__name__} of samples, `y` and `sample_weight` must be None "
-                             "(each sample carries them).")
-        return IndexedBatches(x, 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
-    if TFDatasetBatches.accepts(x):  # a tf.data.Dataset of global batches: each worker converts its rows
-        if y is not None or sample_weight is not None or batch_size is not None:
-            raise ValueError(f"when `{arg}` is a tf.data dataset, `y`, `sample_weight` and `batch_size` must be None "
-                             "(as in Keras: batch the dataset with the global batch size).")
-        return TFDatasetBatches(x)
-    if WorkerPipeline.accepts(x):  # a grain.IterDataset / DataLoader: this worker's own batches
-        if y is not None or sample_weight is not None or batch_size is not None:
-            raise ValueError(f"when `{arg}` is a {type(x).__name__} (a per-worker pipeline of batches), `y`, "
-                             "`sample_weight` and `batch_size` must be None: its batches carry them.")
-        return WorkerPipeline(x)
     if isinstance(x, (list, tuple)) and y is not None and not is_arrays(x):
         raise TypeError(
             f"`{arg}` is a Python {type(x).__name__} and `y` is given: pass NumPy arrays (`np.asarray({arg})`), "
             f"or pass an iterable of (x, y) batches as `{arg}` without `y`.")
-    if is_arrays(x):
-        _check_numbers(x, arg)
-        n = num_samples(x)
-        _check_same_length_on_every_worker(n, arg)  # first: a worker with none must not leave the others waiting
-        if n == 0:
-            raise ValueError(f"`{arg}` holds no samples (length 0): give at least one.")
-        arrays: list[Any] = [x]
-        for name, a in (("y", y), ("sample_weight", sample_weight)):
-            if a is None:
-                if name == "y" and sample_weight is not None:
-                    raise ValueError("`sample_weight` needs `y`.")
-                continue
-            a = jax.tree.map(np.asarray, a) if isinstance(a, (Mapping, list, tuple)) and is_arrays(a) else np.asarray(a)
-            for leaf in jax.tree.leaves(a):  # one array, or one per output of the model
-                if leaf.ndim == 0 or leaf.shape[0] != n:
-                    raise ValueError(f"`{arg}` and `{name}` must have the same number of samples: `{arg}` has {n}, "
-                                     f"`{name}` has {leaf.shape[0] if leaf.ndim else 'a scalar'}.")
-                if name == "sample_weight":
-                    _check_sample_weight_shape(leaf, arrays[1] if len(arrays) > 1 and leaf is a else None)
-            arrays.append(a)
-        given = iter(arrays[1:])
-        _check_same_content_on_every_worker({arg: x, **{name: None if a is None else next(given) for name, a in
-                                                        (("y", y), ("sample_weight", sample_weight))}}, n, arg)
-        return make_batches(tuple(arrays), 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
-    if inspect.isgeneratorfunction(x):
-        x = Regenerated(x)
-    if isinstance(x, (str, bytes)) or not isinstance(x, Iterable):
-        raise TypeError(f"`{arg}` must be arrays, an iterable of batches or a generator function, got "
-                        f"{type(x).__name__}.")
-    if y is not None or sample_weight is not None:
-        raise ValueError(f"when `{arg}` is an iterable of batches, `y` and `sample_weight` must be None "
-                         "(each batch carries them).")
-    return x
-
-
-class Regenerated:
-    """A generator function given as data: re-iterable, each pass (epoch) calls it anew (a
-    generator object given instead is used up after one pass).
-
-    >>> def gen():
-    ...     yield np.zeros((2, 3)), np.zeros(2)
-    >>> data = Regenerated(gen)
-    >>> len(list(data)), len(list(data))
-    (1, 1)
-    """
-
-    def __init__(self, fn: Callable[[], Iterator[Any]]):
-        self._fn = fn
-
-    def __iter__(self) -> Iterator[Any]:
-        return iter(self._fn())
+    if not is_arrays(x):
+        data = adapt(x, y, sample_weight, batch_size, shuffle, seed, arg)
+        if not data.belongs_to(strategy.extended):
+            raise ValueError(f"`{arg}` is a distributed dataset of another strategy than the trainer's.")
+        return data
+    _check_numbers(x, arg)
+    n = num_samples(x)
+    _check_same_length_on_every_worker(n, arg)  # first: a worker with none must not leave the others waiting
+    if n == 0:
+        raise ValueError(f"`{arg}` holds no samples (length 0): give at least one.")
+    arrays: list[Any] = [x]
+    for name, a in (("y", y), ("sample_weight", sample_weight)):
+        if a is None:
+            if name == "y" and sample_weight is not None:
+                raise ValueError("`sample_weight` needs `y`.")
+            continue
+        a = jax.tree.map(np.asarray, a) if isinstance(a, (Mapping, list, tuple)) and is_arrays(a) else np.asarray(a)
+        for leaf in jax.tree.leaves(a):  # one array, or one per output of the model
+            if leaf.ndim == 0 or leaf.shape[0] != n:
+                raise ValueError(f"`{arg}` and `{name}` must have the same number of samples: `{arg}` has {n}, "
+                                 f"`{name}` has {leaf.shape[0] if leaf.ndim else 'a scalar'}.")
+            if name == "sample_weight":
+                _check_sample_weight_shape(leaf, arrays[1] if len(arrays) > 1 and leaf is a else None)
+        arrays.append(a)
+    given = iter(arrays[1:])
+    _check_same_content_on_every_worker({arg: x, **{name: None if a is None else next(given) for name, a in
+                                                    (("y", y), ("sample_weight", sample_weight))}}, n, arg)
+    return make_batches(tuple(arrays), 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
 
 
 def _check_same_length_on_every_worker(n: int, arg: str) -> None:
@@ -219,7 +171,7 @@ class Validation:
     [1, 3, 5]
     """
 
-    def __init__(self, batches: Iterable[Any], validation_freq: Any, steps: Any):
+    def __init__(self, batches: DataAdapter, validation_freq: Any, steps: Any):
         ok_int = isinstance(validation_freq, (int, np.integer)) and not isinstance(validation_freq, bool)
         if not (ok_int and validation_freq >= 1) and not (
                 isinstance(validation_freq, (list, tuple)) and all(isinstance(e, int) for e in validation_freq)):
@@ -258,32 +210,9 @@ def validation_labels(validation_data: Any) -> Any:
     return None
 
 
-def peek(data: Iterable[Any]) -> tuple[Any, Iterable[Any]]:
-    """The first batch, and `data` with that batch still in it (a one-shot iterator is chained)."""
-    if isinstance(data, DistributedDataset):
-        first, inner = peek(data.source)
-        return first, data.with_source(inner)
-    if isinstance(data, IndexedBatches):
-        first = data.blank()  # one sample's shapes (zeros): enough to build the model
-    elif isinstance(data, Batches):
-        first = next(iter(data.iterate(0)), None)  # re-iterable: no epoch consumed
-    elif isinstance(data, WorkerPipeline):
-        first = next(data.iterator(), None)
-    elif iter(data) is data:
-        it = iter(data)
-        first = next(it, None)
-        data = itertools.chain([] if first is None else [first], it)
-    else:
-        first = next(iter(data), None)
+def first_batch(data: DataAdapter) -> Any:
+    """The first batch of `data` (no pass used up)."""
+    first = data.first()
     if first is None:
         raise ValueError("the data yields no batch.")
-    return first, data
-
-
-def distribute(strategy: "Strategy", data: Iterable[Any]) -> DistributedDataset:
-    """`data` as distributed batches; indexed sources and unshuffled arrays are read per worker."""
-    if isinstance(data, IndexedBatches) or (isinstance(data, Batches) and not data.shuffle):
-        return DistributedDataset(strategy.extended, data.rows(0))
-    if isinstance(data, WorkerPipeline):
-        return DistributedDataset(strategy.extended, data.iterator(), per_worker=True)
-    return data if isinstance(data, DistributedDataset) else strategy.experimental_distribute_dataset(data)
+    return first

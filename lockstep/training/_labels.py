@@ -8,13 +8,12 @@ two; lockstep checks the labels once per array input and per batch for iterables
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ..distribute._datasets import DistributedDataset
-from ..data import Batches, IndexedBatches, TFDatasetBatches, WorkerPipeline
+from ..data import DataAdapter
 from ._steps import unpack
 
 
@@ -113,25 +112,24 @@ class LabelCheck:
                 check_labels(kind, named[name], self._classes[name], f"{arg}['{name}']", where)
 
 
-def checked(data: Iterable[Any], labels: LabelCheck, y: Any, arg: str, first: Any = None,
-            inputs: Callable[[Any, str], None] | None = None) -> Iterable[Any]:
-    """`data` whose labels are checked: array labels `y` now, once; an iterable's labels batch by
-    batch as they pass (a distributed dataset's on its host source). `first` (`fit`'s first
-    batch) is checked when `data` is a `Batches` that `fit` reads by position. `inputs(x, where)`
-    checks an iterable's inputs batch by batch (arrays' samples all have the first's shape)."""
+def checked(data: DataAdapter, labels: LabelCheck, y: Any, arg: str,
+            inputs: Callable[[Any, str], None] | None = None) -> DataAdapter:
+    """`data` whose labels are checked: all at once when they are in memory (`y`, or arrays'),
+    else batch by batch as they pass through the host. `inputs(x, where)` checks the inputs of
+    batches that pass (arrays' samples all have the first's shape: it is checked when building)."""
     label_check = None
     if labels.kind is not None and not labels.needs_classes:
         label_check = functools.partial(labels.check, arg=arg)
-    if isinstance(data, (IndexedBatches, TFDatasetBatches)):  # read per worker: labels not seen whole on the host
+    if not data.host_labels:  # read per worker: labels not seen whole on the host
         return data
-    if y is not None or (isinstance(data, Batches) and first is not None):
-        if label_check is not None:
-            label_check(y if y is not None else unpack(first)[1])
+    whole = data.whole()
+    if y is not None or whole is not None:
+        y = y if y is not None else unpack(whole)[1]
+        if label_check is not None and y is not None:
+            label_check(y)
         return data
-    if label_check is None and inputs is None or isinstance(data, Batches):
+    if label_check is None and inputs is None:
         return data
-    if label_check is None and isinstance(data, DistributedDataset) and hasattr(data.source, "next_rows"):
-        return data  # lockstep's own batches (each worker reads its rows): samples of one shape, the first checked
 
     def check(batch: Any, i: int) -> None:
         x, batch_y, _ = unpack(batch)
@@ -139,21 +137,4 @@ def checked(data: Iterable[Any], labels: LabelCheck, y: Any, arg: str, first: An
             inputs(x, f" (batch {i + 1})")
         if label_check is not None and batch_y is not None:
             label_check(batch_y, where=f" of batch {i + 1}")
-    if isinstance(data, DistributedDataset):
-        return data.with_source(CheckedBatches(data.source, check))
-    if isinstance(data, WorkerPipeline):
-        return data.with_check(check)
-    return CheckedBatches(data, check)
-
-
-class CheckedBatches:
-    """An iterable of batches that `check(batch, index)` sees on the host as they pass."""
-
-    def __init__(self, data: Iterable[Any], check: Callable[[Any, int], None]):
-        self._data = data
-        self._check = check
-
-    def __iter__(self) -> Iterator[Any]:
-        for i, batch in enumerate(self._data):
-            self._check(batch, i)
-            yield batch
+    return data.with_check(check, label_check is not None)

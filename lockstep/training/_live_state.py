@@ -3,7 +3,6 @@ restored as a `TrainState`."""
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
 import jax

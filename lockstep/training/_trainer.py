@@ -34,13 +34,12 @@ from ..callbacks import Callback, History, ProgbarLogger
 from ..callbacks._callback import is_chief
 from ..callbacks._callback_list import CallbackList
 from ..callbacks._progbar import format_logs
-from ..data import accumulation_groups
+from ..data import DataAdapter, IterableBatches, accumulation_groups
 from ..metrics import Mean, Metric, MetricCollection
 from ..metrics import get as get_metric
 from ..metrics._base import synced_result
 from ._inputs import (
-    distribute,
-    peek,
+    first_batch,
     Validation,
     checked_steps,
     split_validation,
@@ -327,18 +326,18 @@ class Trainer:
         train = to_batches(self.strategy, x, y, sample_weight, batch_size, shuffle, seed)
         val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size, validation_freq,
                                  validation_steps)
-        first, train = peek(train)
+        first = first_batch(train)
         inputs = self._build(first, "x")
         cbs, params = _fit_callbacks(list(callbacks or []), verbose, train, epochs, steps_per_epoch, self._accumulation)
-        train = checked(train, self._labels, y, "y" if y is not None else "x", first, inputs)
-        checked([], self._labels, validation_labels(validation_data), "validation_data")  # arrays: now, not after an epoch
+        train = checked(train, self._labels, y, "y" if y is not None else "x", inputs)
+        checked(IterableBatches(()), self._labels, validation_labels(validation_data), "validation_data")  # arrays: now, not after an epoch
         history = self.history = History()
         cbs.append(history)
         cblist = CallbackList(cbs, self, params)
         self.stop_training = False
-        self._live.begin(cblist.callbacks, DataStream(self.strategy, train, steps_per_epoch, self._accumulation,
+        self._live.begin(cblist.callbacks, DataStream(self._engine, train, steps_per_epoch, self._accumulation,
                                                       initial_epoch), initial_epoch, seed, self._fresh_state(),
-                         getattr(train, "batch_size", None), self._accumulation)
+                         train.batch_size, self._accumulation)
         self._runner.start(self._live.params)
         logs: dict[str, Any] = {}
         try:
@@ -382,13 +381,13 @@ class Trainer:
         return logs
 
     # --- evaluate / predict --------------------------------------------------------------------
-    def _evaluate_batches(self, data: Iterable[Any], cblist: CallbackList, y: Any = None,
+    def _evaluate_batches(self, data: DataAdapter, cblist: CallbackList, y: Any = None,
                           arg: str = "validation_data", steps: int | None = None) -> dict[str, Any]:
-        first, data = peek(data)
+        first = first_batch(data)
         data = checked(data, self._labels, y, arg, inputs=self._build(first, "x" if arg in ("x", "y") else arg))
         state = self._fresh_state()
         cblist.on_test_begin()
-        for step, batch in enumerate(itertools.islice(distribute(self.strategy, data), steps)):  # steps: None, all
+        for step, batch in enumerate(itertools.islice(data.distributed(self._engine), steps)):  # steps: None, all
             cblist.on_test_batch_begin(step)
             state = self._runner.evaluate(self._live.params, state, batch)
             cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
@@ -415,12 +414,13 @@ class Trainer:
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0,
                 callbacks: Iterable[Callback] | None = None) -> Any:
         """The model's outputs for every sample: exactly `len(x)` rows, in input order (NumPy)."""
-        first, data = peek(to_batches(self.strategy, x, None, None, batch_size, False, 0))
+        data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
+        first = first_batch(data)
         data = checked(data, LabelCheck(None), None, "x", inputs=self._build(first, "x"))
         cblist = CallbackList(list(callbacks or []), self)
         cblist.on_predict_begin()
         outputs = []
-        for step, batch in enumerate(distribute(self.strategy, data)):
+        for step, batch in enumerate(data.distributed(self._engine)):
             cblist.on_predict_batch_begin(step)
             outputs.append(self._runner.predict(self._live.params, batch))
             cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})
