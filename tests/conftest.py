@@ -3,6 +3,8 @@ are set by the repository's root `conftest.py`, for doctests and tests alike).""
 
 import os
 
+import pytest
+
 # scripts that worker processes run (started by the multi-process tests), not test modules
 collect_ignore = ["workers"]
 
@@ -15,9 +17,15 @@ def pytest_configure(config):
 def pytest_collection_modifyitems(config, items):
     if os.environ.get("LOCKSTEP_FULL_SUITE") == "1":
         return
-    import pytest
-
     skip = pytest.mark.skip(reason="costly variant: `make test-full` runs it (LOCKSTEP_FULL_SUITE=1)")
     for item in items:
         if "full_suite" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """The resume job's uninterrupted result per number of workers (`launching.Uninterrupted`), run once."""
+    from launching import Uninterrupted
+
+    return Uninterrupted(tmp_path_factory)

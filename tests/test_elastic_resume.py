@@ -7,7 +7,7 @@ import optax
 import pytest
 
 import lockstep as ls
-from test_fault_tolerance import result, run_job, uninterrupted  # noqa: F401  (fixture)
+from launching import resume_result, run_resume_job
 
 N, B, EPOCHS = 403, 32, 2
 rng = np.random.default_rng(0)
@@ -96,11 +96,11 @@ def test_a_changed_global_batch_on_resume_is_refused(tmp_path):
 @pytest.mark.xdist_group("processes")
 @pytest.mark.parametrize("before, after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.full_suite)])
 def test_a_job_killed_on_w_workers_resumes_on_another_number(before, after, tmp_path, uninterrupted):  # noqa: F811
-    killed = run_job(before, tmp_path, "kill", restarts=0)
+    killed = run_resume_job(before, tmp_path, "kill", restarts=0)
     assert killed.returncode != 0 and f"rank {before - 1} killed by SIGKILL" in killed.stderr, killed.stderr[-2000:]
-    resumed = run_job(after, tmp_path, "plain", restarts=0)
+    resumed = run_resume_job(after, tmp_path, "plain", restarts=0)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
-    weights, hist = result(tmp_path)
+    weights, hist = resume_result(tmp_path)
     ref_weights, ref_hist = uninterrupted[after]
     assert hist["restored_from"] == 40  # killed at step 42 on `before` workers; the backup of step 40
     np.testing.assert_allclose(weights, ref_weights, rtol=1e-5, atol=1e-6)

@@ -19,8 +19,6 @@ import json
 import math
 import os
 import pathlib
-import subprocess
-import sys
 
 import grain
 import jax
@@ -33,6 +31,7 @@ from hypothesis import strategies as st
 
 import lockstep as ls
 from test_elastic_resume import StopAt, _Stop
+from launching import launch_workers, output_of
 
 FULL = os.environ.get("LOCKSTEP_FULL_SUITE") == "1"
 EXAMPLES = 60 if FULL else 4
@@ -181,10 +180,8 @@ def test_on_several_workers_any_shape_and_settings_equal_one_device(workers, dev
     rng = np.random.default_rng(workers)
     batch = [settings_of(lambda lo, hi: int(rng.integers(lo, hi + 1))) for _ in range(WORKER_EXAMPLES)]
     (tmp_path / "runs.json").write_text(json.dumps(batch))
-    proc = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(workers),
-                           "--devices-per-proc", str(devices), "--failure-timeout", "20", str(JOB), str(tmp_path)],
-                          capture_output=True, text=True, timeout=400, env={**os.environ, "XLA_FLAGS": ""})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = launch_workers(JOB, tmp_path, nproc=workers, devices=devices, timeout=400)
+    assert proc.returncode == 0, output_of(proc)
     for i, run in enumerate(batch):
         got = np.load(tmp_path / f"run{i}.npz")
         meta = json.loads((tmp_path / f"run{i}.json").read_text())

@@ -1,6 +1,5 @@
 """BackupAndRestore, preemption and restarts: resumed runs equal uninterrupted ones, bit for bit."""
 
-import json
 import os
 import pathlib
 import signal
@@ -16,59 +15,29 @@ import pytest
 import lockstep as ls
 
 HERE = pathlib.Path(__file__).resolve().parent
-JOB = HERE / "workers" / "resume_job.py"
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
+from launching import (  # noqa: E402
+    launch_env,
+    launch_workers,
+    output_of,
+    resume_command,
+    resume_result,
+    run_resume_job,
+)
 
 # these tests start processes: with `make test`'s two pytest workers, they run one after another
 pytestmark = pytest.mark.xdist_group("processes")
 
 
-def launch_cmd(nproc, out_dir, mode, restarts=1):
-    return [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(nproc), "--max-restarts",
-            str(restarts), "--failure-timeout", "10", str(JOB), str(out_dir), mode]
-
-
-def run_job(nproc, out_dir, mode, restarts=1):
-    env = {**os.environ, "XLA_FLAGS": ""}
-    return subprocess.run(launch_cmd(nproc, out_dir, mode, restarts), capture_output=True, text=True, timeout=300,
-                          env=env)
-
-
-def result(out_dir):
-    with open(out_dir / "history.json") as f:
-        hist = json.load(f)
-    return np.load(out_dir / "final.npz")["weights"], hist
-
-
-class _Uninterrupted(dict):
-    """The uninterrupted job's result per number of processes, run when first asked for."""
-
-    def __init__(self, tmp_path_factory):
-        super().__init__()
-        self._tmp = tmp_path_factory
-
-    def __missing__(self, nproc):
-        d = self._tmp.mktemp(f"plain{nproc}")
-        proc = run_job(nproc, d, "plain")
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-        self[nproc] = result(d)
-        return self[nproc]
-
-
-@pytest.fixture(scope="module")
-def uninterrupted(tmp_path_factory):
-    return _Uninterrupted(tmp_path_factory)
-
-
 @pytest.mark.full_suite  # make test: restarts in the worker matrix, the elastic resume and SIGTERM tests
 @pytest.mark.parametrize("nproc", [1, 2])
 def test_a_run_killed_mid_epoch_and_restarted_equals_an_uninterrupted_run(nproc, tmp_path, uninterrupted):
-    proc = run_job(nproc, tmp_path, "kill")
+    proc = run_resume_job(nproc, tmp_path, "kill")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert f"rank {nproc - 1} killed by SIGKILL" in proc.stderr
     assert "restarting the workers (restart 1 of 1)" in proc.stderr
-    weights, hist = result(tmp_path)
+    weights, hist = resume_result(tmp_path)
     ref_weights, ref_hist = uninterrupted[nproc]
     assert hist["restored_from"] == 40  # killed at step 42; the last backup (every 5 steps) was at 40
     np.testing.assert_array_equal(weights, ref_weights)  # bitwise on CPU: same programs, same data order
@@ -77,9 +46,8 @@ def test_a_run_killed_mid_epoch_and_restarted_equals_an_uninterrupted_run(nproc,
 
 
 def test_sigterm_makes_every_worker_save_at_the_same_step_exit_83_and_resume_exactly(tmp_path, uninterrupted):
-    env = {**os.environ, "XLA_FLAGS": ""}
-    launcher = subprocess.Popen(launch_cmd(2, tmp_path, "term"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                text=True, env=env)
+    launcher = subprocess.Popen(resume_command(2, tmp_path, "term"), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, env=launch_env())
     lines = []
     try:
         victim = None
@@ -104,17 +72,17 @@ def test_sigterm_makes_every_worker_save_at_the_same_step_exit_83_and_resume_exa
         (saved, out[-3000:], err[-3000:])  # the same step
     assert "rank 1 exited with code 83 (preempted; backup saved)" in err or \
         "rank 0 exited with code 83 (preempted; backup saved)" in err
-    weights, hist = result(tmp_path)
+    weights, hist = resume_result(tmp_path)
     ref_weights, ref_hist = uninterrupted[2]
     np.testing.assert_array_equal(weights, ref_weights)
     assert hist["history"] == ref_hist["history"]
 
 
 def test_early_stopping_across_a_restart_stops_at_the_same_epoch(tmp_path):
-    proc = run_job(1, tmp_path, "es")
+    proc = run_resume_job(1, tmp_path, "es")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "restarting the workers" in proc.stderr
-    weights, hist = result(tmp_path)
+    weights, hist = resume_result(tmp_path)
     # the same run in this process, never interrupted
     parts = common.validation_parts(2)
     vx, vy = np.concatenate([p[0] for p in parts]), np.concatenate([p[1] for p in parts])
@@ -220,12 +188,10 @@ def test_backups_and_kills_at_steps_where_a_worker_holds_no_row_resume_exactly(d
     flipped bits in that backup's files: both workers set it aside and resume from step 56."""
     import zero_rows_job
 
-    proc = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", "--max-restarts", "1",
-                           "--failure-timeout", "10", zero_rows_job.__file__, str(tmp_path)] + ["damage"] * damage,
-                          capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = launch_workers(zero_rows_job.__file__, tmp_path, *["damage"] * damage, failure_timeout=10, max_restarts=1)
+    assert proc.returncode == 0, output_of(proc)
     assert "rank 1 killed by SIGKILL" in proc.stderr and "restart 1 of 1" in proc.stderr
-    weights, hist = result(tmp_path)
+    weights, hist = resume_result(tmp_path)
     ref, ref_hist = zero_rows_job.run(ls.MirroredStrategy(2))  # one process, the same 2 replicas, uninterrupted
     assert hist["restored_from"] == (56 if damage else 58)
     if damage:

@@ -2,9 +2,7 @@
 
 import collections
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import grain
@@ -17,6 +15,7 @@ import lockstep as ls
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
+from launching import WORKERS, launch_workers, output_of  # noqa: E402
 
 
 class CountingSource:
@@ -98,10 +97,8 @@ def expected_reads(n, batch, workers, seed, epochs):
 @pytest.mark.xdist_group("processes")
 @pytest.mark.parametrize("workers", [2, pytest.param(3, marks=pytest.mark.full_suite)])
 def test_each_worker_reads_only_its_own_samples(workers, tmp_path):
-    cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(workers), "--failure-timeout", "10",
-           str(HERE / "workers" / "grain_job.py"), str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    proc = launch_workers(WORKERS / "grain_job.py", tmp_path, nproc=workers, failure_timeout=10)
+    assert proc.returncode == 0, output_of(proc)
     want = expected_reads(203, 32, workers, seed=4, epochs=2)
     total = collections.Counter()
     for w in range(workers):

@@ -3,9 +3,7 @@ and the training data as one stream across epochs (`steps_per_epoch`), checked o
 
 import collections
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import grain
@@ -20,6 +18,7 @@ sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from test_elastic_resume import StopAt, _Stop  # noqa: E402
 from test_grain import CountingSource  # noqa: E402
+from launching import WORKERS, launch_workers  # noqa: E402
 
 N, B = 203, 32
 crossing = pytest.mark.filterwarnings("ignore:a pass over the training data ended inside")
@@ -185,9 +184,7 @@ def test_experimental_distribute_dataset_points_grain_datasets_to_the_right_call
 
 
 def _launch(workers, tmp_path, mode):
-    cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(workers), "--failure-timeout", "10",
-           str(HERE / "workers" / "grain_iter_job.py"), str(tmp_path), mode]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+    return launch_workers(WORKERS / "grain_iter_job.py", tmp_path, mode, nproc=workers, failure_timeout=10)
 
 
 @pytest.mark.xdist_group("processes")

@@ -2,11 +2,6 @@
 `model.compile` with their arguments, and the Keras optimizer's state after training — each held
 to Keras' own one-device `model.fit` (same seed, `shuffle=False`)."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -15,6 +10,7 @@ from keras import ops
 
 import lockstep as ls
 from keras_reference import assert_logs_close, assert_weights_close
+from launching import WORKERS, launch_workers, output_of, rank_results
 
 FULL = pytest.mark.full_suite  # variants `make test-full` adds (CI time)
 N, B = 203, 16  # 13 batches, the last of 11 rows: on 4 replicas 3, 3, 3, 2; on 3 replicas 4, 4, 3
@@ -198,36 +194,13 @@ def test_the_loss_scale_of_mixed_float16_round_trips_through_the_keras_optimizer
     assert_weights_close(resumed.get_weights(), model.get_weights(), atol=0)
 
 
-WORKER_JOB = """
-import json, os, sys
-os.environ["KERAS_BACKEND"] = "jax"
-import lockstep as ls
-strategy = ls.MultiWorkerMirroredStrategy()
-import keras, numpy as np
-sys.path.insert(0, {tests!r})
-from test_keras_as_written import RMSE, WeightedMAE, X, Y_VALUE, WEIGHTS, regressor
-with strategy.scope():
-    model = regressor([RMSE()], weighted_metrics=[WeightedMAE()], optimizer=keras.optimizers.Adam(0.01))
-n = 194  # the last batch of 2 rows: worker 1's two replicas hold no real row
-history = ls.Trainer(model).fit(X[:n], Y_VALUE[:n], batch_size=16, epochs=2, shuffle=False, verbose=0,
-                                sample_weight=WEIGHTS[:n]).history
-print("RESULT", json.dumps({{"history": history, "iterations": int(model.optimizer.iterations),
-                            "optimizer": [np.asarray(v).tolist() for v in model.optimizer.variables],
-                            "weights": [w.tolist() for w in model.get_weights()]}}), flush=True)
-"""
-
-
 @pytest.mark.full_suite  # a 2-worker launch (about 20 s); the single-process tests above run in make test
 @pytest.mark.xdist_group("processes")
 def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_fit(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(WORKER_JOB.format(tests=str(pathlib.Path(__file__).resolve().parent)))
-    proc = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", "--devices-per-proc",
-                           "2", "--failure-timeout", "20", str(script)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "XLA_FLAGS": ""})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
-    assert len(results) == 2
+    script = WORKERS / "keras_custom_metrics_job.py"
+    proc = launch_workers(script, devices=2)
+    assert proc.returncode == 0, output_of(proc)
+    results = rank_results(proc, 2)
     keras_model = regressor([RMSE()], weighted_metrics=[WeightedMAE()], optimizer=keras.optimizers.Adam(0.01))
     want = keras_model.fit(X[:194], Y_VALUE[:194], batch_size=16, epochs=2, shuffle=False, verbose=0,
                            sample_weight=WEIGHTS[:194])

@@ -233,7 +233,7 @@ def test_an_activity_regulariser_of_unknown_form_is_warned_about():
         return keras.Sequential([keras.Input((4,)), L.Dense(3, activity_regularizer=lambda a: keras.ops.max(a))])
 
     with pytest.warns(UserWarning, match="activity_regularizer of type function"):
-        ls.Trainer(_build(factory))
+        ls.Trainer(_build(factory), strategy=ls.OneDeviceStrategy())  # named: no warning of a recent scope's
 
 
 @pytest.mark.parametrize("replicas", [1, 3, 4])

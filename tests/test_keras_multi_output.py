@@ -5,11 +5,6 @@ output — trained with `model.fit` in a lockstep scope and held to Keras' own o
 structure, the weights. Before: a loss per output was refused, dict `y` failed with "`y` has a
 scalar" and a list `y` with "setting an array element with a sequence"."""
 
-import json
-import os
-import pathlib
-import subprocess
-import sys
 
 import keras
 import numpy as np
@@ -17,6 +12,7 @@ import keras_reference
 import pytest
 
 import lockstep as ls
+from launching import WORKERS, launch_workers, output_of, rank_results
 
 N, B = 61, 8  # 8 batches, the last of 5 rows (on 4 replicas 2, 1, 1, 1); N=58: the last of 2 (two replicas empty)
 _rng = np.random.default_rng(3)
@@ -171,36 +167,13 @@ def test_what_does_not_fit_the_outputs_is_a_clear_error_and_the_model_is_left_wh
     assert [p.shape for p in model.predict(x, verbose=0)] == [(N, 3), (N, 1)]
 
 
-WORKER_JOB = """
-import json, os, sys
-os.environ["KERAS_BACKEND"] = "jax"
-import lockstep as ls
-strategy = ls.MultiWorkerMirroredStrategy()
-import numpy as np
-sys.path.insert(0, {tests!r})
-from test_keras_multi_output import B, W, XA, XB, Y_CLS, Y_REG, two_headed
-with strategy.scope():
-    model = two_headed()
-n = 58  # the last batch of 2 rows: worker 1's two replicas hold no real row
-history = model.fit([XA[:n], XB[:n]], [Y_CLS[:n], Y_REG[:n]], sample_weight=W[:n], batch_size=B, epochs=2,
-                    shuffle=False, verbose=0).history
-print("RESULT", json.dumps({{"history": history, "weights": [w.tolist() for w in model.get_weights()],
-                            "evaluate": model.evaluate([XA, XB], [Y_CLS, Y_REG], batch_size=B, verbose=0)}}),
-      flush=True)
-"""
-
-
 @pytest.mark.full_suite  # a 2-worker launch (about 25 s): make test-full
 @pytest.mark.xdist_group("processes")
 def test_on_two_workers_a_model_with_two_outputs_equals_keras_own_fit(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(WORKER_JOB.format(tests=str(pathlib.Path(__file__).resolve().parent)))
-    proc = subprocess.run([sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", "--devices-per-proc",
-                           "2", "--failure-timeout", "20", str(script)], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "XLA_FLAGS": ""})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
-    assert len(results) == 2
+    script = WORKERS / "keras_two_outputs_job.py"
+    proc = launch_workers(script, devices=2)
+    assert proc.returncode == 0, output_of(proc)
+    results = rank_results(proc, 2)
     keras_model = two_headed()
     want = keras_model.fit([XA[:58], XB[:58]], [Y_CLS[:58], Y_REG[:58]], sample_weight=W[:58], batch_size=B, epochs=2,
                            shuffle=False, verbose=0)

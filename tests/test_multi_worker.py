@@ -22,6 +22,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from common import free_port  # noqa: E402
+from launching import launch_workers  # noqa: E402
 
 # these tests start processes: with `make test`'s two pytest workers, they run one after another
 pytestmark = pytest.mark.xdist_group("processes")
@@ -30,11 +31,9 @@ LAUNCH_TIMEOUT = 240
 
 
 def launch(script, *args, nproc=2, devices=1, failure_timeout=20, env=None, cwd=None):
-    """Runs `lockstep launch` in a subprocess, bounded in time; returns the completed process."""
-    cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", str(nproc), "--devices-per-proc",
-           str(devices), "--failure-timeout", str(failure_timeout), str(script), *map(str, args)]
-    full_env = {**os.environ, "XLA_FLAGS": "", **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT, env=full_env, cwd=cwd)
+    """`launch_workers` with this file's defaults: one device per worker, 240 s at most."""
+    return launch_workers(script, *args, nproc=nproc, devices=devices, failure_timeout=failure_timeout, env=env,
+                          cwd=cwd, timeout=LAUNCH_TIMEOUT)
 
 
 @pytest.fixture(scope="module")

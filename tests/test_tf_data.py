@@ -2,9 +2,7 @@
 converting only its own; the same numbers as the same arrays; unseeded pipelines are errors."""
 
 import json
-import os
 import pathlib
-import subprocess
 import sys
 
 import jax
@@ -19,6 +17,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from test_elastic_resume import StopAt, _Stop  # noqa: E402
+from launching import WORKERS, launch_workers  # noqa: E402
 
 N, B = 203, 32
 
@@ -84,9 +83,7 @@ def test_a_resumed_tf_pipeline_must_give_the_same_data(seeded, tmp_path):
 @pytest.mark.xdist_group("processes")
 @pytest.mark.parametrize("mode", ["seeded", pytest.param("unseeded", marks=pytest.mark.full_suite)])
 def test_two_workers_split_a_tf_dataset_by_rows(mode, tmp_path):
-    cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", "--failure-timeout", "10",
-           str(HERE / "workers" / "tf_data_job.py"), str(tmp_path), mode]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "XLA_FLAGS": ""})
+    proc = launch_workers(WORKERS / "tf_data_job.py", tmp_path, mode, failure_timeout=10)
     if mode == "unseeded":
         assert proc.returncode != 0
         assert "the workers' tf.data pipelines gave different first batches" in proc.stdout + proc.stderr

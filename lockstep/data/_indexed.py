@@ -51,7 +51,7 @@ class IndexedBatches(DataAdapter):
         if self._n < 1:
             raise ValueError(f"the source of samples is empty (len {self._n}).")
         self._blank: Any = None
-        self.epoch = 0  # passes begun by `iter()` / `next_rows()`
+        self.epoch = 0  # passes begun by `iter()` / `host_pass(None)`
 
     @property
     def num_samples(self) -> int:

@@ -28,11 +28,11 @@ order = tf.data.Dataset.range(N).shuffle(N, seed=3, reshuffle_each_iteration=Fal
 order = [int(i) for i in order.as_numpy_iterator()]
 
 rows = []
-next_rows = ls.data.TFDatasetBatches.next_rows
+host_pass = ls.data.TFDatasetBatches.host_pass
 
 
-def logged(self):  # record which rows of each batch this worker converts
-    for batch in next_rows(self):
+def logged(self, epoch, start=0, state=None):  # record which rows of each batch this worker converts
+    for batch in host_pass(self, epoch, start, state):
         read = batch.read
 
         def logging_read(a, b, read=read):
@@ -42,7 +42,7 @@ def logged(self):  # record which rows of each batch this worker converts
         yield batch
 
 
-ls.data.TFDatasetBatches.next_rows = logged
+ls.data.TFDatasetBatches.host_pass = logged
 t = common.trainer(strategy)
 hist = t.fit(ds, epochs=2, verbose=0)
 fit_rows = list(rows)

@@ -1,0 +1,16 @@
+"""Two workers fit a Keras regressor with a user's metrics (test_keras_as_written's data and model); each prints its result."""
+import json, os, pathlib, sys
+os.environ["KERAS_BACKEND"] = "jax"
+import lockstep as ls
+strategy = ls.MultiWorkerMirroredStrategy()
+import keras, numpy as np
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the tests
+from test_keras_as_written import RMSE, WeightedMAE, X, Y_VALUE, WEIGHTS, regressor
+with strategy.scope():
+    model = regressor([RMSE()], weighted_metrics=[WeightedMAE()], optimizer=keras.optimizers.Adam(0.01))
+n = 194  # the last batch of 2 rows: worker 1's two replicas hold no real row
+history = ls.Trainer(model).fit(X[:n], Y_VALUE[:n], batch_size=16, epochs=2, shuffle=False, verbose=0,
+                                sample_weight=WEIGHTS[:n]).history
+print("RESULT", json.dumps({"history": history, "iterations": int(model.optimizer.iterations),
+                            "optimizer": [np.asarray(v).tolist() for v in model.optimizer.variables],
+                            "weights": [w.tolist() for w in model.get_weights()]}), flush=True)
