@@ -1,7 +1,7 @@
 """`StepRunner`: a `Trainer`'s compiled steps, dispatched on distributed batches.
 
 It owns the steps (`_steps`), the kinds of their arguments, and the per-replica gradient
-accumulators: `update` makes one optimizer update from a group of batches — one train step, or,
+accumulators: ``state = runner.step(state, group)`` makes one optimizer update from a group of batches — one train step, or,
 with gradient accumulation, one accumulate step per batch and one apply step.
 
 Gradient accumulation (``Trainer(..., gradient_accumulation_steps=k)``, Keras' name): `fit` with
@@ -25,6 +25,7 @@ import jax
 import numpy as np
 
 from ..data import AccumulationGroup
+from ._train_state import TrainState
 from ._steps import (
     ACCUMULATE_KINDS,
     ACCUMULATE_OUT,
@@ -60,25 +61,26 @@ class StepRunner:
         self._acc = None if self._accumulation == 1 else self._engine.per_replica_copies(
             jax.tree.map(lambda p: np.zeros(p.shape, p.dtype), params["trainable"]))
 
-    def update(self, live: Any, group: AccumulationGroup) -> None:
-        """One optimizer update of `live` (a `LiveState`) from `group`'s batches."""
+    def step(self, state: TrainState, group: AccumulationGroup) -> TrainState:
+        """`state` after one optimizer update from `group`'s batches (one more step taken)."""
         run = self._engine.run_arrays
+        params, opt_state, metric_state = state.params, state.opt_state, state.metric_state
         if self._accumulation == 1:
             (batch,) = group.batches
-            live.params, live.opt_state, live.metric_state = run(
-                self._steps["train"], (live.params, live.opt_state, live.metric_state, batch.data, batch.mask,
-                                       batch.count), TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count,
-                check_vma=CHECK_VMA)
-            return
-        for batch in group.batches:
-            live.params, self._acc, live.metric_state = run(
-                self._steps["accumulate"], (live.params, live.opt_state, self._acc, live.metric_state, batch.data,
-                                            batch.mask, batch.count), ACCUMULATE_KINDS, ACCUMULATE_OUT,
-                mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
-        count = self._engine.put_replicated(np.float32(group.num_samples))
-        live.params, live.opt_state, self._acc = run(
-            self._steps["apply"], (live.params, live.opt_state, self._acc, count), APPLY_KINDS, APPLY_OUT,
-            check_vma=CHECK_VMA)
+            params, opt_state, metric_state = run(
+                self._steps["train"], (params, opt_state, metric_state, batch.data, batch.mask, batch.count),
+                TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
+        else:
+            for batch in group.batches:
+                params, self._acc, metric_state = run(
+                    self._steps["accumulate"], (params, opt_state, self._acc, metric_state, batch.data, batch.mask,
+                                                batch.count), ACCUMULATE_KINDS, ACCUMULATE_OUT,
+                    mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
+            count = self._engine.put_replicated(np.float32(group.num_samples))
+            params, opt_state, self._acc = run(self._steps["apply"], (params, opt_state, self._acc, count),
+                                               APPLY_KINDS, APPLY_OUT, check_vma=CHECK_VMA)
+        return state.replace(params=params, opt_state=opt_state, metric_state=metric_state, step=state.step + 1,
+                             global_step=state.global_step + 1)
 
     def evaluate(self, params: Any, state: Any, batch: Any) -> Any:
         """The running loss and metric states after `batch`."""

@@ -62,7 +62,7 @@ from ._optimizers import (
     to_keras,
 )
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
-from ._live_state import LiveState
+from ._restore import fit_start, initial_state, placed, snapshot, take_up
 from ._train_state import TrainState
 from ._state_names import state_names
 from ._step_runner import StepRunner, checked_accumulation
@@ -99,6 +99,12 @@ def _host(tree: Any) -> Any:
 def _to_python(v: Any) -> Any:
     a = np.asarray(v)
     return float(a) if a.ndim == 0 else a
+
+
+def _read(engine: Any, metrics: MetricCollection, state: Any) -> dict[str, Any]:
+    """Loss and metric values of per-replica `state`: one compiled program reduces all states."""
+    values = engine.run_to_host(synced_result, (metrics, state), ("replicated", "per_replica"))
+    return {k: _to_python(values[k]) for k in metrics.metrics}  # Keras' order: loss first
 
 
 def _strategy_for(model: Any, given: Any) -> Strategy:
@@ -228,7 +234,9 @@ class Trainer:
         self._runner: StepRunner | None = None  # the compiled steps, once the model is built
         self.stop_training = False
         self.history: History | None = None
-        self._live = LiveState(self._engine, self._all)  # the training state: plain global arrays and counters
+        self._state: TrainState | None = None  # the training state, replaced at each step; None until built
+        self._resume: TrainState | None = None  # a restored state, whose position the next fit takes up
+        self._stream, self._callbacks = None, []  # the last fit's data and callbacks, for `train_state`
 
     # --- building ------------------------------------------------------------------------
     def _build(self, batch: Any, arg: str) -> Callable[[Any, str], None]:
@@ -236,11 +244,11 @@ class Trainer:
         the check of `arg`'s later batches."""
         x, y, _ = unpack(batch)
         x = jax.tree.map(np.asarray, x)
-        if self._live.params is None:
-            self._live.place(self._adapter.build(x), self._optimizer.init, self._names)
-        self._inputs.check(self._live.params, x, arg)
+        if self._state is None:
+            self._state = initial_state(self._engine, self._adapter.build(x), self._optimizer.init, self._names)
+        self._inputs.check(self._state.params, x, arg)
         if y is not None and (not self._all.built or self._labels.needs_classes):
-            pred_shape = output_shape(self._adapter, self._live.params, x)  # a tree of shapes for several outputs
+            pred_shape = output_shape(self._adapter, self._state.params, x)  # a tree of shapes for several outputs
             self._labels.set_classes(pred_shape)
             self._all.build(shapes_of(y), pred_shape)
         if self._runner is None:
@@ -248,7 +256,7 @@ class Trainer:
             self._runner = StepRunner(self._engine, make_steps(apply, self._loss_fn, self._optimizer, self._loss_tracker,
                                                                self._metrics, self.strategy.num_replicas_in_sync),
                                       self._accumulation)
-        return lambda x, where: self._inputs.check(self._live.params, x, arg, where)
+        return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
 
     def get_metric(self, name: str) -> Metric | None:
         """The metric logged under `name` (``"loss"`` included), or None."""
@@ -258,11 +266,6 @@ class Trainer:
     def metrics_names(self) -> list[str]:
         return list(self._all.metrics)
 
-    def _read(self, state: Any) -> dict[str, Any]:
-        """Loss and metric values of per-replica `state`: one compiled program reduces all states."""
-        values = self._engine.run_to_host(synced_result, (self._all, state), ("replicated", "per_replica"))
-        return {k: _to_python(values[k]) for k in self._all.metrics}  # Keras' order: loss first
-
     def _fresh_state(self) -> Any:
         return self._engine.per_replica_copies(self._all.init())
 
@@ -270,7 +273,7 @@ class Trainer:
     @property
     def global_step(self) -> int:
         """Optimizer steps taken by the current (or last) `fit`."""
-        return self._live.global_step
+        return 0 if self._state is None else self._state.global_step
 
     @property
     def train_state(self) -> TrainState:
@@ -279,28 +282,28 @@ class Trainer:
         Inside `fit` (say, from a callback) it is the state after the last completed step.
         """
         self._require_built()
-        return self._live.snapshot()
+        return snapshot(self._state, self._callbacks, self._stream)
 
     def shared_train_state(self) -> TrainState:
         """`train_state` with every worker's data checksum and iterator state: a collective, which
         every worker calls at the same step (as `BackupAndRestore` does)."""
         self._require_built()
-        return self._live.snapshot(share=True)
+        return snapshot(self._state, self._callbacks, self._stream, share=True)
 
     def restore(self, state: TrainState) -> None:
         """Puts `state` (from `train_state`, or a checkpoint of it) back.
 
-        Weights and optimizer state take effect at once. The position (epoch, step, the epoch's
-        metric state, the seed) and the callbacks' states are taken up by `fit`: by the next one,
-        or, when called from a callback's `on_train_begin` (`BackupAndRestore`), by the current
-        one once every callback has begun — so callbacks that reset there do not undo it.
+        Weights and optimizer state take effect at once; the position (epoch, step, the epoch's
+        metric state, the seed) and the callbacks' states are taken up by the next `fit`, or by the
+        current one when called from `on_train_begin`, once every callback has begun.
 
         Raises:
           TypeError: `state` is not a `TrainState`.
           ValueError: its weights do not fit this trainer's model and optimizer.
         """
         self._require_built()
-        self._live.restore(state)
+        self._resume = placed(self._engine, self._all, self._state, state)
+        self._state = self._state.replace(params=self._resume.params, opt_state=self._resume.opt_state)
 
     # --- fit -------------------------------------------------------------------------------
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
@@ -335,21 +338,23 @@ class Trainer:
         cbs.append(history)
         cblist = CallbackList(cbs, self, params)
         self.stop_training = False
-        self._live.begin(cblist.callbacks, DataStream(self._engine, train, steps_per_epoch, self._accumulation,
-                                                      initial_epoch), initial_epoch, seed, self._fresh_state(),
-                         train.batch_size, self._accumulation)
-        self._runner.start(self._live.params)
+        self._stream = DataStream(self._engine, train, steps_per_epoch, self._accumulation, initial_epoch)
+        self._callbacks = cblist.callbacks
+        self._state = fit_start(self._state, initial_epoch, seed, self._fresh_state(), train.batch_size,
+                                self._accumulation)
+        self._runner.start(self._state.params)
         logs: dict[str, Any] = {}
         try:
             cblist.on_train_begin()
-            self._live.take_pending(cblist.callbacks)  # a restore() made before fit or in on_train_begin takes effect here
-            for epoch in range(self._live.epoch, epochs):
-                logs = self._fit_epoch(epoch, self._live.stream, val, cblist)
+            if self._resume is not None:  # restored before fit or in on_train_begin: taken up once all have begun
+                self._state, self._resume = take_up(self._resume, self._state, self._stream, self._callbacks), None
+            for epoch in range(self._state.epoch, epochs):
+                logs = self._fit_epoch(epoch, self._stream, val, cblist)
                 if self.stop_training:
                     break
             cblist.on_train_end(logs)
         finally:  # on any exit the model keeps the weights of the last completed step, as in Keras
-            self._live.callbacks = []
+            self._callbacks = []
             try:
                 self.sync_model()
             finally:
@@ -358,21 +363,21 @@ class Trainer:
 
     def _fit_epoch(self, epoch: int, train: DataStream, val: Validation | None, cblist: CallbackList
                    ) -> dict[str, Any]:
-        """One epoch (from step `self._live.step` on, after a resume); returns the epoch's logs."""
-        skip = self._live.step
+        """One epoch (from step `self._state.step` on, after a resume); returns the epoch's logs."""
+        skip = self._state.step
         cblist.on_epoch_begin(epoch)
         if not skip:
-            self._live.metric_state = self._fresh_state()
+            self._state = self._state.replace(metric_state=self._fresh_state())
         for step, group in enumerate(accumulation_groups(train.epoch(epoch, skip), self._accumulation), start=skip):
             cblist.on_train_batch_begin(step)
-            self._runner.update(self._live, group)
-            self._live.step, self._live.global_step = step + 1, self._live.global_step + 1
-            cblist.on_train_batch_end(step, _LazyLogs(lambda s=self._live.metric_state: self._read(s)))
+            self._state = self._runner.step(self._state, group)
+            read = functools.partial(_read, self._engine, self._all, self._state.metric_state)
+            cblist.on_train_batch_end(step, _LazyLogs(read))
             if self.stop_training:
                 break
-        self._live.epoch, self._live.step = epoch + 1, 0
-        logs = self._read(self._live.metric_state)
-        if (skipped := skipped_steps(self._live.opt_state)) is not None:
+        self._state = self._state.replace(epoch=epoch + 1, step=0)
+        logs = _read(self._engine, self._all, self._state.metric_state)
+        if (skipped := skipped_steps(self._state.opt_state)) is not None:
             logs["skipped_steps"] = skipped  # mixed_float16: steps skipped for non-finite gradients so far
         if val is not None and val.due(epoch):
             logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val.batches, cblist, steps=val.steps).items()})
@@ -389,9 +394,9 @@ class Trainer:
         cblist.on_test_begin()
         for step, batch in enumerate(itertools.islice(data.distributed(self._engine), steps)):  # steps: None, all
             cblist.on_test_batch_begin(step)
-            state = self._runner.evaluate(self._live.params, state, batch)
-            cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: self._read(s)))
-        logs = self._read(state)
+            state = self._runner.evaluate(self._state.params, state, batch)
+            cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: _read(self._engine, self._all, s)))
+        logs = _read(self._engine, self._all, state)
         cblist.on_test_end(logs)
         return logs
 
@@ -422,47 +427,47 @@ class Trainer:
         outputs = []
         for step, batch in enumerate(data.distributed(self._engine)):
             cblist.on_predict_batch_begin(step)
-            outputs.append(self._runner.predict(self._live.params, batch))
+            outputs.append(self._runner.predict(self._state.params, batch))
             cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})
         cblist.on_predict_end()
         return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
     # --- weights -----------------------------------------------------------------------------
     def _require_built(self) -> None:
-        if self._live.params is None:
+        if self._state is None:
             raise ValueError("the model has no weights yet: call `fit`, `evaluate` or `predict` first, or build "
                              "the Keras model.")
 
     def sync_model(self) -> None:
         """Writes the trained weights (and a Keras optimizer's state) into the model object, as
         Keras' `fit` leaves it; `fit` does it on every exit."""
-        self._adapter.sync_to_model(_host(self._live.params))
-        to_keras(self._keras_optimizer, self._live.opt_state)
+        self._adapter.sync_to_model(_host(self._state.params))
+        to_keras(self._keras_optimizer, self._state.opt_state)
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
-        if self._live.params is None and self._adapter.ready():
-            self._live.place(self._adapter.build(None), self._optimizer.init, self._names)
+        if self._state is None and self._adapter.ready():
+            self._state = initial_state(self._engine, self._adapter.build(None), self._optimizer.init, self._names)
         self._require_built()
-        return self._adapter.get_weights(_host(self._live.params))
+        return self._adapter.get_weights(_host(self._state.params))
 
     def set_weights(self, weights: Any) -> None:
         """Replaces the weights (same structure as `get_weights`); a Keras model is kept in sync."""
         self.get_weights()
-        params = self._adapter.set_weights(_host(self._live.params), weights)
-        self._live.params = self._engine.put_replicated(params)
+        params = self._adapter.set_weights(_host(self._state.params), weights)
+        self._state = self._state.replace(params=self._engine.put_replicated(params))
         self._adapter.sync_to_model(params)
 
     @property
     def learning_rate(self) -> float:
         """The optimizer's current learning rate (named optimizers, or optax.inject_hyperparams)."""
         self._require_built()
-        return float(np.asarray(learning_rate_of(self._live.opt_state)))
+        return float(np.asarray(learning_rate_of(self._state.opt_state)))
 
     @learning_rate.setter
     def learning_rate(self, value: float) -> None:
         self._require_built()
-        set_learning_rate(self._live.opt_state, value, self._engine.put_replicated)
+        set_learning_rate(self._state.opt_state, value, self._engine.put_replicated)
 
     def save_weights(self, path: str) -> None:
         """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
