@@ -95,7 +95,7 @@ def test_a_changed_global_batch_on_resume_is_refused(tmp_path):
 
 @pytest.mark.xdist_group("processes")
 @pytest.mark.parametrize("before, after", [(2, 1), pytest.param(1, 2, marks=pytest.mark.full_suite)])
-def test_a_job_killed_on_w_workers_resumes_on_another_number(before, after, tmp_path, uninterrupted):  # noqa: F811
+def test_a_job_killed_on_w_workers_resumes_on_another_number(before, after, tmp_path, uninterrupted):
     killed = run_resume_job(before, tmp_path, "kill", restarts=0)
     assert killed.returncode != 0 and f"rank {before - 1} killed by SIGKILL" in killed.stderr, killed.stderr[-2000:]
     resumed = run_resume_job(after, tmp_path, "plain", restarts=0)
