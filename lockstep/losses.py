@@ -166,7 +166,7 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
         # (TF's semantics): typed per replica, the gradient of the replicated parameters is
         # summed over replicas, so it is the whole batch's gradient, as TF's is after its
         # all-reduce (not 1/R of it).
-        loss = to_varying(_weighted_loss(per_example_loss, sample_weight, global_batch_size))
+        loss = to_varying(_weighted_loss(per_example_loss, sample_weight, global_batch_size), ctx.axis_name)
         count = jnp.asarray(loss.shape[0] * ctx.num_replicas_in_sync, loss.dtype)
         return masked_average_loss(loss, jnp.ones(loss.shape[:1], loss.dtype), count, None, global_batch_size)
     return masked_average_loss(per_example_loss, ctx.mask, ctx.global_count(), sample_weight, global_batch_size)

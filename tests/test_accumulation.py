@@ -1,5 +1,8 @@
 """Gradient accumulation: k batches of b per update equal one device's step on the k*b samples."""
 
+import os
+import sys
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -9,33 +12,21 @@ import pytest
 
 import lockstep as ls
 
-N, B, EPOCHS = 1003, 64, 2
-rng = np.random.default_rng(0)
-X = rng.normal(size=(N, 6)).astype(np.float32)
-Y = (X[:, 0] + 0.5 * X[:, 1] ** 2 > 0.4).astype(np.int32) + (X[:, 2] > 1.0).astype(np.int32)
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+from common import N, data, keras_mlp  # noqa: E402  (the data and models the other tests use)
+from common import model as mlp  # noqa: E402
 
-
-def mlp() -> ls.FunctionalModel:
-    def init(key, x):
-        k1, k2 = jax.random.split(key)
-        return {"w1": jax.random.normal(k1, (x.shape[-1], 16)) * 0.3, "b1": jnp.zeros(16),
-                "w2": jax.random.normal(k2, (16, 3)) * 0.3, "b2": jnp.zeros(3)}
-
-    def apply(p, x, training=False):
-        return jax.nn.relu(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-    return ls.FunctionalModel(init, apply)
-
-
-def keras_mlp(strategy):
-    with strategy.scope():
-        keras.utils.set_random_seed(1)
-        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"),
-                                 keras.layers.Dense(3)])
+B, EPOCHS = 64, 2
+X, Y = data(N)
 
 
 def fit(model_kind, replicas, k, batch_size, **fit_kwargs):
     strategy = ls.MirroredStrategy(replicas)
-    model = mlp() if model_kind == "functional" else keras_mlp(strategy)
+    if model_kind == "functional":
+        model = mlp()
+    else:
+        with strategy.scope():
+            model = keras_mlp(seed=1, softmax=False)
     trainer = ls.Trainer(model, optimizer=optax.adam(0.01), loss="sparse_categorical_crossentropy_from_logits",
                          metrics=["accuracy"], strategy=strategy, gradient_accumulation_steps=k)
     history = trainer.fit(X, Y, batch_size=batch_size, epochs=EPOCHS, verbose=0, **fit_kwargs)
@@ -96,7 +87,7 @@ def test_bad_accumulation_steps_are_named(bad):
 
 
 def test_keras_optimizer_accumulation_points_to_the_trainer_argument():
-    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(3)])
+    model = keras.Sequential([keras.Input((X.shape[1],)), keras.layers.Dense(3)])
     model.compile(optimizer=keras.optimizers.SGD(gradient_accumulation_steps=2),
                   loss="sparse_categorical_crossentropy")
     with pytest.raises(ValueError, match=r"gradient_accumulation_steps=2\)"):
@@ -187,7 +178,7 @@ def test_accumulation_groups_names_a_bad_k(bad):
 def bn_model(strategy):
     with strategy.scope():
         keras.utils.set_random_seed(2)
-        return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
+        return keras.Sequential([keras.Input((X.shape[1],)), keras.layers.Dense(16), keras.layers.BatchNormalization(),
                                  keras.layers.Activation("relu"), keras.layers.Dense(3)])
 
 

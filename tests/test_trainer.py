@@ -15,13 +15,8 @@ from sklearn.metrics import accuracy_score, f1_score
 import lockstep as ls
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
-from common import N, data  # noqa: E402  (the data the multi-worker tests use too)
-
-
-def keras_mlp(seed=0):
-    keras.utils.set_random_seed(seed)
-    return keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
-                             keras.layers.Dense(3, activation="softmax")])
+from common import N, data, keras_mlp  # noqa: E402  (the data and models the multi-worker tests use too)
+from common import model as functional_mlp  # noqa: E402
 
 
 def numpy_keras_forward(weights, x):
@@ -29,17 +24,6 @@ def numpy_keras_forward(weights, x):
     logits = np.maximum(x @ w1 + b1, 0) @ w2 + b2
     e = np.exp(logits - logits.max(1, keepdims=True))
     return e / e.sum(1, keepdims=True)
-
-
-def functional_mlp():
-    def init(rng, x):
-        k1, k2 = jax.random.split(rng)
-        return {"w1": jax.random.normal(k1, (x.shape[-1], 16)) * 0.3, "b1": jnp.zeros(16),
-                "w2": jax.random.normal(k2, (16, 3)) * 0.3, "b2": jnp.zeros(3)}
-
-    def apply(p, x, training=False):
-        return jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"]
-    return ls.FunctionalModel(init, apply)
 
 
 def numpy_functional_forward(p, x):

@@ -39,20 +39,23 @@ class ValueContext:
 
 
 class Strategy:
-    """Synchronous data parallelism over a 1-D mesh of devices (axis name ``"batch"``).
+    """Synchronous data parallelism over a 1-D mesh of `devices` (axis name ``"batch"``), or over
+    the axis `batch_axis` of `mesh` (a `jax.sharding.Mesh` with named axes).
 
     Use a subclass: `OneDeviceStrategy`, `MirroredStrategy` or `MultiWorkerMirroredStrategy`.
     """
 
-    def __init__(self, devices: Sequence[jax.Device]):
-        self._devices = tuple(devices)
-        self._extended = StrategyExtended(self._devices, owner=self)
+    def __init__(self, devices: Sequence[jax.Device] | None = None, *, mesh: Mesh | None = None,
+                 batch_axis: str = "batch"):
+        self._extended = StrategyExtended(None if devices is None else tuple(devices), owner=self, mesh=mesh,
+                                          batch_axis=batch_axis)
+        self._devices = tuple(self._extended.mesh.devices.flat)
 
     # --- facts -------------------------------------------------------------------------
     @property
     def num_replicas_in_sync(self) -> int:
         """Number of replicas taking part in each step, over all workers."""
-        return len(self._devices)
+        return self._extended.num_replicas
 
     @property
     def devices(self) -> tuple[jax.Device, ...]:
@@ -60,7 +63,7 @@ class Strategy:
 
     @property
     def mesh(self) -> Mesh:
-        """The 1-D `jax.sharding.Mesh` (axis ``"batch"``) that steps run on."""
+        """The `jax.sharding.Mesh` that steps run on (1-D, axis ``"batch"``, unless given)."""
         return self._extended.mesh
 
     @property

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
-from ._cross_replica import BATCH_AXIS, to_varying, varies
+from ._cross_replica import to_varying, varies
 from ._loops import loops_vary_their_carry
 from ._replica_context import ReplicaContext, replica_context
 
@@ -41,7 +41,18 @@ MAX_STEPS_IN_FLIGHT = int(os.environ.get("LOCKSTEP_MAX_STEPS_IN_FLIGHT", "8"))
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 #: compiled programs kept (least recently used dropped first)
 CACHE_SIZE = 256
-_SPEC = {"rows": P(BATCH_AXIS), "per_replica": P(BATCH_AXIS), "replicated": P()}
+
+
+def spec(kind: str, batch_axis: str) -> P:
+    """Where an argument or output of `kind` lies on the mesh: rows and per-replica entries split
+    over `batch_axis`, replicated values on every device (a mesh's other axes hold copies).
+
+    >>> spec("rows", "batch"), spec("replicated", "batch")
+    (P('batch',), P())
+    """
+    if kind not in ("rows", "per_replica", "replicated"):
+        raise ValueError(f"a kind must be 'rows', 'per_replica' or 'replicated', got {kind!r}.")
+    return P(batch_axis) if kind != "replicated" else P()
 
 
 class _Entry:
@@ -100,11 +111,13 @@ def describe(fn: Any, kinds: list[str], signatures: list[Any]) -> str:
 
 
 class RunCompiler:
-    """Compiles and calls replica functions on `mesh`; `context(mask, count, typed)` makes each
-    call's replica context (`typed`: traced with replication typing)."""
+    """Compiles and calls replica functions on `mesh`, whose replicas lie along `batch_axis`;
+    `context(mask, count, typed)` makes each call's replica context (`typed`: traced with
+    replication typing)."""
 
-    def __init__(self, mesh: Mesh, context: Callable[[Any, Any, bool], ReplicaContext]):
+    def __init__(self, mesh: Mesh, batch_axis: str, context: Callable[[Any, Any, bool], ReplicaContext]):
         self._mesh = mesh
+        self._axis = batch_axis
         self._context = context
         self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self._in_flight: collections.deque[jax.Array] = collections.deque()
@@ -196,7 +209,7 @@ class RunCompiler:
         """`call`'s function on one replica's view of the arguments, in its replica context."""
         def traced(d: list[jax.Array], c: list[jax.Array]) -> Any:
             ctx = self._context(*c, check_vma) if c else self._context(None, None, check_vma)
-            loops = loops_vary_their_carry() if check_vma else contextlib.nullcontext()
+            loops = loops_vary_their_carry(self._axis) if check_vma else contextlib.nullcontext()
             with replica_context(ctx), loops:
                 if with_kwargs:
                     positional, keyword = call.rebuild(d)
@@ -211,10 +224,12 @@ class RunCompiler:
         def declared(d: list[jax.Array], c: list[jax.Array]) -> Any:
             out = traced(d, c)
             entry.out_tree = jax.tree.structure(out)
-            return jax.tree.map(lambda k, sub: jax.tree.map(functools.partial(_as_kind, k), sub), out_kinds, out)
+            return jax.tree.map(lambda k, sub: jax.tree.map(functools.partial(_as_kind, k, self._axis), sub),
+                                out_kinds, out)
 
-        out_specs = jax.tree.map(lambda k: _SPEC[k], out_kinds)
-        entry.call = jax.jit(jax.shard_map(declared, mesh=self._mesh, in_specs=call.in_specs(), out_specs=out_specs,
+        out_specs = jax.tree.map(lambda k: spec(k, self._axis), out_kinds)
+        entry.call = jax.jit(jax.shard_map(declared, mesh=self._mesh, in_specs=call.in_specs(self._axis),
+                                           out_specs=out_specs,
                                            check_vma=check_vma))
         return entry
 
@@ -229,18 +244,18 @@ class RunCompiler:
             except TypeError as e:
                 raise TypeError(f"`fn` must return a pytree of arrays; {e}") from None
             if flags is None:
-                entry.flags = tuple(not varies(o) for o in out_leaves)
+                entry.flags = tuple(not varies(o, self._axis) for o in out_leaves)
                 return tuple(o[None] for o in out_leaves)
             return tuple(o if mirrored else o[None] for o, mirrored in zip(out_leaves, flags))
 
-        probe = jax.shard_map(functools.partial(inferred, None), mesh=self._mesh, in_specs=call.in_specs(),
-                              out_specs=P(BATCH_AXIS))
+        probe = jax.shard_map(functools.partial(inferred, None), mesh=self._mesh, in_specs=call.in_specs(self._axis),
+                              out_specs=P(self._axis))
         jax.eval_shape(probe, call.dynamic, call.context)
         flags = entry.flags
         assert flags is not None
-        out_specs = tuple(P() if m else P(BATCH_AXIS) for m in flags)
+        out_specs = tuple(P() if m else P(self._axis) for m in flags)
         entry.call = jax.jit(jax.shard_map(functools.partial(inferred, flags), mesh=self._mesh,
-                                           in_specs=call.in_specs(), out_specs=out_specs))
+                                           in_specs=call.in_specs(self._axis), out_specs=out_specs))
         return entry
 
 
@@ -268,8 +283,10 @@ class _Call:
         return (describe(self.fn, [k for k in self.kinds if k != "static"], [signature(x) for x in self.dynamic])
                 + f" {[type(x).__name__ for x in self.statics]} {not self.context} {self.key[-1]}")
 
-    def in_specs(self) -> tuple[list[P], list[P]]:
-        return [_SPEC[k] for k in self.kinds if k != "static"], [P(BATCH_AXIS), P()][:len(self.context)]
+    def in_specs(self, batch_axis: str) -> tuple[list[P], list[P]]:
+        """Where the arrays and the context (mask split by rows, count replicated) lie."""
+        return ([spec(k, batch_axis) for k in self.kinds if k != "static"],
+                [P(batch_axis), P()][:len(self.context)])
 
     def rebuild(self, dynamic: list[jax.Array]) -> Any:
         """The arguments as one replica sees them (its entry of each per-replica array)."""
@@ -284,14 +301,14 @@ class _Call:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def _as_kind(kind: str, x: Any) -> jax.Array:
+def _as_kind(kind: str, batch_axis: str, x: Any) -> jax.Array:
     """An output leaf shaped for its declared kind (per-replica values get a leading replica axis)."""
     x = jnp.asarray(x)
     if kind == "per_replica":
-        return to_varying(x)[None]
+        return to_varying(x, batch_axis)[None]
     if kind != "replicated":
         raise ValueError(f"an output kind must be 'replicated' or 'per_replica', got {kind!r}.")
-    if varies(x):  # (unchecked traces type nothing as varying: there the step vouches for it)
+    if varies(x, batch_axis):  # (unchecked traces type nothing as varying: there the step vouches for it)
         raise ValueError(
             f"a step output declared replicated differs between replicas (shape {x.shape}, dtype {x.dtype}): "
             "combine it across replicas (an all-reduce) before returning it.")

@@ -1,7 +1,7 @@
 """Cross-replica reductions: collectives inside a replica, and reductions of per-replica arrays.
 
-Inside `strategy.run` (a `shard_map` over the mesh's ``"batch"`` axis) values are combined with
-`all_reduce`; outside, a per-replica value is a global array whose leading axis is the replica
+Inside `strategy.run` (a `shard_map` over the mesh) values are combined over the named axis that
+holds the replicas (the engine's batch axis, ``"batch"`` by default) with `all_reduce`; outside, a per-replica value is a global array whose leading axis is the replica
 (shape ``(R, ...)``), reduced by `reduce_stacked` / `gather_stacked` in one compiled program
 whose result is replicated on every device (so every worker can read it). `MEAN` is weighted by
 real samples, so replicas that hold only padding never leak into a result.
@@ -22,24 +22,20 @@ from jax.sharding import PartitionSpec as P
 from ._layout import StepInfo, rows_digest
 from ._reduce_op import ReduceOp
 
-#: The mesh axis of replicas.
-BATCH_AXIS = "batch"
-
-
 # --- inside a replica ----------------------------------------------------------------------
-def varies(x: Any) -> bool:
-    """Whether a traced value inside `shard_map` may differ between replicas."""
+def varies(x: Any, axis_name: str) -> bool:
+    """Whether a traced value inside `shard_map` may differ along the mesh axis `axis_name`."""
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
     if mat is not None:
-        return BATCH_AXIS in mat.varying
+        return axis_name in mat.varying
     vma = getattr(aval, "vma", None)  # older JAX spelling
-    return True if vma is None else BATCH_AXIS in vma
+    return True if vma is None else axis_name in vma
 
 
-def to_varying(x: jax.Array) -> jax.Array:
-    """`x` typed as differing between replicas (a no-op when it already does)."""
-    return jax.lax.pcast(x, BATCH_AXIS, to="varying") if not varies(x) else x
+def to_varying(x: jax.Array, axis_name: str) -> jax.Array:
+    """`x` typed as differing along `axis_name` (a no-op when it already does)."""
+    return jax.lax.pcast(x, axis_name, to="varying") if not varies(x, axis_name) else x
 
 
 def lowest(dtype: Any) -> Any:
@@ -54,25 +50,26 @@ def highest(dtype: Any) -> Any:
     return jnp.inf if jnp.issubdtype(dtype, jnp.floating) else jnp.iinfo(dtype).max
 
 
-def all_reduce(op: ReduceOp, v: jax.Array, count: jax.Array | None) -> jax.Array:
-    """`v` combined over replicas; `MEAN` weighs each replica by its real-sample `count`
-    (a replica holding only padding, weight 0, is left out so its NaN cannot leak in)."""
+def all_reduce(op: ReduceOp, v: jax.Array, count: jax.Array | None, axis_name: str) -> jax.Array:
+    """`v` combined over the replicas along `axis_name`; `MEAN` weighs each replica by its
+    real-sample `count` (a replica holding only padding, weight 0, is left out so its NaN cannot
+    leak in)."""
     if op is ReduceOp.SUM:
-        return jax.lax.psum(v, BATCH_AXIS)
+        return jax.lax.psum(v, axis_name)
     if op is ReduceOp.MAX:
-        return jax.lax.pmax(v, BATCH_AXIS)
+        return jax.lax.pmax(v, axis_name)
     if op is ReduceOp.MIN:
-        return jax.lax.pmin(v, BATCH_AXIS)
+        return jax.lax.pmin(v, axis_name)
     if count is None:
-        return jax.lax.pmean(v, BATCH_AXIS)
+        return jax.lax.pmean(v, axis_name)
     w = count.astype(jnp.result_type(v, jnp.float32))
-    total = jax.lax.psum(jnp.where(count > 0, v * w, jnp.zeros_like(v * w)), BATCH_AXIS)
-    return total / jax.lax.psum(w, BATCH_AXIS)
+    total = jax.lax.psum(jnp.where(count > 0, v * w, jnp.zeros_like(v * w)), axis_name)
+    return total / jax.lax.psum(w, axis_name)
 
 
-def all_gather(v: jax.Array, axis: int = 0) -> jax.Array:
-    """Every replica's `v` concatenated along `axis`."""
-    return jax.lax.all_gather(to_varying(v), BATCH_AXIS, axis=axis, tiled=True)
+def all_gather(v: jax.Array, axis: int, axis_name: str) -> jax.Array:
+    """Every replica's `v` (the replicas along the mesh axis `axis_name`) concatenated along `axis`."""
+    return jax.lax.all_gather(to_varying(v, axis_name), axis_name, axis=axis, tiled=True)
 
 
 # --- outside: per-replica arrays of shape (R, ...) ------------------------------------------------

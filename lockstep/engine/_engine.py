@@ -1,7 +1,9 @@
 """The engine: plain arrays on a `jax.sharding.Mesh` with named axes. It holds the mesh, batch
-placement, the `run` compiler and reading per-replica arrays back; data parallelism is the mesh
-with one axis, ``"batch"`` (`BATCH_AXIS`), over which rows are split and reductions run. It knows
-no strategy: the `tf.distribute` face (`lockstep.distribute`) is built on it.
+placement, the `run` compiler and reading per-replica arrays back. Rows are split and reductions
+run over one named axis, the batch axis (``"batch"`` by default, `BATCH_AXIS`): data parallelism
+is the mesh with that axis alone; a mesh with more axes holds a copy of each replica's work along
+the others, which is where model parallelism lays its shards. It knows no strategy: the
+`tf.distribute` face (`lockstep.distribute`) is built on it.
 """
 
 from __future__ import annotations
@@ -14,19 +16,24 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from ._compiler import RunCompiler
-from ._cross_replica import BATCH_AXIS, ReplicatedCall, gather_stacked
+from ._cross_replica import ReplicatedCall, gather_stacked
 from ._layout import StepInfo
 from ._placement import BatchDistributor
 from ._replica_context import ReplicaContext
 
+#: The default name of the mesh axis over which rows are split and replicas reduce.
+BATCH_AXIS = "batch"
+
 
 class Engine:
-    """Compiled replica functions on plain global arrays over a mesh of `devices`.
+    """Compiled replica functions on plain global arrays over a mesh: a 1-D mesh of `devices`,
+    or `mesh` (a `jax.sharding.Mesh` with named axes), whose axis `batch_axis` holds the replicas.
 
     `run_arrays` runs a replica function whose arguments and results are plain global arrays
     of declared kinds; lockstep's `Trainer` drives its compiled steps through it. `owner` (the
     strategy built on it) is what replica contexts name as their ``strategy`` and what error
-    messages about values of another engine name.
+    messages about values of another engine name. On a mesh with other axes besides `batch_axis`,
+    each replica's work is done alike on the devices along them (a copy each).
 
     >>> import jax, numpy as np
     >>> from lockstep.engine import Engine, get_replica_context
@@ -37,16 +44,29 @@ class Engine:
     ...                            (np.array([[1.0], [2.0]]),), kinds=("per_replica",), out_kinds=("replicated",))
     >>> total.tolist()
     [3.0]
+    >>> from jax.sharding import Mesh
+    >>> wide = Engine(mesh=Mesh(np.array(jax.devices()[:4]).reshape(2, 2), ("batch", "model")))
+    >>> wide.num_replicas, wide.batch_axis
+    (2, 'batch')
     """
 
-    def __init__(self, devices: Sequence[jax.Device], owner: Any = None):
-        self.mesh = Mesh(np.asarray(devices, dtype=object), (BATCH_AXIS,), axis_types=(AxisType.Auto,))
+    def __init__(self, devices: Sequence[jax.Device] | None = None, owner: Any = None, *, mesh: Mesh | None = None,
+                 batch_axis: str = BATCH_AXIS):
+        if (devices is None) == (mesh is None):
+            raise ValueError("give an `Engine` either `devices` (a 1-D mesh) or `mesh`, not "
+                             f"{'both' if mesh is not None else 'neither'}.")
+        if mesh is None:
+            mesh = Mesh(np.asarray(devices, dtype=object), (batch_axis,), axis_types=(AxisType.Auto,))
+        if batch_axis not in mesh.axis_names:
+            raise ValueError(f"`batch_axis` {batch_axis!r} is not an axis of `mesh`, whose axes are {mesh.axis_names}.")
+        self.mesh = mesh
+        self.batch_axis = batch_axis
         self.owner = owner
-        self.num_replicas = len(devices)
-        self.distributor = BatchDistributor(self.mesh, self)
-        self.replicated_call = ReplicatedCall(self.mesh)
-        self._compiler = RunCompiler(
-            self.mesh, lambda mask, count, typed: ReplicaContext(self.num_replicas, mask, count, typed, owner))
+        self.distributor = BatchDistributor(mesh, batch_axis, self)
+        self.num_replicas = self.distributor.num_replicas
+        self.replicated_call = ReplicatedCall(mesh)
+        self._compiler = RunCompiler(mesh, batch_axis, lambda mask, count, typed: ReplicaContext(
+            self.num_replicas, mask, count, typed, owner, batch_axis))
 
     @property
     def num_local_replicas(self) -> int:
@@ -54,9 +74,9 @@ class Engine:
         return len(self.distributor.local_replica_ids)
 
     def local_entries(self, stacked: jax.Array) -> tuple[jax.Array, ...]:
-        """This worker's replicas' entries of a per-replica (R, ...) array, in replica order."""
-        shards = sorted(stacked.addressable_shards, key=lambda s: s.index[0].start or 0)
-        return tuple(s.data[0] for s in shards)
+        """This worker's replicas' entries of a per-replica (R, ...) array, in replica order (one
+        copy of each where the mesh has other axes)."""
+        return tuple(s.data[0] for s in _one_copy_each(stacked))
 
     def agree_on_programs(self, check: Callable[[str], None] | None) -> None:
         """Calls `check(description)` before each new compiled program runs (the workers of a
@@ -124,7 +144,14 @@ class Engine:
         return jax.tree.map(lambda v: gather_stacked(self.replicated_call, v, step, 0), tree)
 
 
+def _one_copy_each(stacked: jax.Array) -> list[Any]:
+    """This worker's shards of a per-replica array, one per replica, in replica order."""
+    by_start = {}
+    for s in stacked.addressable_shards:
+        by_start.setdefault(s.index[0].start or 0, s)
+    return [by_start[k] for k in sorted(by_start)]
+
+
 def _first_local(stacked: jax.Array) -> jax.Array:
     """Entry 0 of this worker's first replica of a per-replica array."""
-    shard = min(stacked.addressable_shards, key=lambda s: s.index[0].start or 0)
-    return shard.data[0]
+    return _one_copy_each(stacked)[0].data[0]

@@ -37,12 +37,14 @@ def _retrying(name: str, carry_at: int, carry_kw: str) -> Callable[..., Any]:
         try:
             return original(*args, **kwargs)
         except TypeError as e:
-            if not getattr(_state, "active", False) or _MISMATCH not in str(e):
+            axis_name = getattr(_state, "active", None)
+            if axis_name is None or _MISMATCH not in str(e):
                 raise
+        vary = functools.partial(to_varying, axis_name=axis_name)
         if len(args) > carry_at:
-            args = args[:carry_at] + (jax.tree.map(to_varying, args[carry_at]),) + args[carry_at + 1:]
+            args = args[:carry_at] + (jax.tree.map(vary, args[carry_at]),) + args[carry_at + 1:]
         else:
-            kwargs[carry_kw] = jax.tree.map(to_varying, kwargs[carry_kw])
+            kwargs[carry_kw] = jax.tree.map(vary, kwargs[carry_kw])
         return original(*args, **kwargs)
 
     return loop
@@ -52,8 +54,9 @@ _LOOPS = {"scan": (1, "init"), "while_loop": (2, "init_val"), "fori_loop": (3, "
 
 
 @contextlib.contextmanager
-def loops_vary_their_carry() -> Iterator[None]:
-    """While tracing a replica function: `jax.lax` loops retry with a per-replica initial carry."""
+def loops_vary_their_carry(axis_name: str) -> Iterator[None]:
+    """While tracing a replica function: `jax.lax` loops retry with an initial carry typed as
+    varying along the replicas' mesh axis `axis_name`."""
     global _users
     with _lock:
         if _users == 0:
@@ -61,8 +64,8 @@ def loops_vary_their_carry() -> Iterator[None]:
                 _originals[name] = getattr(jax.lax, name)
                 setattr(jax.lax, name, _retrying(name, at, kw))
         _users += 1
-    outer = getattr(_state, "active", False)
-    _state.active = True
+    outer = getattr(_state, "active", None)
+    _state.active = axis_name
     try:
         yield
     finally:

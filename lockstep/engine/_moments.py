@@ -8,7 +8,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._cross_replica import BATCH_AXIS
 from ._replica_context import get_replica_context
 
 
@@ -55,7 +54,7 @@ def cross_replica_moments(x: Any, axes: int | Sequence[int], mask: Any = None, k
         m = jnp.asarray(mask, x.dtype)
         w = w * (m[..., None] if m.ndim == x.ndim - 1 else m)
     ctx = get_replica_context()
-    across = ctx is not None and 0 in axes and across_replicas
+    across = ctx.axis_name if ctx is not None and 0 in axes and across_replicas else None  # psum over it
     if ctx is not None and 0 in axes and ctx.mask is not None:
         rows = ctx.mask
         if x.shape[0] != rows.shape[0]:
@@ -64,13 +63,13 @@ def cross_replica_moments(x: Any, axes: int | Sequence[int], mask: Any = None, k
         w = w * rows.reshape(rows.shape + (1,) * (x.ndim - 1)).astype(x.dtype)
     count = jnp.sum(w, axes, keepdims=True)
     total = jnp.sum(w * x, axes, keepdims=True)
-    if across:
-        count, total = jax.lax.psum((count, total), BATCH_AXIS)
+    if across is not None:
+        count, total = jax.lax.psum((count, total), across)
     count = jnp.maximum(count, jnp.finfo(x.dtype).tiny)
     mean = total / count
     squares = jnp.sum(w * jnp.square(x - mean), axes, keepdims=True)
-    if across:
-        squares = jax.lax.psum(squares, BATCH_AXIS)
+    if across is not None:
+        squares = jax.lax.psum(squares, across)
     var = squares / count
     if not keepdims:
         mean, var = jnp.squeeze(mean, axes), jnp.squeeze(var, axes)

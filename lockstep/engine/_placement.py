@@ -14,7 +14,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._cross_replica import BATCH_AXIS, allgather_sizes, batch_digests
+from ._cross_replica import allgather_sizes, batch_digests
 from ._layout import BatchRows, StepInfo, batch_length, pad_and_mask, padded_per_replica, rows_digest, to_numpy
 from ._prefetch import prefetch, prefetch_depth
 
@@ -98,18 +98,31 @@ class DistributedBatch:
 
 
 class BatchDistributor:
-    """Places batches on a strategy's mesh: each worker keeps only its replicas' rows."""
+    """Places batches on a mesh, split over its `batch_axis` (the mesh's other axes hold copies):
+    each worker keeps only its replicas' rows.
 
-    def __init__(self, mesh: Mesh, engine: Any = None):
+    A replica is one index along `batch_axis`, the devices at that index (one on a 1-D mesh); a
+    worker holds a replica when it holds one of its devices. A worker's replicas must be
+    contiguous along the axis, as `jax.distributed`'s device order makes them.
+    """
+
+    def __init__(self, mesh: Mesh, batch_axis: str, engine: Any = None):
         self._engine = engine  # what the batches it makes say holds them
         self.replicated = NamedSharding(mesh, P())
-        self.split = NamedSharding(mesh, P(BATCH_AXIS))
-        devices = list(mesh.devices.flat)
-        self.devices = devices
-        self.num_replicas = len(devices)
+        self.split = NamedSharding(mesh, P(batch_axis))
+        self.devices = list(mesh.devices.flat)
+        by_replica = np.moveaxis(mesh.devices, mesh.axis_names.index(batch_axis), 0)
+        owners = [{d.process_index for d in replica} for replica in by_replica.reshape(len(by_replica), -1)]
+        if any(len(o) > 1 for o in owners):
+            raise ValueError(f"`mesh` {dict(mesh.shape)} puts devices of several workers at one index of its batch "
+                             f"axis {batch_axis!r}: each worker must hold whole replicas.")
+        self.num_replicas = len(owners)
         me = jax.process_index()
-        self.local_replica_ids = [i for i, d in enumerate(devices) if d.process_index == me]
-        per_process = collections.Counter(d.process_index for d in devices)
+        self.local_replica_ids = [i for i, o in enumerate(owners) if me in o]
+        if self.local_replica_ids != list(range(self.local_replica_ids[0], self.local_replica_ids[-1] + 1)):
+            raise ValueError(f"worker {me}'s replicas along `mesh` axis {batch_axis!r} are "
+                             f"{self.local_replica_ids}: a worker's replicas must be contiguous.")
+        per_process = collections.Counter(min(o) for o in owners)
         self.replicas_per_process = [per_process[p] for p in range(jax.process_count())]
         self._counts: dict[int, jax.Array] = {}
         self._layouts: dict[Any, tuple[jax.Array, StepInfo, jax.Array]] = {}

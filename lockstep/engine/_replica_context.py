@@ -14,7 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ._cross_replica import BATCH_AXIS, all_gather, all_reduce, varies
+from ._cross_replica import all_gather, all_reduce, varies
 from ._reduce_op import ReduceOp
 
 
@@ -25,8 +25,9 @@ class ReplicaContext:
     """
 
     def __init__(self, num_replicas: int, mask: jax.Array | None, global_count: jax.Array | None = None,
-                 typed: bool = True, strategy: Any = None):
+                 typed: bool = True, strategy: Any = None, axis_name: str = "batch"):
         self._num_replicas = num_replicas
+        self._axis_name = axis_name
         self._strategy = strategy  # what `run` was called on, handed back as `.strategy` (tf.distribute's API)
         self._mask = mask
         self._global_count = global_count
@@ -38,13 +39,25 @@ class ReplicaContext:
         return self._strategy
 
     @property
+    def axis_name(self) -> str:
+        """The mesh axis along which the replicas lie (the engine's batch axis): the axis name for
+        `jax.lax` collectives over replicas inside `run`.
+
+        >>> import jax, lockstep as ls, numpy as np
+        >>> count = ls.MirroredStrategy(2).run(lambda: jax.lax.psum(1.0, ls.get_replica_context().axis_name))
+        >>> float(np.asarray(count))
+        2.0
+        """
+        return self._axis_name
+
+    @property
     def num_replicas_in_sync(self) -> int:
         return self._num_replicas
 
     @property
     def replica_id_in_sync_group(self) -> jax.Array:
         """This replica's index, 0 .. num_replicas_in_sync - 1 (a traced integer)."""
-        return jax.lax.axis_index(BATCH_AXIS)
+        return jax.lax.axis_index(self._axis_name)
 
     @property
     def mask(self) -> jax.Array | None:
@@ -58,7 +71,7 @@ class ReplicaContext:
             return None
         if self._global_count is not None:
             return self._global_count
-        return jax.lax.psum(jnp.sum(self._mask), BATCH_AXIS)
+        return jax.lax.psum(jnp.sum(self._mask), self._axis_name)
 
     def all_reduce(self, op: ReduceOp | str, value: Any) -> Any:
         """Combines `value` (a pytree) across replicas; every replica gets the result.
@@ -76,17 +89,17 @@ class ReplicaContext:
         leaves, tree = jax.tree.flatten(value)
         leaves = [jnp.asarray(v) for v in leaves]
         if op is ReduceOp.SUM and self._typed and any(
-                not varies(v) and jnp.issubdtype(v.dtype, jnp.floating) for v in leaves):
+                not varies(v, self._axis_name) and jnp.issubdtype(v.dtype, jnp.floating) for v in leaves):
             warnings.warn(
                 "`all_reduce('SUM', ...)` got a value that is already the same on every replica, so the sum "
                 f"is {self.num_replicas_in_sync} times it. Gradients of parameters passed to `run` come back "
                 "already summed over replicas in lockstep (TF sums them in `apply_gradients` or with this "
                 "all-reduce): use the gradients as they are, without the all-reduce.", UserWarning, stacklevel=2)
-        return jax.tree.unflatten(tree, [all_reduce(op, v, count) for v in leaves])
+        return jax.tree.unflatten(tree, [all_reduce(op, v, count, self._axis_name) for v in leaves])
 
     def all_gather(self, value: Any, axis: int = 0) -> Any:
         """Concatenates every replica's `value` along `axis` (padding rows included, shapes being static)."""
-        return jax.tree.map(lambda v: all_gather(jnp.asarray(v), axis), value)
+        return jax.tree.map(lambda v: all_gather(jnp.asarray(v), axis, self._axis_name), value)
 
 
 _LOCAL = threading.local()

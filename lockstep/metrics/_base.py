@@ -30,7 +30,7 @@ import numpy as np
 
 from .._errors import UsageError
 from ..distribute._values import Mirrored, PerReplica, engine_of, unwrap
-from ..engine._cross_replica import BATCH_AXIS, all_gather, highest, lowest
+from ..engine._cross_replica import all_gather, highest, lowest
 from ..engine._layout import along_rows
 from ..engine._replica_context import get_replica_context
 
@@ -71,17 +71,18 @@ def sync_in_replica(state: State, specs: Mapping[str, StateSpec], arg: str = "st
     kind of reduction with every field of that kind together; `cat` fields are all-gathered."""
     if set(state) != set(specs):
         raise ValueError(f"`{arg}` must have the fields {sorted(specs)}, got {sorted(state)}.")
-    if get_replica_context() is None:
+    ctx = get_replica_context()
+    if ctx is None:
         raise UsageError("metric state is synced across replicas inside `strategy.run`; outside it, "
                          "read per-replica state with `compute` (or `MetricCollection.compute`).")
     out = dict(state)
     for reduction, collective in (("sum", jax.lax.psum), ("max", jax.lax.pmax), ("min", jax.lax.pmin)):
         names = [k for k in state if specs[k].reduction == reduction]
         if names:
-            reduced = collective([state[k] for k in names], BATCH_AXIS)
+            reduced = collective([state[k] for k in names], ctx.axis_name)
             out.update(zip(names, reduced))
     for k in (k for k in state if specs[k].reduction == "cat"):
-        out[k] = all_gather(state[k], axis=0)
+        out[k] = all_gather(state[k], 0, ctx.axis_name)
     return out
 
 

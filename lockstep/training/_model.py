@@ -24,7 +24,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..distribute import _scope
-from ..engine._cross_replica import BATCH_AXIS
 from ..engine._replica_context import get_replica_context
 from ._keras_layers import activity_penalties_masked, check_activity_regularizers, check_supported, hook_batch_norm
 
@@ -94,8 +93,9 @@ class _FunctionalAdapter:
         if not self._wants_rng:
             return self.model.apply(params["trainable"], x, **flag), state, None
         key = jax.random.fold_in(jax.random.key(self._seed), state["rng_step"])
-        if get_replica_context() is not None:
-            key = jax.random.fold_in(key, jax.lax.axis_index(BATCH_AXIS))
+        ctx = get_replica_context()
+        if ctx is not None:
+            key = jax.random.fold_in(key, ctx.replica_id_in_sync_group)
         y = self.model.apply(params["trainable"], x, rng=key, **flag)
         return y, {"rng_step": state["rng_step"] + jnp.uint32(training)}, None
 
@@ -162,10 +162,11 @@ class _KerasAdapter:
 
     def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
         non_trainable = list(params["non_trainable"])
-        slots = self._seed_states() if get_replica_context() is not None else []
+        ctx = get_replica_context()
+        slots = self._seed_states() if ctx is not None else []
         offset = None
-        if slots:  # each replica draws its own randomness (see the module docstring)
-            replica = jax.lax.axis_index(BATCH_AXIS).astype(jnp.uint32)
+        if slots and ctx is not None:  # each replica draws its own randomness (see the module docstring)
+            replica = jnp.asarray(ctx.replica_id_in_sync_group).astype(jnp.uint32)
             offset = jnp.stack([replica * jnp.uint32(_REPLICA_SEED_STRIDE), jnp.uint32(0)])
             for i in slots:
                 non_trainable[i] = non_trainable[i] + offset.astype(non_trainable[i].dtype)

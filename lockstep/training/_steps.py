@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..engine._cross_replica import BATCH_AXIS, all_reduce
+from ..engine._cross_replica import all_reduce
+from ..engine._replica_context import get_replica_context
 from ..engine._reduce_op import ReduceOp
 from ..losses import masked_average_loss, times_sample_weight
 from ..metrics import Mean, MetricCollection
@@ -65,10 +66,18 @@ def weighted_losses(loss_fn: LossFn, y: Any, y_pred: Any, sample_weight: Any) ->
     return times_sample_weight(loss_fn(y, y_pred), sample_weight)
 
 
+def replicas_axis() -> str:
+    """The mesh axis along which the replicas of the step being traced lie (its replica context's)."""
+    ctx = get_replica_context()
+    if ctx is None:
+        raise RuntimeError("lockstep's steps are traced inside the engine's replica context.")
+    return ctx.axis_name
+
+
 def global_penalty(penalty: jax.Array | None, num_replicas: int) -> jax.Array | None:
     """The step's whole penalty (regularisers, `add_loss`) from each replica's: every replica
     contributes ``penalty / num_replicas`` (see `_model`), so the sum counts it once."""
-    return None if penalty is None else jax.lax.psum(penalty / num_replicas, BATCH_AXIS)
+    return None if penalty is None else jax.lax.psum(penalty / num_replicas, replicas_axis())
 
 
 def update_logs(loss_tracker: Mean, metrics: MetricCollection, state: dict[str, Any], y: Any, y_pred: Any,
@@ -94,7 +103,7 @@ def _agree_non_trainable(values: Any, mask: jax.Array) -> Any:
 
     def agree(v: jax.Array) -> jax.Array:
         op = ReduceOp.MEAN if jnp.issubdtype(v.dtype, jnp.floating) else ReduceOp.MAX
-        return all_reduce(op, v, local)
+        return all_reduce(op, v, local, replicas_axis())
     return jax.tree.map(agree, values)
 
 
@@ -128,7 +137,7 @@ def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTran
         x, y, sw = unpack(data)
         grads, (y_pred, per_example, non_trainable, penalty) = _local_gradients(
             apply, loss_fn, num_replicas, params, x, y, sw, mask, count, loss_scale_of(opt_state))
-        grads = jax.lax.psum(grads, BATCH_AXIS)  # this replica's share -> the global gradient (CHECK_VMA off)
+        grads = jax.lax.psum(grads, replicas_axis())  # this replica's share -> the global gradient (CHECK_VMA off)
         updates, opt_state = optimizer.update(grads, opt_state, params["trainable"])
         trainable = optax.apply_updates(params["trainable"], updates)
         new_params = {"trainable": trainable, "non_trainable": _agree_non_trainable(non_trainable, mask)}
@@ -164,7 +173,7 @@ def make_apply_step(optimizer: optax.GradientTransformation) -> Callable[..., An
     divided once by the group's real sample count; the accumulators start again from zero."""
 
     def apply_step(params: dict[str, Any], opt_state: Any, acc: Any, count: jax.Array) -> Any:
-        grads = jax.tree.map(lambda a: a / count, jax.lax.psum(acc, BATCH_AXIS))
+        grads = jax.tree.map(lambda a: a / count, jax.lax.psum(acc, replicas_axis()))
         updates, opt_state = optimizer.update(grads, opt_state, params["trainable"])
         trainable = optax.apply_updates(params["trainable"], updates)
         return ({"trainable": trainable, "non_trainable": params["non_trainable"]}, opt_state,
