@@ -7,7 +7,6 @@ import signal
 import socket
 import subprocess
 import sys
-import textwrap
 import time
 
 import jax
@@ -19,7 +18,8 @@ import lockstep as ls
 from lockstep._exit_codes import LOST_WORKER_EXIT_CODE
 
 HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "workers"))
+WORKERS = HERE / "workers"
+sys.path.insert(0, str(WORKERS))
 import common  # noqa: E402
 from common import free_port  # noqa: E402
 from launching import launch_workers  # noqa: E402
@@ -109,28 +109,12 @@ def es_reference_epochs(nproc):
     return _ES_CACHE[nproc]
 
 
-FAULT = textwrap.dedent("""
-    import os, signal, time
-    import lockstep as ls
-    s = ls.MultiWorkerMirroredStrategy()
-    import numpy as np, jax.numpy as jnp
-    w = jnp.zeros(())
-    batch = next(iter(s.experimental_distribute_dataset([np.ones(8, np.float32)])))
-    for i in range(100000):
-        w = s.run(lambda w, b: w + ls.get_replica_context().all_reduce("SUM", jnp.sum(b)), args=(w, batch))
-        if i == 20 and s.cluster_resolver.task_id == 1:
-            print("pid", os.getpid(), flush=True)
-            os.kill(os.getpid(), signal.SIG{how})
-        time.sleep(0.01)
-""")
 
 
 @pytest.mark.parametrize("how", ["KILL", "STOP"])
-def test_a_dead_or_frozen_worker_ends_the_job_in_bounded_time_and_is_named(how, tmp_path):
-    script = tmp_path / "fault.py"
-    script.write_text(FAULT.format(how=how))
+def test_a_dead_or_frozen_worker_ends_the_job_in_bounded_time_and_is_named(how):
     start = time.monotonic()
-    proc = launch(script, nproc=3, failure_timeout=10)
+    proc = launch(WORKERS / "fault_job.py", how, nproc=3, failure_timeout=10)
     elapsed = time.monotonic() - start
     assert proc.returncode != 0
     summary = proc.stderr.strip().splitlines()[-1]
@@ -143,21 +127,10 @@ def test_a_dead_or_frozen_worker_ends_the_job_in_bounded_time_and_is_named(how, 
     assert not os.path.exists(f"/proc/{pid}") or open(f"/proc/{pid}/stat").read().split()[2] == "Z"
 
 
-TF_JOB = textwrap.dedent("""
-    import lockstep as ls
-    s = ls.MultiWorkerMirroredStrategy()
-    import numpy as np
-    r = s.cluster_resolver
-    x = np.arange(10.0, dtype=np.float32)
-    total = sum(float(s.reduce("SUM", s.run(lambda b: b, args=(b,)), axis=0))
-                for b in s.experimental_distribute_dataset(ls.data.batches(x, 4)))
-    print("task", r.task_id, "chief", r.is_chief, "replicas", s.num_replicas_in_sync, "total", total, flush=True)
-""")
 
 
-def test_tf_config_from_the_tf_distribute_docs_works_unchanged(tmp_path):
-    script = tmp_path / "job.py"
-    script.write_text(TF_JOB)
+def test_tf_config_from_the_tf_distribute_docs_works_unchanged():
+    script = WORKERS / "tf_config_job.py"
     port_a, port_b = free_port(), free_port()
     # the example of tf.distribute's multi-worker tutorial, with local ports
     tf_config = {"cluster": {"worker": [f"localhost:{port_a}", f"localhost:{port_b}"]}, "task": {"type": "worker"}}
@@ -198,9 +171,8 @@ def test_cluster_resolvers_read_env_tf_config_and_slurm():
         ls.TFConfigClusterResolver("{not json")
 
 
-def test_launcher_reports_a_failing_script_and_bad_arguments(tmp_path):
-    script = tmp_path / "bad.py"
-    script.write_text("import os, sys\nsys.exit(3 if os.environ['LOCKSTEP_PROCESS_ID'] == '1' else 0)\n")
+def test_launcher_reports_a_failing_script_and_bad_arguments():
+    script = WORKERS / "exit_code_job.py"
     proc = launch(script, nproc=2)
     assert proc.returncode == 1
     assert "rank 1 exited with code 3" in proc.stderr
@@ -215,17 +187,8 @@ def test_multi_worker_strategy_after_jax_started_is_a_clear_error():
         ls.MultiWorkerMirroredStrategy(ls.ClusterResolver("127.0.0.1:1", 2, 0))
 
 
-def test_launcher_forwards_sigterm_and_leaves_no_process_behind(tmp_path):
-    script = tmp_path / "sleepy.py"
-    script.write_text(textwrap.dedent("""
-        import os, signal, sys, time
-        def bye(signum, frame):
-            print("got", signal.Signals(signum).name, flush=True)
-            sys.exit(143)
-        signal.signal(signal.SIGTERM, bye)
-        print("pid", os.getpid(), flush=True)
-        time.sleep(120)
-    """))
+def test_launcher_forwards_sigterm_and_leaves_no_process_behind():
+    script = WORKERS / "sigterm_job.py"
     cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", str(script)]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -248,26 +211,17 @@ def test_launcher_forwards_sigterm_and_leaves_no_process_behind(tmp_path):
         assert not os.path.exists(f"/proc/{pid}")
 
 
-def test_workers_passing_arrays_of_different_lengths_get_a_clear_error(tmp_path):
+def test_workers_passing_arrays_of_different_lengths_get_a_clear_error():
     """Each worker ran its own number of steps and the job died in a Gloo timeout."""
-    script = tmp_path / "uneven.py"
-    script.write_text(textwrap.dedent("""
-        import os
-        import numpy as np, jax.numpy as jnp, lockstep as ls
-        s = ls.MultiWorkerMirroredStrategy()
-        n = 20 + 3 * s.worker_index
-        m = ls.FunctionalModel(init=lambda k, x: {"w": jnp.zeros((2, 2))}, apply=lambda p, x, training=False: x @ p["w"])
-        ls.Trainer(m, strategy=s).fit(np.ones((n, 2), np.float32), np.zeros(n, int), batch_size=4, verbose=0)
-    """))
+    script = WORKERS / "uneven_rows_job.py"
     proc = launch(script, nproc=2)
     assert proc.returncode != 0
     assert "`x` has a different number of samples on each worker ([20, 23], in worker order)" in proc.stdout
 
 
-def test_a_chief_whose_peer_never_starts_exits_with_a_named_cause(tmp_path):
+def test_a_chief_whose_peer_never_starts_exits_with_a_named_cause():
     """It aborted with a core dump: `DEADLINE_EXCEEDED ... RegisterTask`."""
-    script = tmp_path / "lonely.py"
-    script.write_text("import lockstep as ls\nls.MultiWorkerMirroredStrategy()\nprint('joined')\n")
+    script = WORKERS / "joiner_job.py"
     env = {**os.environ, "XLA_FLAGS": "", "LOCKSTEP_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
            "LOCKSTEP_NUM_PROCESSES": "2", "LOCKSTEP_PROCESS_ID": "0", "LOCKSTEP_JOIN_TIMEOUT": "3"}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
@@ -276,21 +230,10 @@ def test_a_chief_whose_peer_never_starts_exits_with_a_named_cause(tmp_path):
     assert "joined\n" not in proc.stdout
 
 
-def test_a_worker_that_raises_is_named_first_and_the_job_ends_at_once(tmp_path):
+def test_a_worker_that_raises_is_named_first_and_the_job_ends_at_once():
     """The raising rank waited ~20 s in the shutdown barrier while its peer's collective timed
     out, and the launcher's summary blamed the healthy rank 0."""
-    script = tmp_path / "raiser.py"
-    script.write_text(textwrap.dedent("""
-        import numpy as np, jax.numpy as jnp, lockstep as ls
-        s = ls.MultiWorkerMirroredStrategy()
-        m = ls.FunctionalModel(init=lambda k, x: {"w": jnp.zeros((2, 2))}, apply=lambda p, x, training=False: x @ p["w"])
-        t = ls.Trainer(m, strategy=s)
-        x, y = np.ones((400, 2), np.float32), np.zeros(400, int)
-        t.fit(x, y, batch_size=4, verbose=0)
-        if s.worker_index == 1:
-            raise RuntimeError("boom in rank 1")
-        t.fit(x, y, batch_size=4, epochs=100, verbose=0)
-    """))
+    script = WORKERS / "raiser_job.py"
     start = time.monotonic()
     proc = launch(script, nproc=2, failure_timeout=10)
     assert proc.returncode == 1
@@ -299,20 +242,9 @@ def test_a_worker_that_raises_is_named_first_and_the_job_ends_at_once(tmp_path):
     assert time.monotonic() - start < 60  # not the runtime's barrier and collective time-outs
 
 
-def test_one_worker_calling_fit_while_another_evaluates_is_a_named_error_not_a_hang(tmp_path):
+def test_one_worker_calling_fit_while_another_evaluates_is_a_named_error_not_a_hang():
     """Their collectives never met: both waited until the runtime's collective time-out aborted them."""
-    script = tmp_path / "disagree.py"
-    script.write_text(textwrap.dedent("""
-        import numpy as np, jax.numpy as jnp, lockstep as ls
-        s = ls.MultiWorkerMirroredStrategy()
-        m = ls.FunctionalModel(init=lambda k, x: {"w": jnp.zeros((2, 2))}, apply=lambda p, x, training=False: x @ p["w"])
-        t = ls.Trainer(m, strategy=s)
-        x, y = np.ones((40, 2), np.float32), np.zeros(40, int)
-        t.evaluate(x, y, batch_size=4, verbose=0)
-        if s.worker_index == 1:
-            t.predict(x, batch_size=4, verbose=0)  # while worker 0 calls fit
-        t.fit(x, y, batch_size=4, verbose=0)
-    """))
+    script = WORKERS / "disagree_job.py"
     start = time.monotonic()
     proc = launch(script, nproc=2, failure_timeout=10)
     assert proc.returncode == 1
@@ -322,34 +254,17 @@ def test_one_worker_calling_fit_while_another_evaluates_is_a_named_error_not_a_h
     assert time.monotonic() - start < 60
 
 
-def test_a_chief_working_long_after_the_others_finished_is_not_cut_off(tmp_path):
+def test_a_chief_working_long_after_the_others_finished_is_not_cut_off():
     """The finished worker waited in the runtime's shutdown barrier, which timed out (after twice
     the failure timeout, at least 10 s) and aborted every worker, the busy chief included."""
-    script = tmp_path / "tail.py"
-    script.write_text(textwrap.dedent("""
-        import time, numpy as np, jax.numpy as jnp, lockstep as ls
-        s = ls.MultiWorkerMirroredStrategy()
-        b = next(iter(s.experimental_distribute_dataset([np.ones(8, np.float32)])))
-        t = s.run(lambda b: ls.get_replica_context().all_reduce("SUM", jnp.sum(b)), args=(b,))
-        if s.worker_index == 0:
-            time.sleep(14)  # saving files, say: longer than the runtime's shutdown barrier waits
-        print("finished", float(s.experimental_local_results(t)[0]), flush=True)
-    """))
+    script = WORKERS / "long_tail_job.py"
     proc = launch(script, nproc=2, failure_timeout=4)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("finished 8.0") == 2
 
 
-def test_a_worker_whose_script_ends_early_is_named_and_the_others_do_not_hang(tmp_path):
-    script = tmp_path / "early.py"
-    script.write_text(textwrap.dedent("""
-        import sys, numpy as np, jax.numpy as jnp, lockstep as ls
-        s = ls.MultiWorkerMirroredStrategy()
-        b = next(iter(s.experimental_distribute_dataset([np.ones(8, np.float32)])))
-        for i in range(100 if s.worker_index == 0 else 3):  # worker 1 runs fewer steps
-            float(s.experimental_local_results(s.run(lambda b: ls.get_replica_context().all_reduce("SUM", b.sum()),
-                                                     args=(b,)))[0])
-    """))
+def test_a_worker_whose_script_ends_early_is_named_and_the_others_do_not_hang():
+    script = WORKERS / "early_end_job.py"
     start = time.monotonic()
     proc = launch(script, nproc=2, failure_timeout=6)
     assert proc.returncode == 1
@@ -359,16 +274,12 @@ def test_a_worker_whose_script_ends_early_is_named_and_the_others_do_not_hang(tm
     assert time.monotonic() - start < 60
 
 
-JOINER = "import lockstep as ls\nls.MultiWorkerMirroredStrategy()\nprint('joined', flush=True)\n"
-
-
 def _launch_cmd(script, *options):
     return [sys.executable, "-m", "lockstep", "launch", "--failure-timeout", "10", *options, str(script)]
 
 
-def test_bad_cluster_settings_are_named_errors_within_seconds(tmp_path):
-    script = tmp_path / "join.py"
-    script.write_text(JOINER)
+def test_bad_cluster_settings_are_named_errors_within_seconds():
+    script = WORKERS / "joiner_job.py"
     env = {**os.environ, "XLA_FLAGS": "", "LOCKSTEP_JOIN_TIMEOUT": "5"}
     run = dict(capture_output=True, text=True, timeout=120, env=env)
     # nodes started with different --nnodes: both named, with both counts
@@ -428,35 +339,10 @@ def test_bad_cluster_settings_are_named_errors_within_seconds(tmp_path):
     assert time.monotonic() - start < 60
 
 
-def test_workers_passing_arrays_or_batches_of_other_content_get_a_clear_error(tmp_path):
+def test_workers_passing_arrays_or_batches_of_other_content_get_a_clear_error():
     """Each worker shuffled its copy of the arrays with its own seed: the lengths agreed, an epoch
     trained on 188 distinct of 256 samples, and `evaluate` was off, without a word."""
-    script = tmp_path / "content.py"
-    script.write_text(textwrap.dedent("""
-        import numpy as np, jax.numpy as jnp, lockstep as ls
-        s = ls.MultiWorkerMirroredStrategy()
-        w = s.worker_index
-        m = ls.FunctionalModel(init=lambda k, x: {"w": jnp.zeros((2, 2))}, apply=lambda p, x, training=False: x @ p["w"])
-        t = ls.Trainer(m, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits", strategy=s)
-        x = np.arange(512, dtype=np.float32).reshape(256, 2)
-        y = np.arange(256) % 2
-        order = np.random.default_rng(w).permutation(256)  # each worker its own seed
-        cases = {
-            "shuffled x and y": lambda: t.fit(x[order], y[order], batch_size=32, verbose=0),
-            "other y": lambda: t.fit(x, (y + w) % 2, batch_size=32, verbose=0),
-            "other validation y": lambda: t.fit(x, y, batch_size=32, verbose=0, validation_data=(x, (y + w) % 2)),
-            "evaluate": lambda: t.evaluate(x[order], y[order], batch_size=32, verbose=0),
-            "batches": lambda: t.fit([(x[order][:32], y[order][:32])], verbose=0),
-        }
-        for case, call in cases.items():
-            try:
-                call()
-                print(f"{case}: accepted", flush=True)
-            except ValueError as e:
-                print(f"{case}: {e}", flush=True)
-        t.fit(x, y, batch_size=32, shuffle=True, seed=3, verbose=0)
-        print("the same arrays everywhere: trained", flush=True)
-    """))
+    script = WORKERS / "other_content_job.py"
     proc = launch(script, nproc=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
