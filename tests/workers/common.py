@@ -33,6 +33,11 @@ def model(classes=3):
     return ls.FunctionalModel(init, lambda p, x, training=False: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"])
 
 
+def linear_model():
+    """``x @ w``, `w` a (2, 2) matrix of zeros: the small model of the jobs that end in an error."""
+    return ls.FunctionalModel(init=lambda k, x: {"w": jnp.zeros((2, 2))}, apply=lambda p, x, training=False: x @ p["w"])
+
+
 def keras_mlp(features=8, classes=3, seed=0, batch_norm=False, dropout=0.0, softmax=True):
     """A Keras MLP built from `seed` (a softmax output, or logits); optionally with BatchNorm and
     Dropout."""

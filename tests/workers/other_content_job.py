@@ -1,10 +1,13 @@
 """Each worker passes arrays or batches of other content (its own shuffle, labels, validation)."""
 
-import numpy as np, jax.numpy as jnp, lockstep as ls
+import numpy as np
+
+import lockstep as ls
+from common import linear_model
+
 s = ls.MultiWorkerMirroredStrategy()
 w = s.worker_index
-m = ls.FunctionalModel(init=lambda k, x: {"w": jnp.zeros((2, 2))}, apply=lambda p, x, training=False: x @ p["w"])
-t = ls.Trainer(m, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits", strategy=s)
+t = ls.Trainer(linear_model(), optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits", strategy=s)
 x = np.arange(512, dtype=np.float32).reshape(256, 2)
 y = np.arange(256) % 2
 order = np.random.default_rng(w).permutation(256)  # each worker its own seed
