@@ -21,6 +21,7 @@ from jax.sharding import Mesh
 from .._errors import UsageError
 from ..data import IterableBatches, adapt
 from ..engine._cross_replica import gather_stacked, reduce_replicated, reduce_stacked, split_rows
+from ..engine._engine import BATCH_AXIS
 from ..engine._placement import DistributedBatch
 from ..engine._reduce_op import ReduceOp
 from ..engine._replica_context import get_replica_context
@@ -46,7 +47,7 @@ class Strategy:
     """
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, *, mesh: Mesh | None = None,
-                 batch_axis: str = "batch"):
+                 batch_axis: str = BATCH_AXIS):
         self._extended = StrategyExtended(None if devices is None else tuple(devices), owner=self, mesh=mesh,
                                           batch_axis=batch_axis)
         self._devices = tuple(self._extended.mesh.devices.flat)

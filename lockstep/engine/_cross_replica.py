@@ -1,8 +1,8 @@
 """Cross-replica reductions: collectives inside a replica, and reductions of per-replica arrays.
 
-Inside `strategy.run` (a `shard_map` over the mesh) values are combined over the named axis that
-holds the replicas (the engine's batch axis, ``"batch"`` by default) with `all_reduce`; outside, a per-replica value is a global array whose leading axis is the replica
-(shape ``(R, ...)``), reduced by `reduce_stacked` / `gather_stacked` in one compiled program
+Inside `strategy.run` (a `shard_map` over the mesh) values are combined with `all_reduce` over
+the named axis that holds the replicas (the engine's batch axis); outside, a per-replica value is
+a global array whose leading axis is the replica (shape ``(R, ...)``), reduced by `reduce_stacked` / `gather_stacked` in one compiled program
 whose result is replicated on every device (so every worker can read it). `MEAN` is weighted by
 real samples, so replicas that hold only padding never leak into a result.
 """

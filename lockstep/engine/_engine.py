@@ -53,7 +53,7 @@ class Engine:
     def __init__(self, devices: Sequence[jax.Device] | None = None, owner: Any = None, *, mesh: Mesh | None = None,
                  batch_axis: str = BATCH_AXIS):
         if (devices is None) == (mesh is None):
-            raise ValueError("give an `Engine` either `devices` (a 1-D mesh) or `mesh`, not "
+            raise ValueError("give an `Engine` one of `devices` (a 1-D mesh) and `mesh`, got "
                              f"{'both' if mesh is not None else 'neither'}.")
         if mesh is None:
             mesh = Mesh(np.asarray(devices, dtype=object), (batch_axis,), axis_types=(AxisType.Auto,))
@@ -66,7 +66,7 @@ class Engine:
         self.num_replicas = self.distributor.num_replicas
         self.replicated_call = ReplicatedCall(mesh)
         self._compiler = RunCompiler(mesh, batch_axis, lambda mask, count, typed: ReplicaContext(
-            self.num_replicas, mask, count, typed, owner, batch_axis))
+            self.num_replicas, mask, count, typed, owner, axis_name=batch_axis))
 
     @property
     def num_local_replicas(self) -> int:

@@ -112,17 +112,21 @@ class BatchDistributor:
         self.split = NamedSharding(mesh, P(batch_axis))
         self.devices = list(mesh.devices.flat)
         by_replica = np.moveaxis(mesh.devices, mesh.axis_names.index(batch_axis), 0)
-        owners = [{d.process_index for d in replica} for replica in by_replica.reshape(len(by_replica), -1)]
-        if any(len(o) > 1 for o in owners):
-            raise ValueError(f"`mesh` {dict(mesh.shape)} puts devices of several workers at one index of its batch "
-                             f"axis {batch_axis!r}: each worker must hold whole replicas.")
+        owners = []  # the worker holding each replica
+        for replica in by_replica.reshape(len(by_replica), -1):
+            workers = {d.process_index for d in replica}
+            if len(workers) > 1:
+                raise ValueError(f"`mesh` {dict(mesh.shape)} puts devices of workers {sorted(workers)} at one index of "
+                                 f"its batch axis {batch_axis!r}: each worker must hold whole replicas.")
+            owners.append(workers.pop())
         self.num_replicas = len(owners)
         me = jax.process_index()
-        self.local_replica_ids = [i for i, o in enumerate(owners) if me in o]
-        if self.local_replica_ids != list(range(self.local_replica_ids[0], self.local_replica_ids[-1] + 1)):
-            raise ValueError(f"worker {me}'s replicas along `mesh` axis {batch_axis!r} are "
-                             f"{self.local_replica_ids}: a worker's replicas must be contiguous.")
-        per_process = collections.Counter(min(o) for o in owners)
+        self.local_replica_ids = [i for i, w in enumerate(owners) if w == me]
+        ids = self.local_replica_ids
+        if not ids or ids != list(range(ids[0], ids[-1] + 1)):
+            raise ValueError(f"worker {me} holds the replicas {ids} along `mesh` axis {batch_axis!r}: every worker "
+                             "must hold at least one replica, its replicas contiguous.")
+        per_process = collections.Counter(owners)
         self.replicas_per_process = [per_process[p] for p in range(jax.process_count())]
         self._counts: dict[int, jax.Array] = {}
         self._layouts: dict[Any, tuple[jax.Array, StepInfo, jax.Array]] = {}

@@ -25,7 +25,7 @@ class ReplicaContext:
     """
 
     def __init__(self, num_replicas: int, mask: jax.Array | None, global_count: jax.Array | None = None,
-                 typed: bool = True, strategy: Any = None, axis_name: str = "batch"):
+                 typed: bool = True, strategy: Any = None, *, axis_name: str):
         self._num_replicas = num_replicas
         self._axis_name = axis_name
         self._strategy = strategy  # what `run` was called on, handed back as `.strategy` (tf.distribute's API)

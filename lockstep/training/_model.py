@@ -166,7 +166,7 @@ class _KerasAdapter:
         slots = self._seed_states() if ctx is not None else []
         offset = None
         if slots and ctx is not None:  # each replica draws its own randomness (see the module docstring)
-            replica = jnp.asarray(ctx.replica_id_in_sync_group).astype(jnp.uint32)
+            replica = ctx.replica_id_in_sync_group.astype(jnp.uint32)
             offset = jnp.stack([replica * jnp.uint32(_REPLICA_SEED_STRIDE), jnp.uint32(0)])
             for i in slots:
                 non_trainable[i] = non_trainable[i] + offset.astype(non_trainable[i].dtype)
