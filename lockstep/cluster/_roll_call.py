@@ -103,11 +103,11 @@ def host(address: str, num: int) -> None:
                 continue
             rank, their_num, who = message.get("rank"), message.get("num"), message.get("who", "?")
             if their_num != num:
-                _stop(waiting + [conn], f"worker {rank} was started for {their_num} workers, worker 0 for {num}",
-                      f"worker 0 was started for {num} workers, worker {rank} for {their_num}")
+                _stop(server, waiting + [conn], f"worker {rank} was started for {their_num} workers, worker 0 for "
+                      f"{num}", f"worker 0 was started for {num} workers, worker {rank} for {their_num}")
             if rank in here:
-                _stop(waiting + [conn], None, f"worker id {rank} was claimed twice ({here[rank]}, and {who}): "
-                      f"each of the {num} workers needs its own id")
+                _stop(server, waiting + [conn], None, f"worker id {rank} was claimed twice ({here[rank]}, and "
+                      f"{who}): each of the {num} workers needs its own id")
             here[rank] = who
             waiting.append(conn)
         for conn in waiting:
@@ -128,14 +128,26 @@ def _send(conn: socket.socket, message: dict[str, Any]) -> None:
         pass  # that worker is gone: its launcher says so
 
 
-def _stop(conns: list[socket.socket], theirs: str | None, ours: str) -> None:
-    """Tells every waiting worker the problem (`theirs` to the last, the newcomer), then raises ours."""
+def _stop(server: socket.socket, conns: list[socket.socket], theirs: str | None, ours: str) -> None:
+    """Tells every waiting worker the problem (`theirs` to the last, the newcomer), and every worker
+    already knocking (queued on `server`, not yet accepted) ours, then raises ours: no worker of
+    the job is left to find the port closed under it and blame the coordinator."""
     advice = ("start every worker with the same --nnodes and --nproc-per-node and its own --node-rank (or "
               "the same TF_CONFIG cluster and its own task index, or SLURM settings)")
     for i, conn in enumerate(conns):
         text = theirs if theirs is not None and i == len(conns) - 1 else ours
         _send(conn, {"error": f"{text}: {advice}."})
         conn.close()
+    server.settimeout(0.2)
+    while True:
+        try:
+            conn, _ = server.accept()
+        except OSError:  # (a timeout included) nobody else knocks
+            break
+        with conn:
+            conn.settimeout(2.0)
+            _read_line(conn)
+            _send(conn, {"error": f"{ours}: {advice}."})
     raise UsageError(f"{ours}: {advice}.")
 
 
