@@ -50,22 +50,6 @@ def keras_mlp(features=8, classes=3, seed=0, batch_norm=False, dropout=0.0, soft
     return keras.Sequential([*layers, keras.layers.Dense(classes, activation="softmax" if softmax else None)])
 
 
-def assert_equals_one_device(train, strategy, rtol=2e-5, atol=2e-6, one_device=None):
-    """`train(strategy)` returns (weights, logs): both equal `train` on one device's, every weight
-    within `atol` (+ `rtol`) and every log (a number or a per-epoch list) within `rtol`; returns
-    what `train(strategy)` gave. `one_device` is the one-device strategy (or its result, a pair)."""
-    want = train(one_device or ls.OneDeviceStrategy()) if not isinstance(one_device, tuple) else one_device
-    got = train(strategy)
-    (got_w, got_logs), (want_w, want_logs) = got, want
-    assert jax.tree.structure(got_w) == jax.tree.structure(want_w)
-    for a, b in zip(jax.tree.leaves(got_w), jax.tree.leaves(want_w)):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=rtol, atol=atol)
-    assert sorted(got_logs) == sorted(want_logs)
-    for k in want_logs:
-        np.testing.assert_allclose(got_logs[k], want_logs[k], rtol=rtol, atol=atol, err_msg=k)
-    return got
-
-
 def trainer(strategy):
     return ls.Trainer(model(), optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
                       metrics=["accuracy", ls.metrics.F1Score(average="macro")], strategy=strategy)
