@@ -303,14 +303,16 @@ def test_bad_cluster_settings_are_named_errors_within_seconds():
     assert "worker 0 was started for 4 workers, worker 1 for 2" in a_err.splitlines()[-1], a_err[-2000:]
     assert "worker 1 was started for 2 workers, worker 0 for 4" in b.stderr.splitlines()[-1], b.stderr[-2000:]
     # the same TF_CONFIG task index twice: every worker says so, or (had worker 0 already seen the
-    # whole cluster) the second one says its id was taken; never an abort or a hang
+    # whole cluster) the second one says its id was taken; never an abort or a hang. A job that
+    # starts stays up past the join time-out (6 s > 5 s), so a late twin finds it there, never a
+    # port already closed (which it could not tell from a coordinator not yet started)
     port = free_port()
     def tf_config(index):
         cluster = {"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]}
         return {**env, "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": index}})}
-    twins = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              env=tf_config(1)) for _ in range(2)]
-    chief = subprocess.run([sys.executable, str(script)], **{**run, "env": tf_config(0)})
+    twins = [subprocess.Popen([sys.executable, str(script), "6"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              text=True, env=tf_config(1)) for _ in range(2)]
+    chief = subprocess.run([sys.executable, str(script), "6"], **{**run, "env": tf_config(0)})
     twin_errs = [t.communicate(timeout=120)[1] for t in twins]
     claimed = "worker id 1 was claimed twice"
     if chief.returncode == 0:
