@@ -99,17 +99,24 @@ class _Interrupted(Exception):
 
 
 class InterruptedBatches(ls.data.Batches):
-    """Global batches that raise (as a killed worker stops) after `after` batches of epoch 1."""
+    """Global batches that raise (as a killed worker stops) after `after` batches of epoch 1,
+    read from the host or gathered on the devices (`fit`'s way with arrays that fit there)."""
 
     def __init__(self, after):
         super().__init__((X, Y), B, shuffle=True, seed=3, drop_remainder=False)
         self.after = after
 
-    def rows(self, epoch, start=0):
-        for i, batch in enumerate(super().rows(epoch, start), start=start):
+    def _stopping(self, batches, epoch, start):
+        for i, batch in enumerate(batches, start=start):
             if epoch == 1 and i == self.after:
                 raise _Interrupted(f"stopped before batch {i} of epoch {epoch}")
             yield batch
+
+    def rows(self, epoch, start=0):
+        return self._stopping(super().rows(epoch, start), epoch, start)
+
+    def resident_pass(self, engine, epoch, start=0):
+        return self._stopping(super().resident_pass(engine, epoch, start), epoch, start)
 
 
 def test_a_run_stopped_in_the_middle_of_a_group_resumes_from_the_last_update_exactly(tmp_path):

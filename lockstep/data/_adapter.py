@@ -21,6 +21,7 @@ from ..engine._layout import padded_per_replica
 if TYPE_CHECKING:
     from ..engine._engine import Engine
     from ..engine._placement import DistributedBatch
+    from ..engine._resident import ResidentBatch
 
 
 class DataAdapter:
@@ -52,6 +53,11 @@ class DataAdapter:
         if fixed_padding and self.by_index and self.batch_size is not None:
             padded = padded_per_replica(self.batch_size, engine.num_replicas) * engine.num_replicas
         return engine.distributor.distribute(self.host_pass(epoch, start, state), self.per_worker, padded)
+
+    def resident_pass(self, engine: "Engine", epoch: int, start: int = 0) -> Iterator["ResidentBatch"] | None:
+        """Pass `epoch` from batch `start` as batches whose rows stay on `engine`'s devices (see
+        `lockstep.engine._resident`), for in-memory data that fits there; else None."""
+        return None
 
     def with_check(self, check: Callable[[Any, int], None], labels: bool = True) -> "DataAdapter":
         """The same data, whose host batches `check(batch, index)` sees as they pass (`labels`: the

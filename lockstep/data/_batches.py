@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from ..engine._layout import BatchRows
+from ..engine._layout import BatchRows, padded_per_replica
+from ..engine._resident import ResidentArrays, ResidentBatch, ResidentPass, fits_on_devices
 from ._adapter import DataAdapter
+
+if TYPE_CHECKING:
+    from ..engine._engine import Engine
 
 
 class Batches(DataAdapter):
@@ -30,6 +35,7 @@ class Batches(DataAdapter):
         self.seed = seed
         self.drop_remainder = drop_remainder
         self.epoch = 0
+        self._resident: tuple[Any, ResidentArrays] | None = None  # (engine, the arrays on its devices)
 
     @property
     def num_samples(self) -> int:
@@ -69,16 +75,32 @@ class Batches(DataAdapter):
     def rows(self, epoch: int, start: int = 0) -> Iterator[BatchRows]:
         """Batches of pass `epoch` from batch `start` on, each read only where a worker needs rows."""
         order = self.order(epoch)
+        return (self._batch_rows(order, i) for i in range(start, len(self)))
 
-        def batch(lo: int, hi: int) -> BatchRows:
-            def read(a: int, b: int) -> Any:
-                if not self.shuffle:
-                    return jax.tree.unflatten(self._treedef, [leaf[lo + a:lo + b] for leaf in self._leaves])
-                return jax.tree.unflatten(self._treedef, [np.take(leaf, order[lo + a:lo + b], axis=0)
-                                                          for leaf in self._leaves])
-            return BatchRows(hi - lo, read, lambda: read(0, 1))
-        for i in range(start, len(self)):
-            yield batch(i * self.batch_size, min((i + 1) * self.batch_size, self._n))
+    def _batch_rows(self, order: np.ndarray, i: int) -> BatchRows:
+        """Batch `i` of the pass whose sample order is `order`."""
+        lo, hi = i * self.batch_size, min((i + 1) * self.batch_size, self._n)
+
+        def read(a: int, b: int) -> Any:
+            if not self.shuffle:
+                return jax.tree.unflatten(self._treedef, [leaf[lo + a:lo + b] for leaf in self._leaves])
+            return jax.tree.unflatten(self._treedef, [np.take(leaf, order[lo + a:lo + b], axis=0)
+                                                      for leaf in self._leaves])
+        return BatchRows(hi - lo, read, lambda: read(0, 1))
+
+    def resident_pass(self, engine: "Engine", epoch: int, start: int = 0) -> Iterator[ResidentBatch] | None:
+        """Pass `epoch` from batch `start` as batches whose rows stay on `engine`'s devices (the
+        arrays are placed there once, each pass's order as one small table), every batch padded to
+        the full batch's shape; None when the arrays are too large to keep on every device."""
+        if not fits_on_devices(self._leaves):
+            return None
+        if self._resident is None or self._resident[0] is not engine:
+            self._resident = (engine, ResidentArrays(engine.distributor, self._leaves, self._treedef))
+        order, b = self.order(epoch), self.batch_size
+        padded = padded_per_replica(b, engine.num_replicas) * engine.num_replicas
+        whole = ResidentPass(engine.distributor, self._resident[1], [order[i * b:(i + 1) * b] for i in range(len(self))],
+                             padded, functools.partial(self._batch_rows, order))
+        return (whole.batch(i) for i in range(start, len(self)))
 
 
 def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int = 0,

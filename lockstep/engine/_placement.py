@@ -69,6 +69,11 @@ class DistributedBatch:
         return self._step
 
     @property
+    def signature(self) -> tuple[Any, ...]:
+        """What a compiled step taking the batch depends on: its structure, shapes and dtypes."""
+        return (self._treedef, tuple((x.shape, x.dtype) for x in self._leaves), self._mask.shape)
+
+    @property
     def num_real(self) -> int:
         """Number of real (not padding) samples in this global batch."""
         return self._step.num_real

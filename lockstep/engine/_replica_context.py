@@ -33,6 +33,12 @@ class ReplicaContext:
         self._global_count = global_count
         self._typed = typed  # traced with replication typing: `varies` tells per-replica values apart
 
+    def with_batch(self, mask: jax.Array, global_count: jax.Array) -> "ReplicaContext":
+        """This context for another batch (its mask and real count): a compiled function that runs
+        several steps enters it around each step, so layers read that step's mask."""
+        return ReplicaContext(self._num_replicas, mask, global_count, self._typed, self._strategy,
+                              axis_name=self._axis_name)
+
     @property
     def strategy(self) -> Any:
         """The strategy whose `run` traces this replica's function."""

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from .. import losses as _losses
 from ..metrics import get as get_metric
 from ._outputs import Outputs, loss_weight
@@ -22,6 +24,19 @@ def is_compiled_keras(model: Any) -> bool:
     """Whether `model` is a Keras model on which `compile` was called."""
     return type(model).__module__.startswith("keras") and bool(getattr(model, "compiled", False)) and hasattr(
         model, "get_compile_config")
+
+
+def steps_per_execution(model: Any, given: Any) -> int:
+    """`given` (a positive integer), else a compiled Keras model's `steps_per_execution`, else 1.
+
+    Raises:
+      ValueError: `given` (or the compiled one) is not a positive integer.
+    """
+    if given is None:
+        given = getattr(model, "steps_per_execution", 1) if is_compiled_keras(model) else 1
+    if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 1:
+        raise ValueError(f"`steps_per_execution` must be a positive integer, got steps_per_execution={given!r}.")
+    return int(given)
 
 
 def settings(model: Any, optimizer: Any, loss: Any, metrics: Any) -> tuple[Any, Any, Any]:

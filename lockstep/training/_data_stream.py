@@ -31,6 +31,7 @@ from ..engine._layout import DIGEST_MODULUS
 if TYPE_CHECKING:
     from ..engine._engine import Engine
     from ..engine._placement import DistributedBatch
+    from ..engine._resident import ResidentBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +65,7 @@ class DataPosition:
                    None if its is None else tuple(its))
 
 
-def _whole_digest(batch: "DistributedBatch") -> int:
+def _whole_digest(batch: "DistributedBatch | ResidentBatch") -> int:
     """The checksum of a distributed batch: every worker's part added up (a small collective)."""
     part = batch.digest() if batch.digest is not None else 0
     return int(allgather_sizes(part).sum()) % DIGEST_MODULUS
@@ -88,15 +89,16 @@ class DataStream:
     """The training batches of a `fit`, epoch by epoch, and the position in them."""
 
     def __init__(self, engine: "Engine", train: DataAdapter, steps_per_epoch: int | None, k: int,
-                 first_pass: int = 0):
+                 first_pass: int = 0, resident: bool = True):
         self._engine = engine
+        self._resident = resident  # in-memory data that fits stays on the devices (`ResidentBatch`es)
         self._train = train
         self._steps = steps_per_epoch
         self._k = k
         self._per_epoch = None if steps_per_epoch is None else steps_per_epoch * k
         self._pass, self._offset = first_pass, 0
         self._batches: Iterator[Any] | None = None  # the pass in progress
-        self._last: DistributedBatch | None = None
+        self._last: DistributedBatch | ResidentBatch | None = None
         self._restored: DataPosition | None = None  # taken up when the pass is opened
         self._carried: DataPosition | None = None  # the restored position, until a batch is consumed
         self._ended = False  # an epoch-long pass ran out: it stays the position until the next epoch
@@ -121,9 +123,10 @@ class DataStream:
         return DataPosition(self._pass, self._offset, None if self._last is None else _whole_digest(self._last),
                             None if state is None else tuple(_allgather_strings(state)))
 
-    def epoch(self, epoch: int, done: int = 0) -> Iterator["DistributedBatch"]:
+    def epoch(self, epoch: int, done: int = 0) -> Iterator["DistributedBatch | ResidentBatch"]:
         """Epoch `epoch`'s batches: the rest of a pass, or of `steps_per_epoch` steps (`done` steps
-        of it taken before a resume)."""
+        of it taken before a resume). In-memory data that fits on the devices comes as
+        `ResidentBatch`es (its rows gathered by the step), other data as placed batches."""
         if self._per_epoch is None and self._batches is None and (self._offset == 0 or self._ended or not done):
             # an epoch is a pass: its order derives from (seed, epoch); a resume at an epoch's start
             # (from a backup at the previous epoch's end) starts its pass afresh too
@@ -176,7 +179,9 @@ class DataStream:
         state = self._my_iterator_state(restored) if restored is not None and o > 0 else None
         if state is not None:  # a pipeline set to its saved position: nothing to read again
             return train.distributed(self._engine, p, o, state, fixed_padding=True)
-        batches = train.distributed(self._engine, p, o - check, fixed_padding=True)
+        batches = train.resident_pass(self._engine, p, o - check) if self._resident else None
+        if batches is None:
+            batches = train.distributed(self._engine, p, o - check, fixed_padding=True)
         if check:
             assert restored is not None
             self._check(next(batches, None), restored)

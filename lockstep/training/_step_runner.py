@@ -18,13 +18,15 @@ averages advance once per batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from ..data import AccumulationGroup
+from ..engine._resident import ResidentBatch
+from ._executions import make_program, placed_feed, resident_feed, runs
 from ._train_state import TrainState
 from ._steps import (
     ACCUMULATE_KINDS,
@@ -55,6 +57,8 @@ class StepRunner:
         self._steps = steps
         self._accumulation = accumulation
         self._acc: Any = None  # per-replica gradient sums of the group in progress
+        self._programs: dict[tuple[Any, ...], Callable[..., Any]] = {}  # several updates in one program
+        self._starts: dict[int, jax.Array] = {}  # batch numbers on the devices, placed once
 
     def start(self, params: Any) -> None:
         """Fresh (zero) accumulators for a `fit` on `params`: a `fit` interrupted mid-group leaves none behind."""
@@ -82,6 +86,45 @@ class StepRunner:
         return state.replace(params=params, opt_state=opt_state, metric_state=metric_state, step=state.step + 1,
                              global_step=state.global_step + 1)
 
+    def run(self, state: TrainState, updates: Sequence[AccumulationGroup]) -> TrainState:
+        """`state` after the updates of one execution, as few compiled calls as they allow (see
+        `lockstep.training._executions`)."""
+        for key, run in runs(updates):
+            if key is None or (key[0] == "placed" and len(run) == 1):
+                for update in run:
+                    state = self.step(state, _placed(update))
+            else:
+                state = self._run(state, key, run)
+        return state
+
+    def _run(self, state: TrainState, key: tuple[Any, ...], run: list[AccumulationGroup]) -> TrainState:
+        length, accumulation = len(run), key[2]
+        if key[0] == "resident":
+            whole = key[1]
+            feed, kinds = resident_feed(run, self._start(run[0].batches[0].index))
+            resident = (whole.arrays.treedef, whole.per_replica)
+        else:
+            (feed, kinds), resident = placed_feed(run), None
+        program_key = (resident, length, accumulation)
+        program = self._programs.get(program_key)
+        if program is None:
+            program = self._programs[program_key] = make_program(self._steps, length, accumulation, resident,
+                                                                 self._engine.batch_axis)
+        params, opt_state, metric_state = self._engine.run_arrays(
+            program, (state.params, state.opt_state, state.metric_state, feed), (*TRAIN_KINDS[:3], kinds), TRAIN_OUT,
+            check_vma=CHECK_VMA)
+        return state.replace(params=params, opt_state=opt_state, metric_state=metric_state, step=state.step + length,
+                             global_step=state.global_step + length)
+
+    def _start(self, i: int) -> jax.Array:
+        """Batch number `i` as a replicated int32 on the devices (placed once)."""
+        start = self._starts.get(i)
+        if start is None:
+            if len(self._starts) > 65536:
+                self._starts.clear()
+            start = self._starts[i] = self._engine.put_replicated(np.int32(i))
+        return start
+
     def evaluate(self, params: Any, state: Any, batch: Any) -> Any:
         """The running loss and metric states after `batch`."""
         return self._engine.run_arrays(self._steps["eval"], (params, state, batch.data, batch.mask, batch.count),
@@ -93,3 +136,11 @@ class StepRunner:
         out = self._engine.run_arrays(self._steps["predict"], (params, batch.data), PREDICT_KINDS, "per_replica",
                                       mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
         return jax.tree.map(np.asarray, self._engine.real_rows(out, batch.step))
+
+
+def _placed(update: AccumulationGroup) -> AccumulationGroup:
+    """`update` with its resident batches placed from the host (for the one-step path)."""
+    if not any(isinstance(b, ResidentBatch) for b in update.batches):
+        return update
+    return AccumulationGroup([b.placed() if isinstance(b, ResidentBatch) else b for b in update.batches],
+                             update.num_samples)

@@ -34,7 +34,7 @@ from ..callbacks import Callback, History, ProgbarLogger
 from ..callbacks._callback import is_chief
 from ..callbacks._callback_list import CallbackList
 from ..callbacks._progbar import format_logs
-from ..data import DataAdapter, IterableBatches, accumulation_groups
+from ..data import DataAdapter, IterableBatches
 from ..metrics import Mean, Metric, MetricCollection
 from ..metrics import get as get_metric
 from ..metrics._base import synced_result
@@ -48,7 +48,9 @@ from ._inputs import (
     validation_labels,
 )
 from ._compiled import settings as compiled_settings
+from ._compiled import steps_per_execution as compiled_steps_per_execution
 from ._data_stream import DataStream
+from ._executions import executions
 from ._input_shapes import InputCheck
 from ._labels import LabelCheck, checked
 from ._model import FunctionalModel, adapt, output_shape
@@ -209,13 +211,18 @@ class Trainer:
         `global_step` and backups count updates.
       dtype_policy: ``"float32"``, ``"mixed_bfloat16"`` or ``"mixed_float16"`` for a `FunctionalModel`
         (a Keras model keeps its own policy).
+      steps_per_execution: optimizer steps in one compiled call (Keras' name; default: a compiled
+        Keras model's, else 1), each exactly the step taken alone; per-batch callbacks are called
+        once a call, as in Keras (see `lockstep.training._executions`).
     """
 
     def __init__(self, model: Any, optimizer: str | optax.GradientTransformation | None = None,
                  loss: str | Callable[..., Any] | None = None, metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
                  strategy: Strategy | None = None, seed: int = 0, batch_statistics: str = "global",
-                 gradient_accumulation_steps: int = 1, dtype_policy: str | None = None):
+                 gradient_accumulation_steps: int = 1, dtype_policy: str | None = None,
+                 steps_per_execution: int | None = None):
         self._accumulation = checked_accumulation(gradient_accumulation_steps)
+        self.steps_per_execution = compiled_steps_per_execution(model, steps_per_execution)
         self.strategy = _strategy_for(model, strategy)
         self.model = model
         self._engine = self.strategy.extended
@@ -232,8 +239,7 @@ class Trainer:
         self._inputs = InputCheck(lambda p, x: self._adapter.apply(p, x, False)[0])  # and inputs against the model
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._runner: StepRunner | None = None  # the compiled steps, once the model is built
-        self.stop_training = False
-        self.history: History | None = None
+        self.stop_training, self.history = False, None  # history: the last fit's `History`
         self._state: TrainState | None = None  # the training state, replaced at each step; None until built
         self._resume: TrainState | None = None  # a restored state, whose position the next fit takes up
         self._stream, self._callbacks = None, []  # the last fit's data and callbacks, for `train_state`
@@ -277,10 +283,7 @@ class Trainer:
 
     @property
     def train_state(self) -> TrainState:
-        """The whole training state now: weights, optimizer and metric state, position, callbacks.
-
-        Inside `fit` (say, from a callback) it is the state after the last completed step.
-        """
+        """The whole training state (weights, optimizer, metric states, position, callbacks): in `fit`, the last step's."""
         self._require_built()
         return snapshot(self._state, self._callbacks, self._stream)
 
@@ -368,11 +371,11 @@ class Trainer:
         cblist.on_epoch_begin(epoch)
         if not skip:
             self._state = self._state.replace(metric_state=self._fresh_state())
-        for step, group in enumerate(accumulation_groups(train.epoch(epoch, skip), self._accumulation), start=skip):
+        for step, execution in executions(train.epoch(epoch, skip), self._accumulation, self.steps_per_execution, skip):
             cblist.on_train_batch_begin(step)
-            self._state = self._runner.step(self._state, group)
-            read = functools.partial(_read, self._engine, self._all, self._state.metric_state)
-            cblist.on_train_batch_end(step, _LazyLogs(read))
+            self._state = self._runner.run(self._state, execution)
+            cblist.on_train_batch_end(step + len(execution) - 1, _LazyLogs(functools.partial(
+                _read, self._engine, self._all, self._state.metric_state)))
             if self.stop_training:
                 break
         self._state = self._state.replace(epoch=epoch + 1, step=0)
