@@ -41,7 +41,8 @@ class BackupAndRestore(Callback):
 
     Args:
       backup_dir: where backups live (shared by all workers).
-      save_freq: ``"epoch"``, or a number of training steps between backups.
+      save_freq: ``"epoch"``, or a number of training steps between backups (with
+        ``steps_per_execution=k``, at the end of the call in which a multiple of it is reached).
       delete_checkpoint: delete the backups when `fit` finishes.
     """
 
@@ -61,6 +62,8 @@ class BackupAndRestore(Callback):
         self._old_handler: Any = None
         self.restored_from: int | None = None
         self._saved_step: int | None = None
+        self._first = 0  # the number of the first step of the call in progress
+        self._calls = 0  # calls of the compiled steps so far: the workers' preemption sync counter
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         from ..checkpoint import TrainingCheckpointer
@@ -102,26 +105,35 @@ class BackupAndRestore(Callback):
         self._store.save(state.global_step, arrays, meta)
         self._saved_step = state.global_step
 
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._first = batch
+
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
+        """After one call of the compiled steps (`steps_per_execution` steps: `batch` is the last's
+        number): a backup when a multiple of `save_freq` steps was reached during the call, and the
+        workers' check for a preemption (once a call, on every worker alike)."""
         if self.trainer is None:
             return
         step = self.trainer.global_step
-        if self.save_freq != "epoch" and step % int(self.save_freq) == 0:
+        before = step - (batch - self._first + 1)
+        if self.save_freq != "epoch" and step // int(self.save_freq) > before // int(self.save_freq):
             self._save()
-        if self.preempted(step):
+        self._calls += 1
+        if self.preempted(self._calls):
             self.save_and_exit()
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self.save_freq == "epoch":
             self._save()
 
-    def preempted(self, global_step: int) -> bool:
-        """Whether every worker has agreed to stop after `global_step` (SIGTERM received)."""
+    def preempted(self, counter: int) -> bool:
+        """Whether every worker has agreed to stop at `counter` (SIGTERM received): JAX's sync point
+        needs a counter that every worker advances by one at the same places (here, once a call)."""
         if jax.process_count() == 1:
             return self._preempted.is_set()
         from jax.experimental import multihost_utils
 
-        return bool(multihost_utils.reached_preemption_sync_point(global_step))
+        return bool(multihost_utils.reached_preemption_sync_point(counter))
 
     def save_and_exit(self) -> None:
         """Saves a backup at the agreed step and ends the process with `PREEMPTED_EXIT_CODE`."""

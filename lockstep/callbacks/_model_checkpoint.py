@@ -25,7 +25,8 @@ class ModelCheckpoint(MonitorCallback):
       save_weights_only: save the weights (`Trainer.load_weights` reads them); else the whole
         training state (weights, optimizer state, epoch) — for a Keras model and a ``.keras``
         path, Keras' own full-model file.
-      save_freq: ``"epoch"`` or a number of training steps.
+      save_freq: ``"epoch"`` or a number of training steps (with ``steps_per_execution=k``, at the
+        end of the call in which a multiple of it is reached, as Keras counts).
       initial_value_threshold: the value to beat first, with `save_best_only`.
     """
 
@@ -43,6 +44,7 @@ class ModelCheckpoint(MonitorCallback):
         self.initial_value_threshold = initial_value_threshold
         self.best: float | None = initial_value_threshold
         self._steps = 0
+        self._first = 0  # the first step of the call in progress
         self._epoch = 0
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
@@ -51,11 +53,14 @@ class ModelCheckpoint(MonitorCallback):
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         self._epoch = epoch
 
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._first = batch
+
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if self.save_freq == "epoch":
             return
-        self._steps += 1
-        if self._steps % int(self.save_freq) == 0:
+        before, self._steps = self._steps, self._steps + batch - self._first + 1  # a call may take several steps
+        if self._steps // int(self.save_freq) > before // int(self.save_freq):
             self._save(self._epoch, dict(logs or {}))
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:

@@ -32,6 +32,7 @@ class ProgbarLogger(Callback):
         self.refresh_seconds = refresh_seconds
         self.file = file
         self._bar: Any = None
+        self._first = 0  # the first step of the call in progress
 
     def on_epoch_begin(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if not is_chief() or self.verbose != 1:
@@ -43,10 +44,13 @@ class ProgbarLogger(Callback):
                          dynamic_ncols=True)
         self._last = 0.0
 
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._first = batch
+
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
         if self._bar is None:
             return
-        self._bar.update(1)
+        self._bar.update(batch - self._first + 1)  # the steps of one call (`steps_per_execution`)
         now = self._bar.format_dict.get("elapsed", 0.0)
         if logs is not None and now - self._last >= self.refresh_seconds:
             self._last = now

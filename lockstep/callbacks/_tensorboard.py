@@ -26,6 +26,7 @@ class TensorBoard(Callback):
         self.update_freq = update_freq
         self._writers: dict[str, Any] = {}
         self._step = 0
+        self._first = 0  # the first step of the call in progress
 
     def _writer(self, kind: str) -> Any:
         if kind not in self._writers:
@@ -35,9 +36,13 @@ class TensorBoard(Callback):
             self._writers[kind] = tensorboardx.SummaryWriter(os.path.join(self.log_dir, kind))
         return self._writers[kind]
 
+    def on_train_batch_begin(self, batch: int, logs: Any = None) -> None:
+        self._first = batch
+
     def on_train_batch_end(self, batch: int, logs: Any = None) -> None:
-        self._step += 1
-        if self.update_freq == "epoch" or not is_chief() or self._step % int(self.update_freq):
+        before, self._step = self._step, self._step + batch - self._first + 1  # a call's steps (`steps_per_execution`)
+        if (self.update_freq == "epoch" or not is_chief()
+                or self._step // int(self.update_freq) == before // int(self.update_freq)):
             return
         for k, v in (logs or {}).items():
             if np.ndim(v) == 0:

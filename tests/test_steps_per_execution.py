@@ -1,0 +1,195 @@
+"""`steps_per_execution=k`: k optimizer steps in one compiled call, each exactly the step taken
+alone. References are independent of the new path: the same fit with one step a call and its
+batches placed from the host (in-memory data kept on the devices turned off), and Keras' own
+one-device `fit`."""
+
+import os
+import sys
+
+import jax
+import keras
+import numpy as np
+import optax
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import lockstep as ls
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
+from common import data, keras_mlp  # noqa: E402
+from common import model as mlp  # noqa: E402
+from keras_reference import assert_equals_one_device, assert_logs_close, assert_weights_close  # noqa: E402
+
+
+class BatchLogs(ls.callbacks.Callback):
+    """Every call's (epoch, first step, last step) and the logs after it."""
+
+    def __init__(self):
+        super().__init__()
+        self.calls, self.logs = [], {}
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        self.first = batch
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.calls.append((self.epoch, self.first, batch))
+        self.logs[(self.epoch, batch)] = dict(logs)
+
+
+def _fit(x, y, replicas, k, accumulation=1, batch=8, epochs=2, placed=False, data_arg=None):
+    with pytest.MonkeyPatch.context() as patch:
+        if placed:  # the reference: every batch placed from the host (one step a call)
+            patch.setattr("lockstep.engine._resident.RESIDENT_LIMIT_MB", 0)
+        trainer = ls.Trainer(mlp(), optimizer=optax.adam(0.01), loss="sparse_categorical_crossentropy_from_logits",
+                             metrics=["accuracy"], strategy=ls.MirroredStrategy(replicas),
+                             gradient_accumulation_steps=accumulation, steps_per_execution=k)
+        logs = BatchLogs()
+        if data_arg is not None:
+            history = trainer.fit(data_arg, epochs=epochs, verbose=0, callbacks=[logs])
+        else:
+            history = trainer.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, seed=5, verbose=0,
+                                  callbacks=[logs])
+    return trainer.get_weights(), history.history, logs
+
+
+def _assert_same_steps(got, want, k, atol=1e-6):
+    """`got` (k steps a call) has `want`'s weights and epoch logs, and each call's logs are `want`'s
+    at that call's last step; calls cover the steps k at a time, as Keras calls them."""
+    assert_weights_close(jax.tree.leaves(got[0]), jax.tree.leaves(want[0]), atol=atol)
+    assert_logs_close(got[1], want[1], rtol=1e-6, atol=atol)
+    for (epoch, first, last) in got[2].calls:
+        assert last - first + 1 <= k
+        assert_logs_close(got[2].logs[(epoch, last)], want[2].logs[(epoch, last)], rtol=1e-6, atol=atol)
+    per_epoch = {}
+    for epoch, first, last in got[2].calls:
+        assert first == per_epoch.get(epoch, 0)
+        per_epoch[epoch] = last + 1
+    assert per_epoch == {e: max(s for (ep, s) in want[2].logs if ep == e) + 1 for e in per_epoch}
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 41), batch=st.integers(1, 12), replicas=st.sampled_from([1, 2, 3, 4, 8]),
+       k=st.integers(1, 8), accumulation=st.integers(1, 3))
+def test_k_steps_a_call_equal_one_step_a_call_placed_from_the_host(n, batch, replicas, k, accumulation):
+    """Any dataset size (N = 1, primes, a last batch shorter than the replicas, replicas without
+    rows), batch, replica count and accumulation; and equal to one device."""
+    x, y = data(n, seed=n)
+    want = _fit(x, y, replicas, 1, accumulation, batch, placed=True)
+    got = _fit(x, y, replicas, k, accumulation, batch)
+    _assert_same_steps(got, want, k)
+    one_device = _fit(x, y, 1, 1, accumulation, batch, placed=True)
+    assert_equals_one_device(got[:2], one_device[:2], rtol=2e-5, atol=2e-5)
+
+
+@pytest.mark.parametrize("k", [3, 8])
+def test_batches_of_an_iterable_with_a_short_last_one_run_k_a_call(k):
+    """Data that is not in memory (a list of batches, the last of 5 rows on 4 replicas) is placed
+    batch by batch and its steps still run k a call."""
+    x, y = data(37, seed=1)
+    batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 37, 8)]
+    want = _fit(None, None, 4, 1, data_arg=batches)
+    got = _fit(None, None, 4, k, data_arg=batches)
+    _assert_same_steps(got, want, k)
+
+
+def _keras_fit(strategy, x, y, k, dropout=0.0):
+    """Keras code as written, compiled with `steps_per_execution` (lockstep runs it in `strategy`'s
+    scope; with no strategy, Keras' own one-device fit)."""
+    import contextlib
+
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = keras_mlp(batch_norm=True, dropout=dropout)
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                      metrics=["accuracy"], steps_per_execution=k)
+    history = model.fit(x, y, batch_size=16, epochs=2, validation_split=0.25, shuffle=False, verbose=0)
+    return model.get_weights(), history.history
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_keras_compile_steps_per_execution_equals_keras_own_fit(k):
+    """BatchNorm over the global batch; 50 rows: 37 to train in batches of 16 (the last, 5 rows,
+    leaves a replica of 4 empty), 13 to validate."""
+    x, y = data(50, seed=3)
+    got = _keras_fit(ls.MirroredStrategy(4), x, y, k)
+    assert_equals_one_device(got, _keras_fit(None, x, y, k), rtol=2e-5, atol=1e-5)
+
+
+def test_keras_dropout_and_batchnorm_k_a_call_equal_one_a_call_bit_for_bit():
+    x, y = data(50, seed=4)
+    want = _keras_fit(ls.MirroredStrategy(4), x, y, 1, dropout=0.3)
+    got = _keras_fit(ls.MirroredStrategy(4), x, y, 5, dropout=0.3)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+class _Stop(Exception):
+    pass
+
+
+class StopAt(ls.callbacks.Callback):
+    """Raises (as a killed worker stops) once `step` optimizer steps are done."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.trainer.global_step >= self.step:
+            raise _Stop(self.trainer.global_step)
+
+
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_a_run_k_a_call_resumes_from_its_backup_and_equals_the_uninterrupted_one(tmp_path, accumulation):
+    """Backups every 2 steps with 3 steps a call land at the end of the calls that reach a multiple
+    of 2: 6 steps an epoch (steps 3 and 6 backed up), stopped in the call ending at step 9; with
+    accumulation 2, 3 steps an epoch (step 3 backed up), stopped at step 6. The resumed run equals
+    one step a call, uninterrupted."""
+    x, y = data(45, seed=2)  # 6 batches of 8 an epoch
+
+    def trainer(k):
+        return ls.Trainer(mlp(), optimizer=optax.adam(0.01), loss="sparse_categorical_crossentropy_from_logits",
+                          metrics=["accuracy"], strategy=ls.MirroredStrategy(4),
+                          gradient_accumulation_steps=accumulation, steps_per_execution=k)
+
+    def fit(t, *callbacks):
+        return t.fit(x, y, batch_size=8, epochs=3, shuffle=True, seed=1, verbose=0, callbacks=list(callbacks))
+
+    uninterrupted = trainer(1)
+    want = fit(uninterrupted).history
+    first = trainer(3)
+    with pytest.raises(_Stop):
+        fit(first, ls.callbacks.BackupAndRestore(tmp_path, save_freq=2), StopAt(7 if accumulation == 1 else 5))
+    resumed = trainer(3)
+    backup = ls.callbacks.BackupAndRestore(tmp_path, save_freq=2)
+    got = fit(resumed, backup).history
+    assert backup.restored_from == (6 if accumulation == 1 else 3)
+    assert_logs_close(got, want, rtol=1e-6, atol=1e-6)
+    assert_weights_close(jax.tree.leaves(resumed.get_weights()), jax.tree.leaves(uninterrupted.get_weights()))
+
+
+def test_callbacks_see_calls_as_keras_calls_them_and_count_steps(tmp_path):
+    """5 steps an epoch, 3 a call: batch hooks at steps (0, 2) and (3, 4), as Keras'; a checkpoint
+    every 2 steps saves at the end of the calls that reach steps 2, 4, 6 and 8, and 10."""
+    x, y = data(37, seed=6)
+    logs = BatchLogs()
+    trainer = ls.Trainer(mlp(), loss="sparse_categorical_crossentropy_from_logits", strategy=ls.MirroredStrategy(4),
+                         steps_per_execution=3)
+    checkpoint = ls.callbacks.ModelCheckpoint(str(tmp_path / "w-{epoch}-{loss:.9f}.npz"), save_freq=2,
+                                              save_weights_only=True)
+    trainer.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[logs, checkpoint])
+    assert logs.calls == [(0, 0, 2), (0, 3, 4), (1, 0, 2), (1, 3, 4)]
+    saved = sorted(p.name.split("-")[1] for p in tmp_path.iterdir())
+    assert saved == ["1", "1", "2", "2"]  # calls ending at global steps 3 and 5, then 8 and 10
+
+
+@pytest.mark.parametrize("bad", [0, -2, 1.5, True, "auto", None])
+def test_steps_per_execution_must_be_a_positive_integer(bad):
+    if bad is None:  # None: the default (1, or a compiled Keras model's)
+        assert ls.Trainer(mlp(), steps_per_execution=None).steps_per_execution == 1
+        return
+    with pytest.raises(ValueError, match=r"`steps_per_execution` must be a positive integer, got steps_per_execution="):
+        ls.Trainer(mlp(), steps_per_execution=bad)
