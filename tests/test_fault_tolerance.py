@@ -179,16 +179,20 @@ def test_preemption_in_one_process_saves_once_exits_83_and_resumes_exactly(tmp_p
 
 
 
-@pytest.mark.full_suite  # make test: such backups in the worker matrix, damaged ones in test_state_trust
-@pytest.mark.parametrize("damage", [False, True])
-def test_backups_and_kills_at_steps_where_a_worker_holds_no_row_resume_exactly(damage, tmp_path):
+@pytest.mark.parametrize("damage, k", [
+    pytest.param(False, 1, marks=pytest.mark.full_suite),  # make test: such backups in the worker matrix,
+    pytest.param(True, 1, marks=pytest.mark.full_suite),   # damaged ones in test_state_trust
+    (False, 4)])
+def test_backups_and_kills_at_steps_where_a_worker_holds_no_row_resume_exactly(damage, k, tmp_path):
     """Digits on 2 workers, batch 64: the 5-row last batch of each epoch is all worker 0's. Killed
     after step 58, such a step and a backup step (before the fix, worker 1 crashed in that backup),
-    and restarted, the run ends as the uninterrupted one. With `damage`, the killed worker first
-    flipped bits in that backup's files: both workers set it aside and resume from step 56."""
+    and restarted, the run ends as the uninterrupted one (one step a call, one process). With
+    `damage`, the killed worker first flipped bits in that backup's files: both workers set it aside
+    and resume from step 56. With k = 4 steps a call, step 58 ends a call."""
     import zero_rows_job
 
-    proc = launch_workers(zero_rows_job.__file__, tmp_path, *["damage"] * damage, failure_timeout=10, max_restarts=1)
+    proc = launch_workers(zero_rows_job.__file__, tmp_path, *["damage"] * damage, f"k={k}", failure_timeout=10,
+                          max_restarts=1)
     assert proc.returncode == 0, output_of(proc)
     assert "rank 1 killed by SIGKILL" in proc.stderr and "restart 1 of 1" in proc.stderr
     weights, hist = resume_result(tmp_path)
