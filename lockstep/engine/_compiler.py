@@ -148,9 +148,46 @@ class RunCompiler:
         Returns:
           The outputs, plain global arrays.
         """
-        call = _Call(fn, args, kinds, mask, count, ("declared", out_kinds, check_vma))
+        call = _Call(fn, args, kinds, mask, count, ("declared", out_kinds, check_vma), shapes=self._agree is not None)
         entry = self._entry(call, lambda: self._compile_declared(call, out_kinds, check_vma))
         return self._run(entry, call)
+
+    def bind(self, fn: Callable[..., Any], kinds: Any, out_kinds: Any, *, check_vma: bool = True
+             ) -> Callable[..., Any]:
+        """`fn` as a callable ``(*args) -> outputs`` for arguments of the kinds `kinds` (a pytree
+        prefix of the arguments, every leaf an array) and no batch in the replica context: one
+        compiled program (a `jax.jit` keeping an executable per signature), called without
+        `call_declared`'s per-call work (flattening the arguments, the cache key) — for a step called
+        thousands of times. The workers of a job agree on each new program, so there it is
+        `call_declared`.
+        """
+        if self._agree is not None:
+            return lambda *args: self.call_declared(fn, args, kinds, out_kinds, check_vma=check_vma)
+        axis = self._axis
+
+        def replica(*args: Any) -> Any:
+            args = jax.tree.map(lambda k, sub: jax.tree.map(lambda x: x[0], sub) if k == "per_replica" else sub,
+                                kinds, args)
+            loops = loops_vary_their_carry(axis) if check_vma else contextlib.nullcontext()
+            with replica_context(self._context(None, None, check_vma)), loops:
+                out = fn(*args)
+            return jax.tree.map(lambda k, sub: jax.tree.map(functools.partial(_as_kind, k, axis), sub), out_kinds, out)
+
+        entry = _Entry()
+        entry.call = jax.jit(jax.shard_map(replica, mesh=self._mesh, in_specs=jax.tree.map(lambda k: spec(k, axis), kinds),
+                                           out_specs=jax.tree.map(lambda k: spec(k, axis), out_kinds),
+                                           check_vma=check_vma))
+        with self._lock:
+            self._entries[(fn, "bound")] = entry  # counted by `compile_counts`
+        compiled = entry.call
+
+        def call(*args: Any) -> Any:
+            out = compiled(*args)
+            first = _first_array(out)
+            if first is not None:
+                self._track(first)
+            return out
+        return call
 
     def call_inferred(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, *, mask: Any = None,
                       count: Any = None, with_kwargs: bool = False) -> tuple[Any, tuple[bool, ...]]:
@@ -184,9 +221,9 @@ class RunCompiler:
     def _run(self, entry: _Entry, call: "_Call") -> Any:
         assert entry.call is not None
         out = entry.call(call.dynamic, call.context)
-        first = jax.tree.leaves(out)[:1]
-        if first:
-            self._track(first[0])
+        first = _first_array(out)
+        if first is not None:
+            self._track(first)
         return out
 
     def _track(self, token: jax.Array) -> None:
@@ -260,14 +297,24 @@ class RunCompiler:
 
 
 class _Call:
-    """One call's arguments split into arrays (`dynamic`) and compiled-in values, with its cache key."""
+    """One call's arguments split into arrays (`dynamic`) and compiled-in values, with its cache key.
 
-    def __init__(self, fn: Callable[..., Any], args: Any, kinds: Any, mask: Any, count: Any, mode: tuple[Any, ...]):
+    With `shapes=False` the key leaves the arrays' shapes and dtypes out: the compiled program
+    (a `jax.jit`) keeps one executable per signature itself, and a step called thousands of times
+    skips reading them (the workers of a job, who agree on each new program, keep them in).
+    """
+
+    def __init__(self, fn: Callable[..., Any], args: Any, kinds: Any, mask: Any, count: Any, mode: tuple[Any, ...],
+                 shapes: bool = True):
         leaves, self.treedef = jax.tree.flatten(args)
         self.fn = fn
-        self.kinds = leaf_kinds(kinds, args)
-        self.dynamic = [x for x, k in zip(leaves, self.kinds) if k != "static"]
-        self.statics = tuple(x for x, k in zip(leaves, self.kinds) if k == "static")
+        arrays = tuple(isinstance(x, ARRAY_TYPES) for x in leaves)
+        self.kinds = _kinds_of(kinds, args, self.treedef, arrays)
+        if all(arrays):
+            self.dynamic, self.statics = leaves, ()
+        else:
+            self.dynamic = [x for x, k in zip(leaves, self.kinds) if k != "static"]
+            self.statics = tuple(x for x, k in zip(leaves, self.kinds) if k == "static")
         self.context = [] if mask is None else [mask, count]
         try:
             hash(self.statics)
@@ -275,8 +322,8 @@ class _Call:
             raise TypeError(
                 f"`args` leaves that are not arrays must be hashable (they are compiled in), "
                 f"got {[type(s).__name__ for s in self.statics]}.") from None
-        self.key = (fn, self.treedef, tuple(self.kinds), self.statics, tuple(signature(x) for x in self.dynamic),
-                    mask is None, mode)
+        signatures = tuple(signature(x) for x in self.dynamic) if shapes else None
+        self.key = (fn, self.treedef, arrays, _hashable(kinds), self.statics, signatures, mask is None, mode)
 
     def description(self) -> str:
         """What the workers compare before compiling (see `describe`)."""
@@ -299,6 +346,37 @@ class _Call:
                 x = next(d_it)
                 leaves.append(x[0] if kind == "per_replica" else x)
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _first_array(tree: Any) -> jax.Array | None:
+    """The first array of a program's outputs (tuples, lists and dicts of arrays), without flattening them all."""
+    while isinstance(tree, (tuple, list, dict)):
+        if not tree:
+            return None
+        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
+    return tree if isinstance(tree, jax.Array) else None
+
+
+_KINDS: dict[Any, list[str]] = {}
+
+
+def _hashable(kinds: Any) -> Any:
+    try:
+        hash(kinds)
+        return kinds
+    except TypeError:
+        return repr(kinds)
+
+
+def _kinds_of(kinds: Any, args: Any, treedef: Any, arrays: tuple[bool, ...]) -> list[str]:
+    """`leaf_kinds(kinds, args)`, remembered for each structure of the arguments."""
+    key = (treedef, _hashable(kinds), arrays)
+    found = _KINDS.get(key)
+    if found is None:
+        if len(_KINDS) > CACHE_SIZE:
+            _KINDS.clear()
+        found = _KINDS[key] = leaf_kinds(kinds, args)
+    return found
 
 
 def _as_kind(kind: str, batch_axis: str, x: Any) -> jax.Array:

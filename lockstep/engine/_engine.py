@@ -97,6 +97,11 @@ class Engine:
         """
         return self._compiler.call_declared(fn, args, kinds, out_kinds, mask=mask, count=count, check_vma=check_vma)
 
+    def bind(self, fn: Callable[..., Any], kinds: Any, out_kinds: Any, check_vma: bool = True) -> Callable[..., Any]:
+        """`fn` compiled once as a callable of arrays of the kinds `kinds` (`run_arrays`' without a
+        batch), for a step called thousands of times; see `RunCompiler.bind`."""
+        return self._compiler.bind(fn, kinds, out_kinds, check_vma=check_vma)
+
     def run_inferred(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, mask: Any, count: Any,
                      with_kwargs: bool = False) -> tuple[Any, tuple[bool, ...]]:
         """Like `run_arrays`, the outputs' kinds read off the trace: (outputs, replicated flags)."""

@@ -108,11 +108,10 @@ class StepRunner:
         program_key = (resident, length, accumulation)
         program = self._programs.get(program_key)
         if program is None:
-            program = self._programs[program_key] = make_program(self._steps, length, accumulation, resident,
-                                                                 self._engine.batch_axis)
-        params, opt_state, metric_state = self._engine.run_arrays(
-            program, (state.params, state.opt_state, state.metric_state, feed), (*TRAIN_KINDS[:3], kinds), TRAIN_OUT,
-            check_vma=CHECK_VMA)
+            program = self._programs[program_key] = self._engine.bind(
+                make_program(self._steps, length, accumulation, resident, self._engine.batch_axis),
+                (*TRAIN_KINDS[:3], kinds), TRAIN_OUT, check_vma=CHECK_VMA)
+        params, opt_state, metric_state = program(state.params, state.opt_state, state.metric_state, feed)
         return state.replace(params=params, opt_state=opt_state, metric_state=metric_state, step=state.step + length,
                              global_step=state.global_step + length)
 

@@ -82,8 +82,19 @@ class TrainState:
     METRIC_STATE_PREFIX: ClassVar[str] = "metrics/"
 
     def replace(self, **changes: Any) -> TrainState:
-        """A copy with `changes` applied."""
-        return dataclasses.replace(self, **changes)
+        """A copy with `changes` applied (fields only: a step replaces the state thousands of times
+        a second, so this is a shallow copy rather than `dataclasses.replace`).
+
+        Raises:
+          TypeError: a name in `changes` is not a field.
+        """
+        unknown = changes.keys() - _FIELDS
+        if unknown:
+            raise TypeError(f"TrainState has no field {sorted(unknown)}; its fields are {sorted(_FIELDS)}.")
+        new = object.__new__(TrainState)
+        new.__dict__.update(self.__dict__)
+        new.__dict__.update(changes)
+        return new
 
     def to_arrays(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """`flatten_train_state(self)`: what a checkpoint stores (named arrays, JSON)."""
@@ -102,6 +113,8 @@ jax.tree_util.register_dataclass(
 _PREFIX = {"params": "params", "opt_state": "opt_state"}
 METRIC_STATE_PREFIX = TrainState.METRIC_STATE_PREFIX
 
+
+_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainState))
 
 def _split_state(state: dict[str, Any], prefix: str, arrays: dict[str, Any]) -> dict[str, Any]:
     """JSON-able entries stay; lists of arrays move to `arrays` and leave a marker."""
