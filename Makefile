@@ -22,6 +22,7 @@ bench: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/bench.py
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/efficiency.py
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/input.py
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/small_steps.py
 
 # two pytest workers; the tests that start processes run one after another in one of them
 test: $(STAMP)

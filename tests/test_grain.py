@@ -16,6 +16,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from launching import WORKERS, launch_workers, output_of  # noqa: E402
+from keras_reference import assert_logs_close  # noqa: E402
 
 
 class CountingSource:
@@ -46,8 +47,10 @@ def test_a_map_dataset_trains_evaluates_and_predicts_as_the_same_arrays(replicas
     assert source.reads[0] == 3 and all(v == 2 for i, v in source.reads.items() if i)  # 2 epochs + 1 shape probe
     want, want_hist = train(ls.MirroredStrategy(replicas), 2.0 * x, y=y)
     for a, b in zip(jax.tree.leaves(got.get_weights()), jax.tree.leaves(want.get_weights())):
-        np.testing.assert_array_equal(a, b)  # the same order, batches and programs
-    assert got_hist == want_hist
+        np.testing.assert_array_equal(a, b)  # the same order and batches
+    # the arrays stay on the devices and their steps gather the rows (another program than the
+    # Grain batches' placed ones): the logged mean loss may differ in its last bit
+    assert_logs_close(got_hist, want_hist, rtol=1e-6, atol=0)
     assert got.evaluate(dataset, batch_size=32) == want.evaluate(2.0 * x, y, batch_size=32)
     np.testing.assert_array_equal(got.predict(dataset, batch_size=32), want.predict(2.0 * x, batch_size=32))
 

@@ -11,7 +11,7 @@ import keras
 import numpy as np
 import optax
 import pytest
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import lockstep as ls
@@ -71,7 +71,11 @@ def _assert_same_steps(got, want, k, atol=1e-6):
     assert per_epoch == {e: max(s for (ep, s) in want[2].logs if ep == e) + 1 for e in per_epoch}
 
 
-@settings(max_examples=12, deadline=None)
+@settings(max_examples=4, deadline=None)
+@example(n=37, batch=8, replicas=1, k=3, accumulation=1)  # the last batch of 5 rows leaves replicas of 4 empty
+@example(n=37, batch=8, replicas=4, k=8, accumulation=1)
+@example(n=37, batch=8, replicas=4, k=3, accumulation=2)
+@example(n=37, batch=8, replicas=1, k=8, accumulation=2)
 @given(n=st.integers(1, 41), batch=st.integers(1, 12), replicas=st.sampled_from([1, 2, 3, 4, 8]),
        k=st.integers(1, 8), accumulation=st.integers(1, 3))
 def test_k_steps_a_call_equal_one_step_a_call_placed_from_the_host(n, batch, replicas, k, accumulation):

@@ -140,6 +140,15 @@ class BatchDistributor:
         """`x` (a pytree) copied to every device."""
         return jax.device_put(x, self.replicated)
 
+    def put_copies(self, x: Any) -> Any:
+        """`x` (a pytree of NumPy arrays, the same on every worker) copied to every device, without
+        the check across workers that `put_replicated` makes in a multi-worker job (a collective:
+        `jax.device_put` compares the whole value): for values the workers already agree on."""
+        if jax.process_count() == 1:
+            return jax.device_put(x, self.replicated)
+        return jax.tree.map(lambda a: jax.make_array_from_callback(np.shape(a), self.replicated,
+                                                                   lambda index: np.asarray(a)[index]), x)
+
     def _count(self, n: int) -> jax.Array:
         """A step's real sample count as a replicated scalar (cached: full batches repeat it)."""
         arr = self._counts.get(n)

@@ -51,7 +51,7 @@ class ResidentArrays:
     structure `treedef`) on every device."""
 
     def __init__(self, distributor: Any, leaves: Sequence[np.ndarray], treedef: Any):
-        self.leaves = tuple(distributor.put_replicated([np.asarray(x) for x in leaves]))
+        self.leaves = tuple(distributor.put_copies([np.asarray(x) for x in leaves]))  # every worker's are the same
         self.treedef = treedef
 
 
@@ -78,7 +78,7 @@ class ResidentPass:
             table[i] = idx[0]
             table[i, :len(idx)] = idx
             counts[i] = len(idx)
-        self.table, self.counts = distributor.put_replicated((table, counts))
+        self.table, self.counts = distributor.put_copies((table, counts))
         self._num_real = counts.astype(np.int64)
         self._steps: dict[int, StepInfo] = {}
 

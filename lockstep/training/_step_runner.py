@@ -121,7 +121,7 @@ class StepRunner:
         if start is None:
             if len(self._starts) > 65536:
                 self._starts.clear()
-            start = self._starts[i] = self._engine.put_replicated(np.int32(i))
+            start = self._starts[i] = self._engine.distributor.put_copies(np.int32(i))
         return start
 
     def evaluate(self, params: Any, state: Any, batch: Any) -> Any:
