@@ -197,3 +197,23 @@ def test_steps_per_execution_must_be_a_positive_integer(bad):
         return
     with pytest.raises(ValueError, match=r"`steps_per_execution` must be a positive integer, got steps_per_execution="):
         ls.Trainer(mlp(), steps_per_execution=bad)
+
+
+@pytest.mark.parametrize("k", [1, 4])
+def test_steps_in_flight_stay_bounded_for_a_keras_model_without_non_trainable_state(k):
+    """The token that bounds the programs in flight is the first array of a step's outputs; a
+    Keras model's parameters start with its (empty) non-trainable list, which once hid every token,
+    so nothing was bounded and 4 CPU devices deadlocked after a few hundred small steps."""
+    x, y = data(400, seed=8)
+    strategy = ls.MirroredStrategy(4)
+    with strategy.scope():
+        model = keras_mlp(softmax=False)
+    seen = []
+
+    class InFlight(ls.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(strategy.extended.steps_in_flight)
+
+    ls.Trainer(model, loss="sparse_categorical_crossentropy_from_logits", steps_per_execution=k).fit(
+        x, y, batch_size=8, epochs=1, verbose=0, callbacks=[InFlight()])
+    assert 1 <= max(seen) <= 8

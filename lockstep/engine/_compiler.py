@@ -349,12 +349,16 @@ class _Call:
 
 
 def _first_array(tree: Any) -> jax.Array | None:
-    """The first array of a program's outputs (tuples, lists and dicts of arrays), without flattening them all."""
-    while isinstance(tree, (tuple, list, dict)):
-        if not tree:
-            return None
-        tree = next(iter(tree.values())) if isinstance(tree, dict) else tree[0]
-    return tree if isinstance(tree, jax.Array) else None
+    """The first array of a program's outputs (tuples, lists and dicts of arrays; empty ones
+    skipped), found without flattening them all: the token that bounds the steps in flight."""
+    if isinstance(tree, jax.Array):
+        return tree
+    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ()
+    for item in items:
+        found = _first_array(item)
+        if found is not None:
+            return found
+    return None
 
 
 _KINDS: dict[Any, list[str]] = {}
