@@ -252,6 +252,8 @@ def run_child(args: list[str]) -> dict | str:
     proc = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True,
                           timeout=3600, env=env)
     if proc.returncode != 0:
+        if "Termination timeout" in proc.stderr:  # XLA's CPU collectives: too many steps in flight
+            return "failed: deadlocked (XLA's CPU collective rendezvous timed out and aborted the process)"
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         return f"failed: {tail[0][:200]}"
     return json.loads(proc.stdout.strip().splitlines()[-1])
