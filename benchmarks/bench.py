@@ -30,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections import deque
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SYSTEMS = ["lockstep", "jax_loop", "keras", "tf"]
@@ -114,6 +115,79 @@ def keras_timer(keras, times: EpochTimer, t_start: float):
     return KTimer()
 
 
+class HandLoop:
+    """What a JAX user writes for data parallelism: shard_map over the devices, a psum of the
+    gradients, optax; batches indexed and placed from the host, one step a call, at most 8 steps
+    in flight (DESIGN.md)."""
+
+    #: the parts of a step that `epoch` times when asked
+    DATA, CALL, WAIT = ("data (index, copy, device_put)", "the call: dispatch, the device's work run inline",
+                        "waiting for the device")
+
+    def __init__(self, model: str, devices: int, x, y, batch: int):
+        import jax
+        import jax.numpy as jnp
+        import optax
+        from jax.sharding import NamedSharding, PartitionSpec as P
+
+        km = keras_model(model)
+        mesh = jax.make_mesh((devices,), ("batch",), devices=jax.devices()[:devices],
+                             axis_types=(jax.sharding.AxisType.Auto,))
+        rep, self.split = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
+        self.tv = jax.device_put([v.value for v in km.trainable_variables], rep)
+        self.ntv = jax.device_put([v.value for v in km.non_trainable_variables], rep)
+        tx = optax.adam(1e-3, eps=1e-7)
+        self.opt = jax.device_put(tx.init(self.tv), rep)
+
+        def local_step(tv, ntv, opt, xb, yb):
+            global_rows = xb.shape[0] * devices
+
+            def loss_fn(tv):
+                logits, _ = km.stateless_call(tv, ntv, xb, training=True)
+                return optax.softmax_cross_entropy_with_integer_labels(logits, yb).sum() / global_rows, logits
+            # gradients of the replicated parameters come back summed over devices: the global mean
+            (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
+            updates, opt = tx.update(grads, opt, tv)
+            correct = jax.lax.psum(jnp.sum(logits.argmax(-1) == yb), "batch")
+            return optax.apply_updates(tv, updates), opt, jax.lax.psum(loss, "batch"), correct
+
+        self.step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(), P("batch"), P("batch")),
+                                          out_specs=(P(), P(), P(), P())))
+        self.x, self.y, self.batch, self.devices = x, y, batch, devices
+
+    def epoch(self, seed: int, parts: dict | None = None, first_step=None) -> None:
+        """One epoch in the order drawn from `seed`; `parts` (a dict) adds each part's seconds;
+        `first_step()` is called once the first step has finished."""
+        import jax
+        import numpy as np
+
+        order = np.random.default_rng([0, seed]).permutation(len(self.x))
+        in_flight, correct = deque(), []
+        clock = time.perf_counter
+        for lo in range(0, len(self.x), self.batch):
+            t = clock()
+            idx = order[lo:lo + self.batch]
+            if len(idx) % self.devices:  # the short last batch: keep a multiple of the device count
+                idx = idx[: len(idx) - len(idx) % self.devices]
+            xb, yb = jax.device_put((self.x[idx], self.y[idx]), self.split)
+            t1 = clock()
+            self.tv, self.opt, loss, c = self.step(self.tv, self.ntv, self.opt, xb, yb)
+            correct.append(c)
+            if first_step is not None:
+                jax.block_until_ready(self.tv)
+                first_step()
+                first_step = None
+            in_flight.append(loss)
+            t2 = clock()
+            if len(in_flight) > 8:
+                in_flight.popleft().block_until_ready()
+            if parts is not None:
+                parts[self.DATA] += t1 - t
+                parts[self.CALL] += t2 - t1
+                parts[self.WAIT] += clock() - t2
+        int(sum(int(v) for v in correct))
+
+
 def child_fit(system: str, model: str, devices: int, n: int, epochs: int, batch: int) -> dict:
     t_start = time.perf_counter()
     if system == "tf":
@@ -139,57 +213,13 @@ def child_fit(system: str, model: str, devices: int, n: int, epochs: int, batch:
         trainer.fit(x, y, batch_size=batch, epochs=epochs, shuffle=True, verbose=0,
                     callbacks=[lockstep_timer(ls, times, t_start)])
     elif system == "jax_loop":
-        # what a JAX user writes for data parallelism: shard_map over the devices, a pmean of the
-        # gradients, optax; batches sharded on the host side, dispatch bounded
-        import jax.numpy as jnp
-        import optax
-        from jax.sharding import NamedSharding, PartitionSpec as P
+        hand = HandLoop(model, devices, x, y, batch)
 
-        km = keras_model(model)
-        mesh = jax.make_mesh((devices,), ("batch",), devices=jax.devices()[:devices],
-                             axis_types=(jax.sharding.AxisType.Auto,))
-        rep, split = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
-        tv = jax.device_put([v.value for v in km.trainable_variables], rep)
-        ntv = jax.device_put([v.value for v in km.non_trainable_variables], rep)
-        tx = optax.adam(1e-3, eps=1e-7)
-        opt = jax.device_put(tx.init(tv), rep)
-
-        def local_step(tv, ntv, opt, xb, yb):
-            global_rows = xb.shape[0] * devices
-
-            def loss_fn(tv):
-                logits, _ = km.stateless_call(tv, ntv, xb, training=True)
-                return optax.softmax_cross_entropy_with_integer_labels(logits, yb).sum() / global_rows, logits
-            # gradients of the replicated parameters come back summed over devices: the global mean
-            (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
-            updates, opt = tx.update(grads, opt, tv)
-            correct = jax.lax.psum(jnp.sum(logits.argmax(-1) == yb), "batch")
-            return optax.apply_updates(tv, updates), opt, jax.lax.psum(loss, "batch"), correct
-
-        step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P(), P("batch"), P("batch")),
-                                     out_specs=(P(), P(), P(), P())))
-
-        from collections import deque
-
-        in_flight: deque = deque()
+        def first_step():
+            times.first_step = time.perf_counter() - t_start
         for epoch in range(epochs):
             times.begin()
-            order = np.random.default_rng([0, epoch]).permutation(n)
-            correct = []
-            for i, lo in enumerate(range(0, n, batch)):
-                idx = order[lo:lo + batch]
-                if len(idx) % devices:  # the short last batch: keep a multiple of the device count
-                    idx = idx[: len(idx) - len(idx) % devices]
-                xb, yb = jax.device_put((x[idx], y[idx]), split)
-                tv, opt, loss, c = step(tv, ntv, opt, xb, yb)
-                correct.append(c)
-                if times.first_step is None:
-                    jax.block_until_ready(tv)
-                    times.first_step = time.perf_counter() - t_start
-                in_flight.append(loss)  # bounded dispatch (DESIGN.md): at most 8 steps in flight
-                if len(in_flight) > 8:
-                    in_flight.popleft().block_until_ready()
-            int(sum(int(v) for v in correct))
+            hand.epoch(epoch, first_step=first_step if times.first_step is None else None)
             times.end()
     elif system == "keras":
         import keras

@@ -29,15 +29,13 @@ import statistics
 import subprocess
 import sys
 import time
-from collections import deque
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import EpochTimer, keras_model, machine, make_data  # noqa: E402
+from bench import EpochTimer, HandLoop, keras_model, machine, make_data  # noqa: E402
 
 N = 8000
 LOCKSTEP_KS = (1, 8, 32)
-HAND_CALL = "the call: dispatch, the device's work run inline"
 KERAS_KS = (1, 32)
 
 
@@ -59,66 +57,14 @@ def _lockstep_epoch(ls, trainer, x, y, batch, seed):
     return times.ends[0][0] - times.starts[0][0]
 
 
-class HandLoop:
-    """`bench.py`'s hand-written data-parallel loop: shard_map, summed gradients, optax, bounded dispatch."""
+def _hand_epoch(hand, seed, parts=None):
+    """One epoch of the hand-written loop: its wall time to its last step's end."""
+    import jax
 
-    def __init__(self, devices, x, y, batch):
-        import jax
-        import jax.numpy as jnp
-        import optax
-        from jax.sharding import NamedSharding, PartitionSpec as P
-
-        self.jax, self.np = jax, __import__("numpy")
-        km = keras_model("mlp")
-        mesh = jax.make_mesh((devices,), ("batch",), devices=jax.devices()[:devices],
-                             axis_types=(jax.sharding.AxisType.Auto,))
-        rep, self.split = NamedSharding(mesh, P()), NamedSharding(mesh, P("batch"))
-        self.tv = jax.device_put([v.value for v in km.trainable_variables], rep)
-        ntv = jax.device_put([v.value for v in km.non_trainable_variables], rep)
-        tx = optax.adam(1e-3, eps=1e-7)
-        self.opt = jax.device_put(tx.init(self.tv), rep)
-
-        def local_step(tv, opt, xb, yb):
-            global_rows = xb.shape[0] * devices
-
-            def loss_fn(tv):
-                logits, _ = km.stateless_call(tv, ntv, xb, training=True)
-                return optax.softmax_cross_entropy_with_integer_labels(logits, yb).sum() / global_rows, logits
-            (loss, logits), grads = jax.value_and_grad(loss_fn, has_aux=True)(tv)
-            updates, opt = tx.update(grads, opt, tv)
-            correct = jax.lax.psum(jnp.sum(logits.argmax(-1) == yb), "batch")
-            return optax.apply_updates(tv, updates), opt, jax.lax.psum(loss, "batch"), correct
-
-        self.step = jax.jit(jax.shard_map(local_step, mesh=mesh, in_specs=(P(), P(), P("batch"), P("batch")),
-                                          out_specs=(P(), P(), P(), P())))
-        self.x, self.y, self.batch, self.devices = x, y, batch, devices
-
-    def epoch(self, seed, parts=None):
-        jax, np = self.jax, self.np
-        t0 = time.perf_counter()
-        order = np.random.default_rng([0, seed]).permutation(len(self.x))
-        in_flight, correct = deque(), []
-        clock = time.perf_counter
-        for lo in range(0, len(self.x), self.batch):
-            t = clock()
-            idx = order[lo:lo + self.batch]
-            if len(idx) % self.devices:
-                idx = idx[: len(idx) - len(idx) % self.devices]
-            xb, yb = jax.device_put((self.x[idx], self.y[idx]), self.split)
-            t1 = clock()
-            self.tv, self.opt, loss, c = self.step(self.tv, self.opt, xb, yb)
-            correct.append(c)
-            in_flight.append(loss)
-            t2 = clock()
-            if len(in_flight) > 8:
-                in_flight.popleft().block_until_ready()
-            if parts is not None:
-                parts["data (index, copy, device_put)"] += t1 - t
-                parts[HAND_CALL] += t2 - t1
-                parts["waiting for the device"] += clock() - t2
-        int(sum(int(v) for v in correct))
-        jax.block_until_ready(self.tv)
-        return time.perf_counter() - t0
+    t0 = time.perf_counter()
+    hand.epoch(seed, parts)
+    jax.block_until_ready(hand.tv)
+    return time.perf_counter() - t0
 
 
 def _breakdown(ls, trainer, x, y, batch):
@@ -187,8 +133,8 @@ def child_jax(devices: int, batch: int, rounds: int) -> dict:
             km = keras_model("mlp")
         trainers[k] = ls.Trainer(km, optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
                                  metrics=["accuracy"], steps_per_execution=k)
-    hand = HandLoop(devices, x, y, batch)
-    systems = {"hand": lambda seed: hand.epoch(seed)}
+    hand = HandLoop("mlp", devices, x, y, batch)
+    systems = {"hand": lambda seed: _hand_epoch(hand, seed)}
     systems.update({f"lockstep_k{k}": (lambda seed, t=t: _lockstep_epoch(ls, t, x, y, batch, seed))
                     for k, t in trainers.items()})
     for run in systems.values():  # the compiling epoch
@@ -198,8 +144,8 @@ def child_jax(devices: int, batch: int, rounds: int) -> dict:
     for rnd in range(rounds):
         for name in names[rnd % len(names):] + names[:rnd % len(names)]:
             times[name].append(systems[name](rnd + 1))
-    hand_parts = {k: 0.0 for k in ("data (index, copy, device_put)", HAND_CALL, "waiting for the device")}
-    hand_wall = hand.epoch(99, hand_parts)
+    hand_parts = {k: 0.0 for k in (HandLoop.DATA, HandLoop.CALL, HandLoop.WAIT)}
+    hand_wall = _hand_epoch(hand, 99, hand_parts)
     steps = -(-N // batch)
     lock_parts, lock_wall = _breakdown(ls, trainers[1], x, y, batch)
     return {"times": times, "breakdown": {"lockstep_k1": [lock_parts, lock_wall],
