@@ -11,6 +11,8 @@ import sys
 
 import numpy as np
 
+import lockstep as ls
+
 WORKERS = pathlib.Path(__file__).resolve().parent / "workers"
 
 
@@ -47,6 +49,26 @@ def rank_results(proc, nproc):
     results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines() if "RESULT " in line]
     assert len(results) == nproc, output_of(proc)
     return results
+
+
+# --- runs stopped in the middle, in one process or in the resume job
+
+
+class Stopped(Exception):
+    """What `StopAt` raises."""
+
+
+class StopAt(ls.callbacks.Callback):
+    """Stops the run (as a kill would) once `step` optimizer steps are done: at the end of the
+    call that reaches it (several steps a call with `steps_per_execution`)."""
+
+    def __init__(self, step):
+        super().__init__()
+        self.step = step
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.trainer.global_step >= self.step:
+            raise Stopped(self.trainer.global_step)
 
 
 # --- the resume job (`workers/resume_job.py`): a run killed, preempted or stopped, resumed from its backups

@@ -7,28 +7,12 @@ import optax
 import pytest
 
 import lockstep as ls
-from launching import resume_result, run_resume_job
+from launching import StopAt, Stopped, resume_result, run_resume_job
 
 N, B, EPOCHS = 403, 32, 2
 rng = np.random.default_rng(0)
 X = rng.normal(size=(N, 6)).astype(np.float32)
 Y = (X[:, 0] + 0.5 * X[:, 1] > 0).astype(np.int32) + (X[:, 2] > 1).astype(np.int32)
-
-
-class _Stop(Exception):
-    pass
-
-
-class StopAt(ls.callbacks.Callback):
-    """Stops the run (as a kill would) after `step` global steps."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.model.global_step == self.step:
-            raise _Stop
 
 
 def trainer(replicas):
@@ -50,7 +34,7 @@ def fit(t, backup=None, stop=None, batch_size=B):
 def test_a_backup_taken_on_r_replicas_resumes_on_another_number(before, after, tmp_path):
     want_t = trainer(after)
     want = fit(want_t)
-    with pytest.raises(_Stop):
+    with pytest.raises(Stopped):
         fit(trainer(before), tmp_path, stop=20)  # 13 steps an epoch: stopped in epoch 2, last backup at 18
     resumed = trainer(after)
     got = fit(resumed, tmp_path)
@@ -79,7 +63,7 @@ def test_the_metric_state_is_kept_per_replica_and_counts_every_sample_once():
 
 
 def test_a_changed_global_batch_on_resume_is_refused(tmp_path):
-    with pytest.raises(_Stop):
+    with pytest.raises(Stopped):
         fit(trainer(4), tmp_path, stop=5)
     with pytest.raises(ValueError, match=r"global batch size 32, and this fit uses 64.*Resume with global batch size 32"):
         fit(trainer(4), tmp_path, batch_size=64)

@@ -30,8 +30,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import lockstep as ls
-from test_elastic_resume import StopAt, _Stop
-from launching import launch_workers, output_of
+from launching import StopAt, Stopped, launch_workers, output_of
 
 FULL = os.environ.get("LOCKSTEP_FULL_SUITE") == "1"
 EXAMPLES = 60 if FULL else 4
@@ -112,7 +111,7 @@ def interrupted_and_resumed(strategy, run, backup):
         hist = fit(t, kind, x, y, batch, validation(run),
                    [ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"]), StopAt(run["stop"])])
         return t, hist, None  # the drawn step is past the run's end
-    except _Stop:
+    except Stopped:
         pass
     t = trainer(strategy, k)
     restore = ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"])

@@ -16,9 +16,8 @@ import lockstep as ls
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
-from test_elastic_resume import StopAt, _Stop  # noqa: E402
 from test_grain import CountingSource  # noqa: E402
-from launching import WORKERS, launch_workers  # noqa: E402
+from launching import WORKERS, StopAt, Stopped, launch_workers  # noqa: E402
 
 N, B = 203, 32
 crossing = pytest.mark.filterwarnings("ignore:a pass over the training data ended inside")
@@ -80,7 +79,7 @@ def test_a_resume_sets_the_iterator_state_and_reads_nothing_again(steps_per_epoc
     kw = dict(epochs=3, verbose=0, steps_per_epoch=steps_per_epoch)
     want = common.trainer(ls.MirroredStrategy(3))
     want_hist = want.fit(iter_dataset(CountingSource(x, y)), **kw).history
-    with pytest.raises(_Stop):
+    with pytest.raises(Stopped):
         common.trainer(ls.MirroredStrategy(3)).fit(iter_dataset(CountingSource(x, y)), callbacks=[
             backup(tmp_path), StopAt(8)], **kw)
     source = CountingSource(x, y)
@@ -123,7 +122,7 @@ def test_the_iterator_states_of_other_workers_are_refused(tmp_path):
 def test_a_pipeline_that_shrank_since_the_backup_is_a_clear_error(tmp_path):
     """The backup's iterator position (row 192) lies past the end of the pipeline given on resume."""
     x, y = common.data(N)
-    with pytest.raises(_Stop):
+    with pytest.raises(Stopped):
         common.trainer(ls.MirroredStrategy(2)).fit(iter_dataset(CountingSource(x, y)), epochs=2, verbose=0,
                                                    callbacks=[backup(tmp_path), StopAt(8)])
     with pytest.raises(ValueError, match=r"the pipeline's position saved in the backup \(.*192.*\) cannot be set on "
@@ -149,7 +148,7 @@ def test_data_that_differs_on_resume_is_an_error(source, tmp_path):
     x, y = common.data(N)
     data = Unseeded(x, y) if source == "unseeded" else x
     kw = dict(epochs=2, verbose=0) if source == "unseeded" else dict(y=y, batch_size=B, epochs=2, verbose=0)
-    with pytest.raises(_Stop):
+    with pytest.raises(Stopped):
         common.trainer(ls.MirroredStrategy(2)).fit(data, callbacks=[backup(tmp_path), StopAt(4)], **kw)
     if source == "changed_arrays":
         data = x[::-1].copy()
@@ -166,7 +165,7 @@ def test_a_deterministic_re_iterable_resumes_by_reading_again(tmp_path):
     batches = [(x[lo:lo + B], y[lo:lo + B]) for lo in range(0, N, B)]
     want = common.trainer(ls.MirroredStrategy(4))
     want.fit(batches, epochs=2, steps_per_epoch=5, verbose=0)
-    with pytest.raises(_Stop):
+    with pytest.raises(Stopped):
         common.trainer(ls.MirroredStrategy(4)).fit(batches, epochs=2, steps_per_epoch=5, verbose=0,
                                                    callbacks=[backup(tmp_path, 4), StopAt(6)])
     got = common.trainer(ls.MirroredStrategy(2))  # and on another number of replicas

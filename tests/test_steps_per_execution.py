@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 from common import data, keras_mlp  # noqa: E402
 from common import model as mlp  # noqa: E402
 from keras_reference import assert_equals_one_device, assert_logs_close, assert_weights_close  # noqa: E402
+from launching import StopAt, Stopped  # noqa: E402
 
 
 class BatchLogs(ls.callbacks.Callback):
@@ -130,22 +131,6 @@ def test_keras_dropout_and_batchnorm_k_a_call_equal_one_a_call_bit_for_bit():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-class _Stop(Exception):
-    pass
-
-
-class StopAt(ls.callbacks.Callback):
-    """Raises (as a killed worker stops) once `step` optimizer steps are done."""
-
-    def __init__(self, step):
-        super().__init__()
-        self.step = step
-
-    def on_train_batch_end(self, batch, logs=None):
-        if self.trainer.global_step >= self.step:
-            raise _Stop(self.trainer.global_step)
-
-
 @pytest.mark.parametrize("accumulation", [1, 2])
 def test_a_run_k_a_call_resumes_from_its_backup_and_equals_the_uninterrupted_one(tmp_path, accumulation):
     """Backups every 2 steps with 3 steps a call land at the end of the calls that reach a multiple
@@ -165,7 +150,7 @@ def test_a_run_k_a_call_resumes_from_its_backup_and_equals_the_uninterrupted_one
     uninterrupted = trainer(1)
     want = fit(uninterrupted).history
     first = trainer(3)
-    with pytest.raises(_Stop):
+    with pytest.raises(Stopped):
         fit(first, ls.callbacks.BackupAndRestore(tmp_path, save_freq=2), StopAt(7 if accumulation == 1 else 5))
     resumed = trainer(3)
     backup = ls.callbacks.BackupAndRestore(tmp_path, save_freq=2)
