@@ -16,8 +16,7 @@ tf = pytest.importorskip("tensorflow")  # `pip install lockstep[tf]`; `make test
 HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
-from test_elastic_resume import StopAt, _Stop  # noqa: E402
-from launching import WORKERS, launch_workers  # noqa: E402
+from launching import WORKERS, StopAt, Stopped, launch_workers  # noqa: E402
 
 N, B = 203, 32
 
@@ -67,7 +66,7 @@ def test_a_resumed_tf_pipeline_must_give_the_same_data(seeded, tmp_path):
 
     want = common.trainer(ls.MirroredStrategy(2))
     want.fit(shuffled(), epochs=1, verbose=0)
-    with pytest.raises(_Stop):
+    with pytest.raises(Stopped):
         common.trainer(ls.MirroredStrategy(2)).fit(shuffled(), epochs=1, verbose=0, callbacks=[
             ls.callbacks.BackupAndRestore(tmp_path, save_freq=4), StopAt(5)])
     got = common.trainer(ls.MirroredStrategy(2))
