@@ -168,10 +168,8 @@ class RunCompiler:
         def replica(*args: Any) -> Any:
             args = jax.tree.map(lambda k, sub: jax.tree.map(lambda x: x[0], sub) if k == "per_replica" else sub,
                                 kinds, args)
-            loops = loops_vary_their_carry(axis) if check_vma else contextlib.nullcontext()
-            with replica_context(self._context(None, None, check_vma)), loops:
-                out = fn(*args)
-            return jax.tree.map(lambda k, sub: jax.tree.map(functools.partial(_as_kind, k, axis), sub), out_kinds, out)
+            with self._entered(None, None, check_vma):
+                return _as_kinds(out_kinds, fn(*args), axis)
 
         entry = _Entry()
         entry.call = jax.jit(jax.shard_map(replica, mesh=self._mesh, in_specs=jax.tree.map(lambda k: spec(k, axis), kinds),
@@ -180,14 +178,7 @@ class RunCompiler:
         with self._lock:
             self._entries[(fn, "bound")] = entry  # counted by `compile_counts`
         compiled = entry.call
-
-        def call(*args: Any) -> Any:
-            out = compiled(*args)
-            first = _first_array(out)
-            if first is not None:
-                self._track(first)
-            return out
-        return call
+        return lambda *args: self._tracked(compiled(*args))
 
     def call_inferred(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, *, mask: Any = None,
                       count: Any = None, with_kwargs: bool = False) -> tuple[Any, tuple[bool, ...]]:
@@ -220,7 +211,10 @@ class RunCompiler:
 
     def _run(self, entry: _Entry, call: "_Call") -> Any:
         assert entry.call is not None
-        out = entry.call(call.dynamic, call.context)
+        return self._tracked(entry.call(call.dynamic, call.context))
+
+    def _tracked(self, out: Any) -> Any:
+        """A program's outputs, just dispatched, counted among the steps in flight (by their first array)."""
         first = _first_array(out)
         if first is not None:
             self._track(first)
@@ -245,14 +239,20 @@ class RunCompiler:
     def _traced(self, call: "_Call", check_vma: bool, with_kwargs: bool = False) -> Callable[..., Any]:
         """`call`'s function on one replica's view of the arguments, in its replica context."""
         def traced(d: list[jax.Array], c: list[jax.Array]) -> Any:
-            ctx = self._context(*c, check_vma) if c else self._context(None, None, check_vma)
-            loops = loops_vary_their_carry(self._axis) if check_vma else contextlib.nullcontext()
-            with replica_context(ctx), loops:
+            with self._entered(*(c or (None, None)), check_vma):
                 if with_kwargs:
                     positional, keyword = call.rebuild(d)
                     return call.fn(*positional, **keyword)
                 return call.fn(*call.rebuild(d))
         return traced
+
+    @contextlib.contextmanager
+    def _entered(self, mask: Any, count: Any, check_vma: bool) -> Any:
+        """A replica's function traced in its replica context (the step's `mask` and `count`), with
+        recurrent loops' carries typed as varying when traced with replication typing."""
+        loops = loops_vary_their_carry(self._axis) if check_vma else contextlib.nullcontext()
+        with replica_context(self._context(mask, count, check_vma)), loops:
+            yield
 
     def _compile_declared(self, call: "_Call", out_kinds: Any, check_vma: bool) -> _Entry:
         entry = _Entry()
@@ -261,8 +261,7 @@ class RunCompiler:
         def declared(d: list[jax.Array], c: list[jax.Array]) -> Any:
             out = traced(d, c)
             entry.out_tree = jax.tree.structure(out)
-            return jax.tree.map(lambda k, sub: jax.tree.map(functools.partial(_as_kind, k, self._axis), sub),
-                                out_kinds, out)
+            return _as_kinds(out_kinds, out, self._axis)
 
         out_specs = jax.tree.map(lambda k: spec(k, self._axis), out_kinds)
         entry.call = jax.jit(jax.shard_map(declared, mesh=self._mesh, in_specs=call.in_specs(self._axis),
@@ -381,6 +380,11 @@ def _kinds_of(kinds: Any, args: Any, treedef: Any, arrays: tuple[bool, ...]) -> 
             _KINDS.clear()
         found = _KINDS[key] = leaf_kinds(kinds, args)
     return found
+
+
+def _as_kinds(out_kinds: Any, out: Any, batch_axis: str) -> Any:
+    """A replica's outputs shaped for the kinds `out_kinds` (a pytree prefix of them) declares."""
+    return jax.tree.map(lambda k, sub: jax.tree.map(functools.partial(_as_kind, k, batch_axis), sub), out_kinds, out)
 
 
 def _as_kind(kind: str, batch_axis: str, x: Any) -> jax.Array:
