@@ -15,6 +15,7 @@ import lockstep as ls
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 from common import N, data, keras_mlp  # noqa: E402  (the data and models the other tests use)
 from common import model as mlp  # noqa: E402
+from suite import variants  # noqa: E402
 
 B, EPOCHS = 64, 2
 X, Y = data(N)
@@ -34,8 +35,8 @@ def fit(model_kind, replicas, k, batch_size, **fit_kwargs):
 
 
 @pytest.mark.parametrize("model_kind", ["functional", "keras"])
-@pytest.mark.parametrize("k", [1, 2, 4])
-@pytest.mark.parametrize("replicas", [1, 4])
+@pytest.mark.parametrize("k", variants([1, 2, 4], {2, 4}))  # make test-full: k = 1 and 1 replica too
+@pytest.mark.parametrize("replicas", variants([1, 4], {4}))
 def test_k_batches_of_b_equal_one_device_with_batches_of_k_times_b(model_kind, k, replicas):
     reference, _ = fit(model_kind, 1, 1, k * B)
     trainer, history = fit(model_kind, replicas, k, B)
@@ -142,7 +143,7 @@ def test_a_run_stopped_in_the_middle_of_a_group_resumes_from_the_last_update_exa
     assert got == want
 
 
-@pytest.mark.parametrize("replicas", [1, 3, 4])
+@pytest.mark.parametrize("replicas", variants([1, 3, 4], {3}))
 def test_a_custom_loop_accumulates_exactly_with_accumulation_groups(replicas):
     """`ls.data.accumulation_groups` + `compute_average_loss(global_batch_size=group.num_samples)`:
     the custom loop's updates equal one device's steps on batches of 4 * 64."""

@@ -11,8 +11,8 @@ awkward cases on purpose: N = 1, N prime, a last batch shorter than R (replicas 
 row, at backup and resume steps too), and accumulation groups cut short by the end of an epoch.
 
 `make test` runs `EXAMPLES` examples with a fixed seed (the count is printed); `make test-full`
-runs more. A smaller draw (4 examples, run one after another in one launch) covers 2 workers x 2 devices
-and, in `make test-full`, 3 workers x 1 device.
+runs more. A smaller draw (`WORKER_EXAMPLES`, run one after another in one launch) covers 2 workers x
+2 devices and, in `make test-full`, 3 workers x 1 device.
 """
 
 import json
@@ -33,7 +33,7 @@ import lockstep as ls
 from launching import StopAt, Stopped, launch_workers, output_of
 
 FULL = os.environ.get("LOCKSTEP_FULL_SUITE") == "1"
-EXAMPLES = 60 if FULL else 4
+EXAMPLES = 60 if FULL else 3
 EPOCHS = 2
 
 
@@ -164,11 +164,11 @@ def test_the_matrix_size_is_printed(capsys):
     with capsys.disabled():
         print(f"\nexactness matrix: {EXAMPLES} drawn examples of N, batch, replicas, accumulation, backup "
               f"and interrupt steps, validation and input kind (make test-full: 60); {WORKER_EXAMPLES} on 2 "
-              "workers x 2 devices (make test-full: and on 3 workers x 1 device)")
+              "workers x 2 devices (make test-full: 4, and on 3 workers x 1 device)")
 
 
 #: examples per worker shape: drawn once (fixed seed) and run one after another in one launch
-WORKER_EXAMPLES = 4
+WORKER_EXAMPLES = 4 if FULL else 2
 JOB = pathlib.Path(__file__).resolve().parent / "workers" / "matrix_job.py"
 
 

@@ -14,8 +14,10 @@ _PROCESSES = pytest.mark.xdist_group("processes")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.parametrize("script", ["custom_loop.py", "keras_mirrored.py", "early_stopping.py",
-                                    "f1_training_metric.py", pytest.param("lstm_multi_worker.py", marks=[_PROCESSES, pytest.mark.full_suite]),
+# make test: the demo and the early-stopping example; make test-full: every example
+@pytest.mark.parametrize("script", [pytest.param("custom_loop.py", marks=pytest.mark.full_suite), "keras_mirrored.py",
+                                    "early_stopping.py",
+                                    pytest.param("f1_training_metric.py", marks=pytest.mark.full_suite), pytest.param("lstm_multi_worker.py", marks=[_PROCESSES, pytest.mark.full_suite]),
                                     # make test covers Grain on several workers in test_grain / test_grain_iter (CI time)
                                     pytest.param("grain_files.py", marks=[_PROCESSES, pytest.mark.full_suite]),
                                     # ResNet50 on 4 replicas is also in test_keras_applications (CI time)

@@ -25,6 +25,7 @@ from launching import (  # noqa: E402
     resume_result,
     run_resume_job,
 )
+from suite import variants  # noqa: E402
 
 # these tests start processes: with `make test`'s two pytest workers, they run one after another
 pytestmark = pytest.mark.xdist_group("processes")
@@ -78,6 +79,7 @@ def test_sigterm_makes_every_worker_save_at_the_same_step_exit_83_and_resume_exa
     assert hist["history"] == ref_hist["history"]
 
 
+@pytest.mark.full_suite  # make test: Keras EarlyStopping through a backup in test_keras_as_written, one process
 def test_early_stopping_across_a_restart_stops_at_the_same_epoch(tmp_path):
     proc = run_resume_job(1, tmp_path, "es")
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -153,7 +155,7 @@ class _TermAt(ls.callbacks.Callback):
             os.kill(os.getpid(), signal.SIGTERM)
 
 
-@pytest.mark.parametrize("at", [13, 15])  # 15 is also a periodic backup step: that backup is not written twice
+@pytest.mark.parametrize("at", variants([13, 15], {15}))  # 15 is also a periodic backup step: that backup is not written twice
 def test_preemption_in_one_process_saves_once_exits_83_and_resumes_exactly(tmp_path, at):
     x, y = common.data()
     kwargs = dict(batch_size=64, epochs=2, seed=3, verbose=0)

@@ -17,6 +17,7 @@ sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from launching import WORKERS, launch_workers, output_of  # noqa: E402
 from keras_reference import assert_logs_close  # noqa: E402
+from suite import variants  # noqa: E402
 
 
 class CountingSource:
@@ -37,7 +38,7 @@ def train(strategy, data, **kwargs):
     return t, hist.history
 
 
-@pytest.mark.parametrize("replicas", [1, 3, 4])
+@pytest.mark.parametrize("replicas", variants([1, 3, 4], {3}))
 def test_a_map_dataset_trains_evaluates_and_predicts_as_the_same_arrays(replicas):
     x, y = common.data(203)
     source = CountingSource(x, y)

@@ -18,6 +18,7 @@ sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from test_grain import CountingSource  # noqa: E402
 from launching import WORKERS, StopAt, Stopped, launch_workers  # noqa: E402
+from suite import variants  # noqa: E402
 
 N, B = 203, 32
 crossing = pytest.mark.filterwarnings("ignore:a pass over the training data ended inside")
@@ -43,8 +44,8 @@ def weights_equal(a, b):
         np.testing.assert_array_equal(u, v)
 
 
-@pytest.mark.parametrize("replicas", [1, 3, 4])
-@pytest.mark.parametrize("kind", ["iter_dataset", "data_loader"])
+@pytest.mark.parametrize("kind, replicas", variants([(k, r) for k in ("iter_dataset", "data_loader") for r in (1, 3, 4)],
+                                                    {("iter_dataset", 3), ("data_loader", 4)}))
 def test_grain_pipelines_train_evaluate_and_predict_as_the_same_arrays(kind, replicas):
     x, y = common.data(N)
     scale = 2.0 if kind == "iter_dataset" else 1.0
@@ -70,7 +71,7 @@ def backup(path, freq=3):
 
 
 @crossing
-@pytest.mark.parametrize("steps_per_epoch", [None, 5])
+@pytest.mark.parametrize("steps_per_epoch", variants([None, 5], {5}))
 def test_a_resume_sets_the_iterator_state_and_reads_nothing_again(steps_per_epoch, tmp_path):
     """7 batches a pass. Stopped at step 8 (backup at 6); the resumed run sets the iterator to the
     backup's state: batches 1..5 of the pass in progress are not read again, and the run ends as

@@ -387,8 +387,8 @@ def test_a_keras_distribution_that_lockstep_would_ignore_is_refused():
 
 
 # n=186: 146 training rows, whose last batch of 2 rows leaves two of 4 replicas with none
-@pytest.mark.parametrize("replicas, n", [pytest.param(1, N, marks=FULL), (3, N), pytest.param(4, N, marks=FULL),
-                                         (4, 186)])
+@pytest.mark.parametrize("replicas, n", [pytest.param(1, N, marks=FULL), pytest.param(3, N, marks=FULL),
+                                         pytest.param(4, N, marks=FULL), (4, 186)])
 def test_model_fit_evaluate_and_predict_as_written_equal_keras_own(replicas, n):
     """Seed 004's way: build and compile in the scope, then Keras' own `model.fit` (was refused;
     `class_weight` was an unexpected keyword)."""

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 import lockstep as ls
+from suite import FULL, variants
 
 # Keras' own confusion matrices ask JAX for int64 (x64 is off): a warning from Keras, not from lockstep
 pytestmark = [pytest.mark.filterwarnings("ignore:Explicitly requested dtype int64"),
@@ -80,15 +81,22 @@ KERAS_METRICS = {  # name: (constructor, kind of data)
 }
 
 
-SWEPT = {"AUC", "F1Score_macro", "MeanIoU", "R2Score"}  # on 1, 3 and 4 replicas; the others on 3
+SWEPT = {"AUC", "F1Score_macro", "MeanIoU", "R2Score"}  # make test-full: on 1, 3 and 4 replicas; the others on 3
 
 
 WEIGHTED = SWEPT | {"Precision", "CategoricalCrossentropy", "MeanSquaredError", "SparseCategoricalAccuracy",
                     "OneHotIoU", "PearsonCorrelation"}  # also with sample weights (suite time)
 
 
-@pytest.mark.parametrize("name,weighted", [(n, False) for n in sorted(KERAS_METRICS)]
-                         + [(n, True) for n in sorted(WEIGHTED)])
+# make test: one of each family (the other mean-of-a-value metrics and confusion counts share their code)
+IN_MAKE_TEST = {"AUC", "AUC_PR", "Precision", "Recall", "FalseNegatives", "SpecificityAtSensitivity",
+                "F1Score_macro", "F1Score_none", "FBetaScore_weighted", "MeanIoU", "OneHotIoU", "R2Score",
+                "PearsonCorrelation", "ConcordanceCorrelation", "CategoricalCrossentropy", "SparseCategoricalAccuracy", "MeanSquaredError", "RootMeanSquaredError"}
+
+
+@pytest.mark.parametrize("name,weighted", variants([(n, False) for n in sorted(KERAS_METRICS)] +
+                                                   [(n, True) for n in sorted(WEIGHTED)],
+                                                   {(n, False) for n in IN_MAKE_TEST} | {(n, True) for n in SWEPT}))
 def test_a_keras_metric_object_equals_keras_itself_on_any_replica_count(name, weighted):
     make, kind = KERAS_METRICS[name]
     n = 11  # batches of 4 on 3 replicas: a short last batch, a replica with padding only
@@ -97,7 +105,7 @@ def test_a_keras_metric_object_equals_keras_itself_on_any_replica_count(name, we
     reference = make()  # on the whole data at once (Keras metrics add up over batches)
     reference.update_state(y, p, sample_weight=w)
     expected = np.asarray(reference.result())
-    for r in (1, 3, 4) if name in SWEPT else (3,):
+    for r in (1, 3, 4) if name in SWEPT and FULL else (3,):
         s = ls.MirroredStrategy(r)
         m = ls.metrics.get(make())
         assert isinstance(m, ls.metrics.KerasMetric)
@@ -171,7 +179,8 @@ def _weights(form, y, kind, rng):
     return None if shape is None else rng.uniform(0, 2, shape).astype(np.float32)
 
 
-@pytest.mark.parametrize("name", sorted(CATALOG))
+@pytest.mark.parametrize("name", variants(sorted(CATALOG), {"AUC", "Precision", "BinaryAccuracy", "F1Score", "R2Score",
+                                                         "SparseTopKCategoricalAccuracy", "RootMeanSquaredError"}))
 def test_a_catalog_metric_equals_the_keras_class_on_the_same_inputs(name):
     """Ranks 1-3, weights per sample, per label and per timestep, and the
     one-element threshold list: wherever Keras computes a value, lockstep's is the same (shape too)."""

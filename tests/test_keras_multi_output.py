@@ -50,8 +50,8 @@ def assert_weights_close(a, b):
 FULL = pytest.mark.full_suite  # make test: 3 replicas and 4 with two empty ones; make test-full: all
 
 
-@pytest.mark.parametrize("replicas, n", [pytest.param(1, N, marks=FULL), (3, N), pytest.param(4, N, marks=FULL),
-                                         (4, 58)])
+@pytest.mark.parametrize("replicas, n", [pytest.param(1, N, marks=FULL), pytest.param(3, N, marks=FULL),
+                                         pytest.param(4, N, marks=FULL), (4, 58)])
 def test_two_inputs_two_outputs_with_a_loss_per_output_equal_keras_own(replicas, n):
     x, y = [XA[:n], XB[:n]], [Y_CLS[:n], Y_REG[:n]]
     kw = dict(batch_size=B, epochs=3, shuffle=False, verbose=0, sample_weight=W[:n],

@@ -9,6 +9,7 @@ import optax
 import pytest
 
 import lockstep as ls
+from suite import variants
 
 N, B = 1003, 64
 rng = np.random.default_rng(0)
@@ -40,7 +41,8 @@ def train_functional(policy, replicas=4, seen=None):
     return trainer, history
 
 
-@pytest.mark.parametrize("policy, low", [("mixed_bfloat16", "bfloat16"), ("mixed_float16", "float16")])
+@pytest.mark.parametrize("policy, low", variants([("mixed_bfloat16", "bfloat16"), ("mixed_float16", "float16")],
+                                                 {("mixed_float16", "float16")}))
 def test_a_functional_model_computes_low_and_keeps_float32_state(policy, low):
     seen = set()
     trainer, history = train_functional(policy, seen=seen)

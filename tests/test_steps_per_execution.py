@@ -21,6 +21,7 @@ from common import data, keras_mlp  # noqa: E402
 from common import model as mlp  # noqa: E402
 from keras_reference import assert_equals_one_device, assert_logs_close, assert_weights_close  # noqa: E402
 from launching import StopAt, Stopped  # noqa: E402
+from suite import FULL, variants  # noqa: E402
 
 
 class BatchLogs(ls.callbacks.Callback):
@@ -72,11 +73,9 @@ def _assert_same_steps(got, want, k, atol=1e-6):
     assert per_epoch == {e: max(s for (ep, s) in want[2].logs if ep == e) + 1 for e in per_epoch}
 
 
-@settings(max_examples=4, deadline=None)
-@example(n=37, batch=8, replicas=1, k=3, accumulation=1)  # the last batch of 5 rows leaves replicas of 4 empty
-@example(n=37, batch=8, replicas=4, k=8, accumulation=1)
+@settings(max_examples=8 if FULL else 1, deadline=None)
+@example(n=37, batch=8, replicas=4, k=8, accumulation=1)  # the last batch of 5 rows leaves replicas of 4 empty
 @example(n=37, batch=8, replicas=4, k=3, accumulation=2)
-@example(n=37, batch=8, replicas=1, k=8, accumulation=2)
 @given(n=st.integers(1, 41), batch=st.integers(1, 12), replicas=st.sampled_from([1, 2, 3, 4, 8]),
        k=st.integers(1, 8), accumulation=st.integers(1, 3))
 def test_k_steps_a_call_equal_one_step_a_call_placed_from_the_host(n, batch, replicas, k, accumulation):
@@ -114,7 +113,7 @@ def _keras_fit(strategy, x, y, k, dropout=0.0):
     return model.get_weights(), history.history
 
 
-@pytest.mark.parametrize("k", [1, 4])
+@pytest.mark.parametrize("k", variants([1, 4], {4}))
 def test_keras_compile_steps_per_execution_equals_keras_own_fit(k):
     """BatchNorm over the global batch; 50 rows: 37 to train in batches of 16 (the last, 5 rows,
     leaves a replica of 4 empty), 13 to validate."""
@@ -131,7 +130,7 @@ def test_keras_dropout_and_batchnorm_k_a_call_equal_one_a_call_bit_for_bit():
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
-@pytest.mark.parametrize("accumulation", [1, 2])
+@pytest.mark.parametrize("accumulation", variants([1, 2], {2}))
 def test_a_run_k_a_call_resumes_from_its_backup_and_equals_the_uninterrupted_one(tmp_path, accumulation):
     """Backups every 2 steps with 3 steps a call land at the end of the calls that reach a multiple
     of 2: 6 steps an epoch (steps 3 and 6 backed up), stopped in the call ending at step 9; with

@@ -10,6 +10,7 @@ import pytest
 
 import lockstep as ls
 from lockstep.engine._compiler import MAX_STEPS_IN_FLIGHT
+from suite import variants
 
 REPLICAS = [1, 2, 3, 4, 8]
 SIZES = [1, 7, 63, 64, 65, 1003]
@@ -44,8 +45,8 @@ def replica_stats(b):
     }
 
 
-@pytest.mark.parametrize("r", REPLICAS)
-@pytest.mark.parametrize("n", SIZES)
+@pytest.mark.parametrize("r", variants(REPLICAS, {3, 8}))  # make test-full: every count and size
+@pytest.mark.parametrize("n", variants(SIZES, {1, 7, 65, 1003}))
 @pytest.mark.parametrize("batch_size", [64, 3])
 def test_reduce_gather_and_collectives_match_numpy(r, n, batch_size):
     if batch_size == 3 and n == 1003:

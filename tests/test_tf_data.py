@@ -17,6 +17,7 @@ HERE = pathlib.Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from launching import WORKERS, StopAt, Stopped, launch_workers  # noqa: E402
+from suite import variants  # noqa: E402
 
 N, B = 203, 32
 
@@ -25,7 +26,7 @@ def dataset(x, y):
     return tf.data.Dataset.from_tensor_slices((x, y)).map(lambda a, b: (a * 2.0, b)).batch(B)
 
 
-@pytest.mark.parametrize("replicas", [1, 3, 4])
+@pytest.mark.parametrize("replicas", variants([1, 3, 4], {3}))
 def test_a_tf_dataset_trains_evaluates_and_predicts_as_the_same_arrays(replicas):
     x, y = common.data(N)
     got = common.trainer(ls.MirroredStrategy(replicas))
@@ -54,7 +55,7 @@ def test_a_tf_dataset_with_batch_size_is_refused():
         common.trainer(ls.MirroredStrategy(2)).fit(dataset(x, y), batch_size=8, verbose=0)
 
 
-@pytest.mark.parametrize("seeded", [True, False])
+@pytest.mark.parametrize("seeded", variants([True, False], {True}))
 def test_a_resumed_tf_pipeline_must_give_the_same_data(seeded, tmp_path):
     """A seeded shuffle resumes exactly (the consumed batches are read again, the last one checked);
     an unseeded one gives another order, which the check names."""
@@ -80,7 +81,8 @@ def test_a_resumed_tf_pipeline_must_give_the_same_data(seeded, tmp_path):
 
 
 @pytest.mark.xdist_group("processes")
-@pytest.mark.parametrize("mode", ["seeded", pytest.param("unseeded", marks=pytest.mark.full_suite)])
+# make test: tf.data in one process above; per-worker pipelines on 2 workers in test_grain_iter (CI time)
+@pytest.mark.parametrize("mode", variants(["seeded", "unseeded"], set()))
 def test_two_workers_split_a_tf_dataset_by_rows(mode, tmp_path):
     proc = launch_workers(WORKERS / "tf_data_job.py", tmp_path, mode, failure_timeout=10)
     if mode == "unseeded":

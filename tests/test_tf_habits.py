@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import lockstep as ls
+from suite import variants
 
 REPLICAS = [1, 3, 4, 8]
 
@@ -262,7 +263,7 @@ def _keras_mlp(keras):
     return keras.Sequential([keras.Input((6,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(3)])
 
 
-@pytest.mark.parametrize("optimizer", ["adam", "sgd_nesterov", "adamw_clipnorm"])
+@pytest.mark.parametrize("optimizer", variants(["adam", "sgd_nesterov", "adamw_clipnorm"], {"adamw_clipnorm"}))
 def test_a_trainer_on_a_compiled_keras_model_trains_as_keras_fit_does(optimizer):
     """Seed 004: `model.compile(optimizer="adam", loss=..., metrics=["accuracy"])` in the scope, then
     `ls.Trainer(model)`: the compiled optimizer, loss and metrics were ignored (lockstep's defaults)."""
