@@ -22,6 +22,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds after which a dead or frozen worker ends the job (default 20)")
     p.add_argument("--max-restarts", type=int, default=0,
                    help="start the workers again this many times when one fails or is preempted (default 0)")
+    p.add_argument("--socket-ifname", default=None, help="the network interface the workers' collectives use "
+                   "(LOCKSTEP_SOCKET_IFNAME; default: the one that routes to the coordinator)")
     p.add_argument("script", help="the Python script every worker runs")
     p.add_argument("args", nargs=argparse.REMAINDER, help="arguments for the script")
     return parser
@@ -36,7 +38,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return launch(args.script, args.args, nproc_per_node=args.nproc_per_node, nnodes=args.nnodes,
                       node_rank=args.node_rank, coordinator=args.coordinator,
                       devices_per_proc=args.devices_per_proc, failure_timeout=args.failure_timeout,
-                      max_restarts=args.max_restarts)
+                      max_restarts=args.max_restarts, socket_ifname=args.socket_ifname)
     except (ValueError, FileNotFoundError) as e:
         print(f"lockstep launch: {e}", file=sys.stderr)
         return 2

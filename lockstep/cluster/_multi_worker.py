@@ -36,6 +36,7 @@ from typing import Any
 import jax
 
 from . import _roll_call as roll_call
+from . import _transport as transport
 from ._agreement import ProgramAgreement
 from ._coordination import Coordination
 from .._errors import UsageError
@@ -205,18 +206,33 @@ class _Watchdog:
     At exit (`finish`) a worker publishes that it is done and waits, still beating, until every
     worker is: a chief that saves files long after the others finished is not cut off by the
     runtime's shutdown barrier (which aborts every worker after its time-out).
+
+    A second thread watches the time since the coordinator last answered: cut off from it (its
+    node down, the network partitioned), a call to the coordination service waits without end,
+    and the runtime's own heartbeat would abort this process (SIGABRT) without naming anything.
     """
 
-    def __init__(self, rank: int, num: int, timeout: float):
+    def __init__(self, rank: int, num: int, timeout: float, coordinator: str = "worker 0"):
         self._service = Coordination()
-        self._rank, self._num, self._timeout = rank, num, timeout
+        self._rank, self._num, self._timeout, self._coordinator = rank, num, timeout, coordinator
         self._finishing = False
+        self._contact = time.monotonic()  # when the coordinator last answered
         self._done = threading.Event()  # ends the heartbeat loop
         self._thread = threading.Thread(target=self._loop, name="lockstep-watchdog", daemon=True)
+        self._clock = threading.Thread(target=self._watch_contact, name="lockstep-watchdog-contact", daemon=True)
         atexit.register(self.finish)  # after JAX's own exit handler is registered: runs before it
 
     def start(self) -> None:
+        self._contact = time.monotonic()
         self._thread.start()
+        self._clock.start()
+
+    def _watch_contact(self) -> None:
+        while not self._done.wait(_BEAT_INTERVAL / 4):
+            silent = time.monotonic() - self._contact
+            if silent > self._timeout + _BEAT_INTERVAL:
+                self._die(f"lost contact with the coordinator at {self._coordinator} (worker 0's node): no answer for "
+                          f"{silent:.0f} s (that node is down, or the network between the nodes is cut)")
 
     def finish(self) -> None:
         """Publishes that this worker is done, then waits for every other worker to be done."""
@@ -241,6 +257,7 @@ class _Watchdog:
                 self._service.increment("lockstep/beat/", self._rank)
                 beats = self._service.by_rank("lockstep/beat/")
                 done = set(self._service.by_rank("lockstep/done/"))
+                self._contact = time.monotonic()
             except Exception as e:  # noqa: BLE001 - any failure to reach the coordinator
                 if self._done.is_set():
                     return
@@ -264,7 +281,7 @@ class _Watchdog:
                 if count != seen:
                     last_seen[r] = (count, now)
                 elif now - since > self._timeout:
-                    self._die(f"lost worker {r}: no heartbeat for {now - since:.0f} s (dead or frozen)")
+                    self._die(f"lost worker {r}: no heartbeat for {now - since:.0f} s (dead, frozen, or cut off by the network)")
                     return
 
     def _die(self, why: str) -> None:
@@ -303,7 +320,12 @@ def _exit_at_once(previous: Any) -> Any:
         previous(kind, value, tb)
         text = str(value)
         code = 1
-        if any(k in text for k in ("Gloo", "Connection closed by peer", "Connection reset", "DEADLINE_EXCEEDED")):
+        if "Gloo context initialization failed" in text:
+            print(f"lockstep: worker {jax.process_index()}: the collectives could not connect to a peer worker "
+                  f"({text.strip().splitlines()[-1][:300]}): a firewall, or a peer listening on an address this node "
+                  f"cannot reach; name the network interface with --socket-ifname ({transport.IFNAME_VARIABLE}); "
+                  "exiting with code 1.", file=sys.stderr, flush=True)
+        elif any(k in text for k in ("Gloo", "Connection closed by peer", "Connection reset", "DEADLINE_EXCEEDED")):
             code = LOST_WORKER_EXIT_CODE  # a consequence: a peer left in the middle of a collective
             print(f"lockstep: worker {jax.process_index()}: a collective failed because a peer worker left "
                   f"({type(value).__name__}); exiting with code {code}.", file=sys.stderr, flush=True)
@@ -337,6 +359,8 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
     devices = os.environ.get("LOCKSTEP_DEVICES_PER_PROC")
     if devices and jax.config.jax_platforms in (None, "", "cpu"):
         jax.config.update("jax_num_cpu_devices", int(devices))
+    # the address that reaches the other nodes, checked before any worker waits for another
+    chosen = transport.choose(resolver.coordinator_address)
     join = float(os.environ.get("LOCKSTEP_JOIN_TIMEOUT", max(30.0, failure_timeout)))
     # lockstep's own deadline for every worker to join, well before the runtime's (which aborts with
     # a core dump and `DEADLINE_EXCEEDED ... RegisterTask`): a worker that never starts is named here
@@ -361,6 +385,7 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
             raise
     finally:
         late.cancel()
+    transport.install(chosen)
     _INITIALIZED.append(resolver)
 
 
@@ -416,7 +441,8 @@ class MultiWorkerMirroredStrategy(Strategy):
         super().__init__(jax.devices())
         if fresh and resolver.num_processes > 1:
             # the watchdog names a silent peer before the runtime's own heartbeat aborts this process
-            _Watchdog(resolver.process_id, resolver.num_processes, _WATCHDOG * failure_timeout).start()
+            _Watchdog(resolver.process_id, resolver.num_processes, _WATCHDOG * failure_timeout,
+                      resolver.coordinator_address).start()
             sys.excepthook = _exit_at_once(sys.excepthook)
             _AGREEMENT.append(ProgramAgreement(resolver.process_id, resolver.num_processes, failure_timeout))
         if _AGREEMENT:  # one numbering of new programs per process, whatever the number of strategies

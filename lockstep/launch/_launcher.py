@@ -95,11 +95,14 @@ class _Worker:
 
 def launch(script: str, args: Sequence[str] = (), nproc_per_node: int = 1, nnodes: int = 1, node_rank: int = 0,
            coordinator: str | None = None, devices_per_proc: int | None = None, failure_timeout: float = 20.0,
-           max_restarts: int = 0, grace: float = 5.0, out: IO[str] | None = None, err: IO[str] | None = None) -> int:
+           max_restarts: int = 0, grace: float = 5.0, out: IO[str] | None = None, err: IO[str] | None = None,
+           socket_ifname: str | None = None) -> int:
     """Runs `script` in `nproc_per_node` worker processes of this node; returns the exit code.
 
     Each worker gets LOCKSTEP_COORDINATOR_ADDRESS, LOCKSTEP_NUM_PROCESSES, LOCKSTEP_PROCESS_ID
-    (and LOCKSTEP_DEVICES_PER_PROC, LOCKSTEP_FAILURE_TIMEOUT, LOCKSTEP_RESTART_COUNT). Output
+    (and LOCKSTEP_NNODES, LOCKSTEP_DEVICES_PER_PROC, LOCKSTEP_FAILURE_TIMEOUT, LOCKSTEP_RESTART_COUNT, and
+    LOCKSTEP_SOCKET_IFNAME: the network interface of the collectives, else the one that routes to
+    the coordinator). Output
     lines are prefixed with the rank. When a worker fails or is preempted, the others are
     stopped (SIGTERM, then SIGKILL after `grace` seconds) and a one-line summary names the failed
     rank (and any frozen one); the group is started again up to `max_restarts` times (with
@@ -135,7 +138,7 @@ def launch(script: str, args: Sequence[str] = (), nproc_per_node: int = 1, nnode
             address = coordinator or f"127.0.0.1:{free_port()}"
             workers.clear()
             summary = _run_group(workers, script, args, nproc_per_node, nnodes, node_rank, address,
-                                 devices_per_proc, failure_timeout, attempt, grace, out, stopping)
+                                 devices_per_proc, failure_timeout, attempt, grace, out, stopping, socket_ifname)
             if summary is None:
                 return 0
             print(summary + (" (interrupted)" if stopping.is_set() else ""), file=err, flush=True)
@@ -152,14 +155,17 @@ def launch(script: str, args: Sequence[str] = (), nproc_per_node: int = 1, nnode
 
 def _run_group(workers: list[_Worker], script: str, args: Sequence[str], nproc_per_node: int, nnodes: int,
                node_rank: int, coordinator: str, devices_per_proc: int | None, failure_timeout: float,
-               attempt: int, grace: float, out: IO[str], stopping: threading.Event) -> str | None:
+               attempt: int, grace: float, out: IO[str], stopping: threading.Event,
+               socket_ifname: str | None = None) -> str | None:
     """Starts one group of workers and waits; returns None on success, else a summary line."""
     world = nnodes * nproc_per_node
     for i in range(nproc_per_node):
         rank = node_rank * nproc_per_node + i
         env = {**os.environ, "LOCKSTEP_COORDINATOR_ADDRESS": coordinator, "LOCKSTEP_NUM_PROCESSES": str(world),
                "LOCKSTEP_PROCESS_ID": str(rank), "LOCKSTEP_FAILURE_TIMEOUT": str(failure_timeout),
-               "LOCKSTEP_RESTART_COUNT": str(attempt), "PYTHONUNBUFFERED": "1"}
+               "LOCKSTEP_RESTART_COUNT": str(attempt), "LOCKSTEP_NNODES": str(nnodes), "PYTHONUNBUFFERED": "1"}
+        if socket_ifname:
+            env["LOCKSTEP_SOCKET_IFNAME"] = socket_ifname
         if devices_per_proc is not None:
             env["LOCKSTEP_DEVICES_PER_PROC"] = str(devices_per_proc)
         proc = subprocess.Popen([sys.executable, "-u", script, *args], env=env, stdout=subprocess.PIPE,
