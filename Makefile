@@ -32,9 +32,11 @@ test: $(STAMP)
 test-full: $(STAMP)
 	KERAS_BACKEND=jax LOCKSTEP_FULL_SUITE=1 LOCKSTEP_FAULT_TRIALS=20 $(BIN)/python -m pytest -q -n 2 --dist loadgroup
 
-# fault injection, 20 trials of every scenario with 2 and 3 workers: writes benchmarks/FAULTS.md
+# fault injection, 20 trials of every scenario with 2 and 3 workers, and of partitions between two
+# nodes (network namespaces: root and `ip`): writes benchmarks/FAULTS.md
 faults: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/faults.py
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/partitions.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,7 +1,8 @@
 """Several nodes on one machine, for the multi-node tests: `Nodes(n)` creates `n` Linux network
 namespaces (node k at 10.77.0.(k+1)), each joined by a veth link to a bridge in a hub namespace,
 starts commands in them, takes a node's link down and up, and at exit kills what it started and
-deletes every namespace and link it made (then checks that none is left).
+deletes every namespace and link it made (then checks that no namespace, and no process in one,
+was left).
 
 Each node's `/etc/hosts` maps the host name to 127.0.1.1 by default, as Debian's and many
 containers' do (`ip netns exec` reads it from /etc/netns/<name>/hosts): the host name of a node
@@ -59,6 +60,7 @@ class Nodes:
         self.hub = f"{PREFIX}h"
         self.names = [f"{PREFIX}n{k}" for k in range(n)]
         self.procs = []
+        self.orphans = []  # processes still alive in a node after its launcher was killed
 
     def address(self, k):
         return f"{SUBNET}.{k + 1}"
@@ -112,6 +114,7 @@ class Nodes:
                 proc.wait(10)
             except subprocess.TimeoutExpired:  # pragma: no cover
                 pass
+        self.orphans = self._reap()
         for name in [*self.names, self.hub]:  # deleting a namespace deletes the links in it
             subprocess.run(["ip", "netns", "del", name], capture_output=True)
             shutil.rmtree(pathlib.Path("/etc/netns") / name, ignore_errors=True)
@@ -119,7 +122,29 @@ class Nodes:
         while leftovers() and time.monotonic() < deadline:
             time.sleep(0.1)
 
+    def _pids(self):
+        pids = []
+        for name in self.names:
+            found = subprocess.run(["ip", "netns", "pids", name], capture_output=True, text=True).stdout.split()
+            pids += [int(p) for p in found]
+        return pids
+
+    def _reap(self, grace=10.0):
+        """The processes left in the nodes once the commands started there were killed (the
+        workers die with their launcher), after `grace` s; kills them."""
+        deadline = time.monotonic() + grace
+        while self._pids() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = self._pids()
+        for pid in left:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        return left
+
     def __exit__(self, *exc):
         self.close()
         left = leftovers()
         assert not left, f"namespaces left behind: {left}"
+        assert not self.orphans, f"processes left behind in the nodes: {self.orphans}"
