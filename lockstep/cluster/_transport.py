@@ -8,12 +8,15 @@ remote=[127.0.0.1]"). A worker instead finds the local address from which the co
 reached (the kernel's route to it, as `ip route get` shows), and gives that address to gloo; on
 GPUs, NCCL gets the interface's name (`NCCL_SOCKET_IFNAME`) unless it is set already.
 
->>> choose("127.0.0.1:29500", nodes=1, env={}).address
+A coordinator on a loopback address (127.0.0.1, localhost) puts every node on this machine (the
+launchers of a test, say), where a loopback address is right:
+
+>>> choose("127.0.0.1:29500", nodes=2, env={}).address
 '127.0.0.1'
->>> choose("127.0.0.1:29500", nodes=2, env={})
+>>> choose("10.0.0.1:29500", nodes=2, env={"LOCKSTEP_SOCKET_IFNAME": "lo"})
 Traceback (most recent call last):
 ...
-lockstep._errors.UsageError: the job spans 2 nodes, but this worker's address for the collectives is the loopback address 127.0.0.1 (from the route to the coordinator 127.0.0.1): the other nodes cannot reach it. Give --coordinator (LOCKSTEP_COORDINATOR_ADDRESS) an address of node 0 that the other nodes reach, or name the network interface with --socket-ifname (LOCKSTEP_SOCKET_IFNAME).
+lockstep._errors.UsageError: the job spans 2 nodes, but this worker's address for the collectives is the loopback address 127.0.0.1 (from LOCKSTEP_SOCKET_IFNAME=lo): the other nodes cannot reach it. Give --coordinator (LOCKSTEP_COORDINATOR_ADDRESS) an address of node 0 that the other nodes reach, or name the network interface with --socket-ifname (LOCKSTEP_SOCKET_IFNAME).
 """
 
 from __future__ import annotations
@@ -91,12 +94,23 @@ def nodes_in_job(env: Mapping[str, str]) -> int | None:
         return None
 
 
+def _is_loopback_host(host: str) -> bool:
+    """`host` names this machine only: "localhost" or a loopback address written out."""
+    if host.lower() in ("localhost", "localhost.localdomain"):
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def choose(coordinator_address: str, nodes: int | None = None, env: Mapping[str, str] | None = None) -> Transport:
     """The address this worker's collectives use (see the module's text).
 
     Raises:
       UsageError: `LOCKSTEP_SOCKET_IFNAME` names no interface with an IPv4 address; or the address is
-        a loopback address while the job spans several nodes.
+        a loopback address while the job spans several nodes and the coordinator is not on a
+        loopback address (a host name that resolves to 127.0.1.1 on node 0, say).
     """
     env = os.environ if env is None else env
     host, _, port = coordinator_address.rpartition(":")
@@ -113,7 +127,8 @@ def choose(coordinator_address: str, nodes: int | None = None, env: Mapping[str,
         transport = Transport(address, interface_of(address), f"the route to the coordinator {host}")
     if nodes is None:
         nodes = nodes_in_job(env)
-    if nodes is not None and nodes > 1 and ipaddress.ip_address(transport.address).is_loopback:
+    if (nodes is not None and nodes > 1 and ipaddress.ip_address(transport.address).is_loopback
+            and not _is_loopback_host(host)):
         raise UsageError(
             f"the job spans {nodes} nodes, but this worker's address for the collectives is the loopback address "
             f"{transport.address} (from {transport.how}): the other nodes cannot reach it. Give --coordinator "
