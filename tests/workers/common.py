@@ -60,6 +60,17 @@ def flat(tree):
     return np.concatenate([np.ravel(v) for v in jax.tree.leaves(tree)])
 
 
+def save_result(out_dir, t, hist, restored_from):
+    """A job's final weights and history, as `launching.resume_result` reads them (worker 0 writes them)."""
+    import json
+    import os
+
+    np.savez(os.path.join(out_dir, "final.npz"), weights=flat(t.get_weights()))
+    with open(os.path.join(out_dir, "history.json"), "w") as f:
+        json.dump({"epoch": hist.epoch, "history": {k: [float(v) for v in vs] for k, vs in hist.history.items()},
+                   "restored_from": restored_from}, f)
+
+
 def basic_run(t, x, y):
     """The job both sides run: evaluate, predict, then fit from the same start."""
     ev = t.evaluate(x, y, batch_size=64)

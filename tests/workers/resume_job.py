@@ -5,7 +5,6 @@ global step 42 (mid-epoch); "term": every step is slowed down so a test can send
 "es": as "kill" (at step 42), with EarlyStopping on a validation set.
 """
 
-import json
 import os
 import signal
 import sys
@@ -53,9 +52,5 @@ if mode == "es":
     epochs = 12
 hist = t.fit(x, y, batch_size=64, epochs=epochs, seed=3, verbose=0, callbacks=callbacks, **kwargs)
 if rank == 0:
-    np.savez(os.path.join(out_dir, "final.npz"),
-             weights=common.flat(t.get_weights()))
-    with open(os.path.join(out_dir, "history.json"), "w") as f:
-        json.dump({"epoch": hist.epoch, "history": {k: [float(v) for v in vs] for k, vs in hist.history.items()},
-                   "restored_from": callbacks[0].restored_from}, f)
+    common.save_result(out_dir, t, hist, callbacks[0].restored_from)
 print(f"worker {rank} finished (attempt {attempt})", flush=True)

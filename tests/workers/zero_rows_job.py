@@ -8,7 +8,6 @@ the job, shared with the one-process reference. With k=4 (4 steps a call) the ca
 end at steps 33, 37, ..., 57 and 58: the kill and the backup land at the end of the last.
 """
 
-import json
 import os
 import pathlib
 import signal
@@ -56,8 +55,5 @@ if __name__ == "__main__":
     k = int(next((a.split("=")[1] for a in sys.argv[2:] if a.startswith("k=")), 1))
     t, hist = run(strategy, [backup, Chaos(rank, attempt, os.path.join(out_dir, "backup") if damage else None)], k)
     if rank == 0:
-        np.savez(os.path.join(out_dir, "final.npz"), weights=common.flat(t.get_weights()))
-        with open(os.path.join(out_dir, "history.json"), "w") as f:
-            json.dump({"epoch": hist.epoch, "history": {k: [float(v) for v in vs] for k, vs in hist.history.items()},
-                       "restored_from": backup.restored_from}, f)
+        common.save_result(out_dir, t, hist, backup.restored_from)
     print(f"worker {rank} finished (attempt {attempt})", flush=True)
