@@ -30,6 +30,9 @@ _EXPORTS: dict[str, str] = {
     "Strategy": ".distribute._strategy",
     "TPUStrategy": ".distribute._strategy",
     "StrategyExtended": ".distribute._extended",
+    "DeviceMesh": ".distribute._mesh",
+    "LayoutMap": ".distribute._mesh",
+    "ShardedStrategy": ".distribute._sharded",
     "ValueContext": ".distribute._strategy",
     "get_strategy": ".distribute._strategy",
     "has_strategy": ".distribute._strategy",
@@ -107,6 +110,9 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .distribute._strategy import Strategy as Strategy
     from .distribute._strategy import TPUStrategy as TPUStrategy
     from .distribute._extended import StrategyExtended as StrategyExtended
+    from .distribute._mesh import DeviceMesh as DeviceMesh
+    from .distribute._mesh import LayoutMap as LayoutMap
+    from .distribute._sharded import ShardedStrategy as ShardedStrategy
     from .distribute._strategy import ValueContext as ValueContext
     from .distribute._strategy import get_strategy as get_strategy
     from .distribute._strategy import has_strategy as has_strategy

@@ -123,6 +123,9 @@ def _keras_data_parallel(keras: Any) -> type:
                 if self.strategy is not None:  # the variable was made in this strategy's scope
                     key = id(variable)
                     _BUILT_IN[key] = (weakref.ref(variable, lambda _: _BUILT_IN.pop(key, None)), self.strategy)
+                    layout = getattr(self.strategy(), "keras_variable_layout", None)
+                    if layout is not None:  # a sharded strategy: the variable is created in its layout
+                        return layout(variable)
                 return super().get_variable_layout(variable)
 
             def get_data_layout(self, data_shape: Any) -> Any:  # only Keras' fit/evaluate/predict ask

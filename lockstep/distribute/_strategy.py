@@ -24,6 +24,7 @@ from ..engine._cross_replica import gather_stacked, reduce_replicated, reduce_st
 from ..engine._engine import BATCH_AXIS
 from ..engine._placement import DistributedBatch
 from ..engine._reduce_op import ReduceOp
+from ..engine._sharding import ShardingConfig
 from ..engine._replica_context import get_replica_context
 from . import _scope
 from ._datasets import DistributedDataset, InputContext
@@ -47,9 +48,9 @@ class Strategy:
     """
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, *, mesh: Mesh | None = None,
-                 batch_axis: str = BATCH_AXIS):
+                 batch_axis: str = BATCH_AXIS, sharding: ShardingConfig | None = None):
         self._extended = StrategyExtended(None if devices is None else tuple(devices), owner=self, mesh=mesh,
-                                          batch_axis=batch_axis)
+                                          batch_axis=batch_axis, sharding=sharding)
         self._devices = tuple(self._extended.mesh.devices.flat)
 
     # --- facts -------------------------------------------------------------------------

@@ -6,6 +6,8 @@ Arguments are plain arrays, each of one *kind*:
 - ``"rows"``: a global batch array split over replicas by rows (each replica sees its rows);
 - ``"per_replica"``: a stacked ``(R, ...)`` array, one entry per replica (each sees its entry);
 - ``"replicated"``: the same value on every replica;
+- a `PartitionSpec` over the batch axis: a global array split as it says (each replica sees its
+  slice: a sharded model's parameter or gradient shard);
 - anything that is not an array is compiled in (hashable Python values such as `training=True`).
 
 Outputs are plain global arrays too: replicated ones as they are, per-replica ones stacked
@@ -43,13 +45,16 @@ ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 CACHE_SIZE = 256
 
 
-def spec(kind: str, batch_axis: str) -> P:
+def spec(kind: Any, batch_axis: str) -> P:
     """Where an argument or output of `kind` lies on the mesh: rows and per-replica entries split
-    over `batch_axis`, replicated values on every device (a mesh's other axes hold copies).
+    over `batch_axis`, replicated values on every device (a mesh's other axes hold copies), a
+    `PartitionSpec` as it says.
 
-    >>> spec("rows", "batch"), spec("replicated", "batch")
-    (P('batch',), P())
+    >>> spec("rows", "batch"), spec("replicated", "batch"), spec(P(None, "batch"), "batch")
+    (P('batch',), P(), P(None, 'batch'))
     """
+    if isinstance(kind, P):
+        return kind
     if kind not in ("rows", "per_replica", "replicated"):
         raise ValueError(f"a kind must be 'rows', 'per_replica' or 'replicated', got {kind!r}.")
     return P(batch_axis) if kind != "replicated" else P()
@@ -115,9 +120,11 @@ class RunCompiler:
     `context(mask, count, typed)` makes each call's replica context (`typed`: traced with
     replication typing)."""
 
-    def __init__(self, mesh: Mesh, batch_axis: str, context: Callable[[Any, Any, bool], ReplicaContext]):
+    def __init__(self, mesh: Mesh, batch_axis: str, context: Callable[[Any, Any, bool], ReplicaContext],
+                 manual_axes: frozenset[str] = frozenset()):
         self._mesh = mesh
         self._axis = batch_axis
+        self._manual = manual_axes  # `shard_map`'s axis_names: empty, all axes
         self._context = context
         self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self._in_flight: collections.deque[jax.Array] = collections.deque()
@@ -174,11 +181,34 @@ class RunCompiler:
         entry = _Entry()
         entry.call = jax.jit(jax.shard_map(replica, mesh=self._mesh, in_specs=jax.tree.map(lambda k: spec(k, axis), kinds),
                                            out_specs=jax.tree.map(lambda k: spec(k, axis), out_kinds),
-                                           check_vma=check_vma))
+                                           check_vma=check_vma, axis_names=self._manual))
         with self._lock:
             self._entries[(fn, "bound")] = entry  # counted by `compile_counts`
         compiled = entry.call
         return lambda *args: self._tracked(compiled(*args))
+
+    def mapped(self, fn: Callable[..., Any], kinds: Any, out_kinds: Any, *, check_vma: bool = True,
+               with_batch: bool = True) -> Callable[..., Any]:
+        """`fn` as a `shard_map` (not compiled: for a caller's own `jax.jit` around it) of
+        ``(*args, mask, count)``: arguments of the kinds `kinds`, then a distributed batch's mask
+        (split by rows) and real-sample count, which make the replica context (without
+        `with_batch`: ``(*args)``, a context without a batch); outputs of the kinds `out_kinds`
+        (`PartitionSpec`s among them: shards, as the replica returns them)."""
+        axis = self._axis
+
+        def replica(*args: Any) -> Any:
+            mask = count = None
+            if with_batch:
+                *args, mask, count = args
+            args = jax.tree.map(lambda k, sub: jax.tree.map(lambda x: x[0], sub) if k == "per_replica" else sub,
+                                kinds, tuple(args))
+            with self._entered(mask, count, check_vma):
+                return _as_kinds(out_kinds, fn(*args), axis)
+
+        in_specs = (*jax.tree.map(lambda k: spec(k, axis), kinds), *((P(axis), P()) if with_batch else ()))
+        return jax.shard_map(replica, mesh=self._mesh, in_specs=in_specs,
+                             out_specs=jax.tree.map(lambda k: spec(k, axis), out_kinds), check_vma=check_vma,
+                             axis_names=self._manual)
 
     def call_inferred(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, *, mask: Any = None,
                       count: Any = None, with_kwargs: bool = False) -> tuple[Any, tuple[bool, ...]]:
@@ -266,7 +296,7 @@ class RunCompiler:
         out_specs = jax.tree.map(lambda k: spec(k, self._axis), out_kinds)
         entry.call = jax.jit(jax.shard_map(declared, mesh=self._mesh, in_specs=call.in_specs(self._axis),
                                            out_specs=out_specs,
-                                           check_vma=check_vma))
+                                           check_vma=check_vma, axis_names=self._manual))
         return entry
 
     def _compile_inferred(self, call: "_Call", with_kwargs: bool) -> _Entry:
@@ -285,13 +315,14 @@ class RunCompiler:
             return tuple(o if mirrored else o[None] for o, mirrored in zip(out_leaves, flags))
 
         probe = jax.shard_map(functools.partial(inferred, None), mesh=self._mesh, in_specs=call.in_specs(self._axis),
-                              out_specs=P(self._axis))
+                              out_specs=P(self._axis), axis_names=self._manual)
         jax.eval_shape(probe, call.dynamic, call.context)
         flags = entry.flags
         assert flags is not None
         out_specs = tuple(P() if m else P(self._axis) for m in flags)
         entry.call = jax.jit(jax.shard_map(functools.partial(inferred, flags), mesh=self._mesh,
-                                           in_specs=call.in_specs(self._axis), out_specs=out_specs))
+                                           in_specs=call.in_specs(self._axis), out_specs=out_specs,
+                                           axis_names=self._manual))
         return entry
 
 
@@ -343,7 +374,7 @@ class _Call:
                 leaves.append(next(s_it))
             else:
                 x = next(d_it)
-                leaves.append(x[0] if kind == "per_replica" else x)
+                leaves.append(x[0] if kind == "per_replica" else x)  # rows, replicated, a shard: as it is
         return jax.tree.unflatten(self.treedef, leaves)
 
 
@@ -387,9 +418,12 @@ def _as_kinds(out_kinds: Any, out: Any, batch_axis: str) -> Any:
     return jax.tree.map(lambda k, sub: jax.tree.map(functools.partial(_as_kind, k, batch_axis), sub), out_kinds, out)
 
 
-def _as_kind(kind: str, batch_axis: str, x: Any) -> jax.Array:
-    """An output leaf shaped for its declared kind (per-replica values get a leading replica axis)."""
+def _as_kind(kind: Any, batch_axis: str, x: Any) -> jax.Array:
+    """An output leaf shaped for its declared kind (per-replica values get a leading replica axis;
+    a shard, declared by its `PartitionSpec`, is as the replica made it)."""
     x = jnp.asarray(x)
+    if isinstance(kind, P):
+        return x
     if kind == "per_replica":
         return to_varying(x, batch_axis)[None]
     if kind != "replicated":

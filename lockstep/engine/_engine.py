@@ -20,6 +20,7 @@ from ._cross_replica import ReplicatedCall, gather_stacked
 from ._layout import StepInfo
 from ._placement import BatchDistributor
 from ._replica_context import ReplicaContext
+from ._sharding import ShardingConfig, ShardingPlan
 
 #: The default name of the mesh axis over which rows are split and replicas reduce.
 BATCH_AXIS = "batch"
@@ -51,7 +52,7 @@ class Engine:
     """
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, owner: Any = None, *, mesh: Mesh | None = None,
-                 batch_axis: str = BATCH_AXIS):
+                 batch_axis: str = BATCH_AXIS, sharding: ShardingConfig | None = None):
         if (devices is None) == (mesh is None):
             raise ValueError("give an `Engine` one of `devices` (a 1-D mesh) and `mesh`, got "
                              f"{'both' if mesh is not None else 'neither'}.")
@@ -62,11 +63,14 @@ class Engine:
         self.mesh = mesh
         self.batch_axis = batch_axis
         self.owner = owner
+        #: how a sharded model's variables are laid out (None: replicated on every device)
+        self.sharding = sharding
         self.distributor = BatchDistributor(mesh, batch_axis, self)
         self.num_replicas = self.distributor.num_replicas
         self.replicated_call = ReplicatedCall(mesh)
         self._compiler = RunCompiler(mesh, batch_axis, lambda mask, count, typed: ReplicaContext(
-            self.num_replicas, mask, count, typed, owner, axis_name=batch_axis))
+            self.num_replicas, mask, count, typed, owner, axis_name=batch_axis),
+            manual_axes=_manual_axes(mesh, batch_axis, sharding))
 
     @property
     def num_local_replicas(self) -> int:
@@ -101,6 +105,28 @@ class Engine:
         """`fn` compiled once as a callable of arrays of the kinds `kinds` (`run_arrays`' without a
         batch), for a step called thousands of times; see `RunCompiler.bind`."""
         return self._compiler.bind(fn, kinds, out_kinds, check_vma=check_vma)
+
+    def mapped(self, fn: Callable[..., Any], kinds: Any, out_kinds: Any, check_vma: bool = True,
+               with_batch: bool = True) -> Callable[..., Any]:
+        """`fn` on every replica as an uncompiled `shard_map` of ``(*args, mask, count)``, for a
+        caller's own `jax.jit` around it; see `RunCompiler.mapped`."""
+        return self._compiler.mapped(fn, kinds, out_kinds, check_vma=check_vma, with_batch=with_batch)
+
+    def plan(self, params: Any, paths: Any, trainable: Any) -> ShardingPlan | None:
+        """The layouts of a model's parameters (trees of arrays, path strings and trainable flags)
+        under this engine's `sharding`, or None when it replicates them."""
+        return None if self.sharding is None else self.sharding.plan(self.mesh, self.batch_axis, params, paths,
+                                                                     trainable)
+
+    def place(self, tree: Any, shardings: Any) -> Any:
+        """Host arrays (a tree) laid out as `shardings` (a tree alike of `NamedSharding`s): each
+        device receives only its slice."""
+        def one(x: Any, sharding: Any) -> jax.Array:
+            if isinstance(x, jax.Array) and x.sharding == sharding:
+                return x
+            x = np.asarray(x)
+            return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+        return jax.tree.map(one, tree, shardings)
 
     def run_inferred(self, fn: Callable[..., Any], args: tuple[Any, ...], kinds: Any, mask: Any, count: Any,
                      with_kwargs: bool = False) -> tuple[Any, tuple[bool, ...]]:
@@ -147,6 +173,17 @@ class Engine:
     def real_rows(self, tree: Any, step: StepInfo) -> Any:
         """Per-replica batch outputs (R, b, ...) as the batch's real rows in order, readable here."""
         return jax.tree.map(lambda v: gather_stacked(self.replicated_call, v, step, 0), tree)
+
+
+def _manual_axes(mesh: Mesh, batch_axis: str, sharding: ShardingConfig | None) -> frozenset[str]:
+    """The axes replica functions see one device of (`shard_map`'s axis_names; empty: all). A
+    sharded model's steps leave the model axes to the compiler, which lays their shards out
+    (tensor parallelism), unless the batch axis has one device: XLA's SPMD partitioner then
+    refuses a collective over it ("Cross-partition allreduce must be in (partial) manual
+    partitioning mode"), so the step sees whole parameters (gathered along the model axes)."""
+    if sharding is None or dict(zip(mesh.axis_names, mesh.devices.shape))[batch_axis] == 1:
+        return frozenset()
+    return frozenset({batch_axis})
 
 
 def _one_copy_each(stacked: jax.Array) -> list[Any]:

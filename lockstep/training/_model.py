@@ -102,6 +102,12 @@ class _FunctionalAdapter:
     def get_weights(self, params: Params) -> Any:
         return jax.tree.map(np.asarray, params["trainable"])
 
+    def paths(self, params: Params) -> Any:
+        """Each parameter's path (its keys joined by ``/``: ``"dense/w"``), a tree like `params`."""
+        def path(p: Any) -> str:
+            return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in p[1:])
+        return jax.tree_util.tree_map_with_path(lambda p, _: path(p), params)
+
     def set_weights(self, params: Params, weights: Any) -> Params:
         want = jax.tree.structure(params["trainable"])
         got = jax.tree.structure(weights)
@@ -159,6 +165,11 @@ class _KerasAdapter:
             self._seed_slots = [i for i, v in enumerate(self.model.non_trainable_variables)
                                 if v.name == "seed_generator_state"]
         return self._seed_slots
+
+    def paths(self, params: Params) -> Any:
+        """Each variable's Keras `variable.path`, a tree like `params`."""
+        return {"trainable": [v.path for v in self.model.trainable_variables],
+                "non_trainable": [v.path for v in self.model.non_trainable_variables]}
 
     def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
         non_trainable = list(params["non_trainable"])

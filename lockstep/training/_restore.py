@@ -30,12 +30,12 @@ def callback_key(callbacks: list[Any]) -> dict[str, Any]:
     return out
 
 
-def initial_state(engine: Any, params: Any, init_optimizer: Any, names: Any = None) -> TrainState:
-    """Worker 0's `params` (host arrays) on every device of `engine`, with a fresh optimizer state
-    (`init_optimizer(trainable params)`); `names(params, opt_state)` gives their `StateNames`."""
+def initial_state(placement: Any, params: Any, names: Any = None) -> TrainState:
+    """Worker 0's `params` (host arrays) on the devices as `placement` (`_placement`'s) lays them
+    out, with a fresh optimizer state; `names(params, opt_state)` gives their `StateNames`."""
     params = jax.tree.map(np.asarray, broadcast_from_chief(params))  # every worker starts from worker 0's
-    params = engine.put_replicated(params)
-    opt_state = engine.put_replicated(init_optimizer(params["trainable"]))
+    params = placement.params(params)
+    opt_state = placement.init_opt_state(params)
     return TrainState(params=params, opt_state=opt_state, metric_state=None, epoch=0, step=0, global_step=0, seed=0,
                       callbacks={}, names=None if names is None else names(params, opt_state))
 
@@ -79,9 +79,9 @@ def _per_replica(engine: Any, metrics: Any, saved: Any) -> Any:
         {name: {field: moved(name, field, v) for field, v in fields.items()} for name, fields in saved.items()})
 
 
-def placed(engine: Any, metrics: Any, current: TrainState, state: TrainState) -> TrainState:
+def placed(engine: Any, placement: Any, metrics: Any, current: TrainState, state: TrainState) -> TrainState:
     """`state` checked against `current` (the trainer's) and placed on `engine`: the weights and
-    optimizer state replicated, the running metric state of an epoch in progress per replica
+    optimizer state as `placement` lays them out (whatever mesh they were saved from), the running metric state of an epoch in progress per replica
     (`metrics`, a `MetricCollection`, reduces one taken on another number of replicas).
 
     Raises:
@@ -98,7 +98,7 @@ def placed(engine: Any, metrics: Any, current: TrainState, state: TrainState) ->
     metric_state = None
     if state.step and state.metric_state is not None:  # mid-epoch: the epoch's running metrics go on
         metric_state = _per_replica(engine, metrics, state.metric_state)
-    return state.replace(params=engine.put_replicated(state.params), opt_state=engine.put_replicated(state.opt_state),
+    return state.replace(params=placement.params(state.params), opt_state=placement.opt_state(state.opt_state),
                          metric_state=metric_state, names=current.names)
 
 

@@ -52,10 +52,13 @@ class StepRunner:
     """Runs `steps` (from `make_steps`) on `engine` (`strategy.extended`), `accumulation` batches
     per optimizer update."""
 
-    def __init__(self, engine: Any, steps: dict[str, Callable[..., Any]], accumulation: int):
+    def __init__(self, engine: Any, steps: dict[str, Callable[..., Any]], accumulation: int, placement: Any = None):
         self._engine = engine
         self._steps = steps
         self._accumulation = accumulation
+        self._sharded = placement if placement is not None and placement.plan is not None else None
+        if self._sharded is not None:  # a sharded model: its own train and apply programs (`_placement`)
+            self._train, self._apply = self._sharded.train_program(steps["gradient"]), self._sharded.apply_program()
         self._acc: Any = None  # per-replica gradient sums of the group in progress
         self._programs: dict[tuple[Any, ...], Callable[..., Any]] = {}  # several updates in one program
         self._starts: dict[int, jax.Array] = {}  # batch numbers on the devices, placed once
@@ -69,7 +72,11 @@ class StepRunner:
         """`state` after one optimizer update from `group`'s batches (one more step taken)."""
         run = self._engine.run_arrays
         params, opt_state, metric_state = state.params, state.opt_state, state.metric_state
-        if self._accumulation == 1:
+        if self._accumulation == 1 and self._sharded is not None:
+            (batch,) = group.batches
+            params, opt_state, metric_state = self._train(params, opt_state, metric_state, batch.data, batch.mask,
+                                                          batch.count)
+        elif self._accumulation == 1:
             (batch,) = group.batches
             params, opt_state, metric_state = run(
                 self._steps["train"], (params, opt_state, metric_state, batch.data, batch.mask, batch.count),
@@ -81,8 +88,11 @@ class StepRunner:
                                                 batch.count), ACCUMULATE_KINDS, ACCUMULATE_OUT,
                     mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
             count = self._engine.put_replicated(np.float32(group.num_samples))
-            params, opt_state, self._acc = run(self._steps["apply"], (params, opt_state, self._acc, count),
-                                               APPLY_KINDS, APPLY_OUT, check_vma=CHECK_VMA)
+            if self._sharded is not None:
+                params, opt_state, self._acc = self._apply(params, opt_state, self._acc, count)
+            else:
+                params, opt_state, self._acc = run(self._steps["apply"], (params, opt_state, self._acc, count),
+                                                   APPLY_KINDS, APPLY_OUT, check_vma=CHECK_VMA)
         return state.replace(params=params, opt_state=opt_state, metric_state=metric_state, step=state.step + 1,
                              global_step=state.global_step + 1)
 
@@ -90,7 +100,7 @@ class StepRunner:
         """`state` after the updates of one execution, as few compiled calls as they allow (see
         `lockstep.training._executions`)."""
         for key, run in runs(updates):
-            if key is None or (key[0] == "placed" and len(run) == 1):
+            if key is None or (key[0] == "placed" and len(run) == 1) or self._sharded is not None:
                 for update in run:
                     state = self.step(state, _placed(update))
             else:

@@ -128,22 +128,42 @@ def _local_gradients(apply: Apply, loss_fn: LossFn, num_replicas: int, params: d
     return grads, aux
 
 
+def make_gradient_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,
+                       num_replicas: int, reduce: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
+    """The step's gradient on one replica's rows, combined over replicas by `reduce` (default:
+    summed, every replica then holding the whole of it; a sharded model's step reduce-scatters
+    it), with the agreed non-trainable state and the logs: ``(params, loss_scale, state, data, mask,
+    count) -> (grads, non_trainable, logs)``."""
+    reduce = reduce or (lambda grads: jax.lax.psum(grads, replicas_axis()))  # the global gradient (CHECK_VMA off)
+
+    def gradient_step(params: dict[str, Any], scale: jax.Array | None, state: dict[str, Any], data: Any,
+                      mask: jax.Array, count: jax.Array) -> Any:
+        x, y, sw = unpack(data)
+        grads, (y_pred, per_example, non_trainable, penalty) = _local_gradients(
+            apply, loss_fn, num_replicas, params, x, y, sw, mask, count, scale)
+        logs = update_logs(loss_tracker, metrics, state, y, y_pred, per_example, sw, mask,
+                           global_penalty(penalty, num_replicas))
+        return reduce(grads), _agree_non_trainable(non_trainable, mask), logs
+
+    return gradient_step
+
+
+def updated(optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, trainable: Any) -> tuple[Any, Any]:
+    """(trainable parameters, optimizer state) after one update with the global `grads`."""
+    updates, opt_state = optimizer.update(grads, opt_state, trainable)
+    return optax.apply_updates(trainable, updates), opt_state
+
+
 def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransformation,
                     loss_tracker: Mean, metrics: MetricCollection, num_replicas: int) -> Callable[..., Any]:
     """One optimisation step on one replica's rows, with the gradient summed over replicas."""
+    gradient_step = make_gradient_step(apply, loss_fn, loss_tracker, metrics, num_replicas)
 
     def train_step(params: dict[str, Any], opt_state: Any, state: dict[str, Any], data: Any, mask: jax.Array,
                    count: jax.Array) -> Any:
-        x, y, sw = unpack(data)
-        grads, (y_pred, per_example, non_trainable, penalty) = _local_gradients(
-            apply, loss_fn, num_replicas, params, x, y, sw, mask, count, loss_scale_of(opt_state))
-        grads = jax.lax.psum(grads, replicas_axis())  # this replica's share -> the global gradient (CHECK_VMA off)
-        updates, opt_state = optimizer.update(grads, opt_state, params["trainable"])
-        trainable = optax.apply_updates(params["trainable"], updates)
-        new_params = {"trainable": trainable, "non_trainable": _agree_non_trainable(non_trainable, mask)}
-        logs = update_logs(loss_tracker, metrics, state, y, y_pred, per_example, sw, mask,
-                           global_penalty(penalty, num_replicas))
-        return new_params, opt_state, logs
+        grads, non_trainable, logs = gradient_step(params, loss_scale_of(opt_state), state, data, mask, count)
+        trainable, opt_state = updated(optimizer, grads, opt_state, params["trainable"])
+        return {"trainable": trainable, "non_trainable": non_trainable}, opt_state, logs
 
     return train_step
 
@@ -174,8 +194,7 @@ def make_apply_step(optimizer: optax.GradientTransformation) -> Callable[..., An
 
     def apply_step(params: dict[str, Any], opt_state: Any, acc: Any, count: jax.Array) -> Any:
         grads = jax.tree.map(lambda a: a / count, jax.lax.psum(acc, replicas_axis()))
-        updates, opt_state = optimizer.update(grads, opt_state, params["trainable"])
-        trainable = optax.apply_updates(params["trainable"], updates)
+        trainable, opt_state = updated(optimizer, grads, opt_state, params["trainable"])
         return ({"trainable": trainable, "non_trainable": params["non_trainable"]}, opt_state,
                 jax.tree.map(jnp.zeros_like, acc))
 
@@ -207,9 +226,12 @@ def make_predict_step(apply: Apply) -> Callable[..., Any]:
 
 
 def make_steps(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransformation, loss_tracker: Mean,
-               metrics: MetricCollection, num_replicas: int) -> dict[str, Callable[..., Any]]:
-    """The train (or accumulate + apply), eval and predict steps of one model, loss, optimizer and metrics."""
+               metrics: MetricCollection, num_replicas: int,
+               reduce: Callable[[Any], Any] | None = None) -> dict[str, Callable[..., Any]]:
+    """The train (or accumulate + apply), eval and predict steps of one model, loss, optimizer and
+    metrics; and the gradient step whose gradients `reduce` combines (a sharded model's)."""
     return {"train": make_train_step(apply, loss_fn, optimizer, loss_tracker, metrics, num_replicas),
+            "gradient": make_gradient_step(apply, loss_fn, loss_tracker, metrics, num_replicas, reduce),
             "accumulate": make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
             "apply": make_apply_step(optimizer),
             "eval": make_eval_step(apply, loss_fn, loss_tracker, metrics, num_replicas),

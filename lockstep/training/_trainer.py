@@ -64,6 +64,7 @@ from ._optimizers import (
     to_keras,
 )
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
+from ._placement import Replicated, placement_for
 from ._restore import fit_start, initial_state, placed, snapshot, take_up
 from ._train_state import TrainState
 from ._state_names import state_names
@@ -239,6 +240,7 @@ class Trainer:
         self._inputs = InputCheck(lambda p, x: self._adapter.apply(p, x, False)[0])  # and inputs against the model
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._runner: StepRunner | None = None  # the compiled steps, once the model is built
+        self._placement: Replicated = Replicated(self._engine, self._optimizer)  # where the state lies, once built
         self.stop_training, self.history = False, None  # history: the last fit's `History`
         self._state: TrainState | None = None  # the training state, replaced at each step; None until built
         self._resume: TrainState | None = None  # a restored state, whose position the next fit takes up
@@ -251,7 +253,7 @@ class Trainer:
         x, y, _ = unpack(batch)
         x = jax.tree.map(np.asarray, x)
         if self._state is None:
-            self._state = initial_state(self._engine, self._adapter.build(x), self._optimizer.init, self._names)
+            self._initial_state(self._adapter.build(x))
         self._inputs.check(self._state.params, x, arg)
         if y is not None and (not self._all.built or self._labels.needs_classes):
             pred_shape = output_shape(self._adapter, self._state.params, x)  # a tree of shapes for several outputs
@@ -259,10 +261,25 @@ class Trainer:
             self._all.build(shapes_of(y), pred_shape)
         if self._runner is None:
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
+            sharded = self._placement.plan is not None
             self._runner = StepRunner(self._engine, make_steps(apply, self._loss_fn, self._optimizer, self._loss_tracker,
-                                                               self._metrics, self.strategy.num_replicas_in_sync),
-                                      self._accumulation)
+                                                               self._metrics, self.strategy.num_replicas_in_sync,
+                                                               self._placement.scatter if sharded else None),
+                                      self._accumulation, self._placement)
         return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
+
+    def _initial_state(self, params: Any) -> None:
+        """The state a new model starts from, laid out as the strategy says."""
+        self._placement = placement_for(self._engine, self._optimizer, params, self._adapter.paths(params))
+        self._state = initial_state(self._placement, params, self._names)
+
+    @property
+    def layout_report(self) -> str:
+        """Every variable's layout on a sharded strategy's mesh: path, shape, parameter and
+        optimizer-state layouts, bytes per device, the rule that matched; "replicated" otherwise."""
+        self._require_built()
+        plan = self._placement.plan
+        return "every variable replicated on every device" if plan is None else plan.report()
 
     def get_metric(self, name: str) -> Metric | None:
         """The metric logged under `name` (``"loss"`` included), or None."""
@@ -305,7 +322,7 @@ class Trainer:
           ValueError: its weights do not fit this trainer's model and optimizer.
         """
         self._require_built()
-        self._resume = placed(self._engine, self._all, self._state, state)
+        self._resume = placed(self._engine, self._placement, self._all, self._state, state)
         self._state = self._state.replace(params=self._resume.params, opt_state=self._resume.opt_state)
 
     # --- fit -------------------------------------------------------------------------------
@@ -450,7 +467,7 @@ class Trainer:
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
         if self._state is None and self._adapter.ready():
-            self._state = initial_state(self._engine, self._adapter.build(None), self._optimizer.init, self._names)
+            self._initial_state(self._adapter.build(None))
         self._require_built()
         return self._adapter.get_weights(_host(self._state.params))
 
@@ -458,7 +475,7 @@ class Trainer:
         """Replaces the weights (same structure as `get_weights`); a Keras model is kept in sync."""
         self.get_weights()
         params = self._adapter.set_weights(_host(self._state.params), weights)
-        self._state = self._state.replace(params=self._engine.put_replicated(params))
+        self._state = self._state.replace(params=self._placement.params(params))
         self._adapter.sync_to_model(params)
 
     @property

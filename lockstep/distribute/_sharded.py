@@ -1,0 +1,79 @@
+"""`ShardedStrategy`: models larger than one device, on a mesh of a batch axis and model axes.
+
+Rows are split along the batch axis as in `MirroredStrategy`; a `LayoutMap` splits variables
+along the model axes (tensor parallelism), and a ZeRO stage splits them along the batch axis (1:
+optimizer state, 2: gradients too, 3: parameters too, gathered for each step: FSDP). Every number
+is still one device's: `Trainer`, `model.fit`, `run` / `reduce` / `gather` are unchanged.
+
+>>> import lockstep as ls
+>>> mesh = ls.DeviceMesh((2, 4), ("batch", "model"))
+>>> layout = ls.LayoutMap(mesh)
+>>> layout[".*dense.*/kernel"] = (None, "model")
+>>> strategy = ls.ShardedStrategy(mesh=mesh, layout_map=layout, batch_dim_name="batch", zero_stage=3)
+>>> strategy.num_replicas_in_sync
+2
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+from jax.sharding import NamedSharding
+
+from .._errors import UsageError
+from ..engine._engine import BATCH_AXIS
+from ..engine._sharding import ShardingConfig
+from ._mesh import as_layout_map, as_mesh
+from ._strategy import Strategy
+
+
+class ShardedStrategy(Strategy):
+    """Synchronous training of a model laid out over `mesh` (a `DeviceMesh`, Keras' or a
+    `jax.sharding.Mesh`): replicas along `batch_dim_name`, variables split by `layout_map` along
+    the other axes and by `zero_stage` along the batch axis.
+
+    Args:
+      mesh: the devices as a grid of named axes.
+      layout_map: rules from variable paths (regular expressions, fully matched) to one mesh
+        axis or None per dimension; a `LayoutMap`, Keras' `LayoutMap` or a dict.
+      batch_dim_name: the mesh axis along which rows are split (Keras' name).
+      zero_stage: 0 (none), 1 (optimizer state), 2 (and gradients) or 3 (and parameters: FSDP),
+        split along the batch axis.
+      min_shard_size: variables with fewer elements stay whole along the batch axis.
+      shard_dim: which dimension ZeRO splits: ``"largest"`` (default), ``"first"`` or ``"last"``
+        of those the layout leaves whole and the batch axis divides.
+      max_replicated_fraction: the largest fraction of trainable bytes allowed to stay replicated
+        on every device (beyond it: an error before training, with the layout report).
+
+    Raises:
+      UsageError: an unknown or misused axis in a rule, a mesh larger than the devices, a mesh
+        spanning several processes (not supported yet), a bad stage.
+    """
+
+    def __init__(self, mesh: Any, layout_map: Any = None, batch_dim_name: str = BATCH_AXIS, zero_stage: int = 0,
+                 min_shard_size: int = 1024, shard_dim: str = "largest", max_replicated_fraction: float = 0.02):
+        device_mesh = as_mesh(mesh)
+        if batch_dim_name not in device_mesh.axis_names:
+            raise UsageError(f"`batch_dim_name` {batch_dim_name!r} is not an axis of the mesh, whose axes are "
+                             f"{device_mesh.axis_names}.")
+        if any(d.process_index != jax.process_index() for d in device_mesh.devices.flat):
+            raise UsageError("a ShardedStrategy mesh spanning several processes is not supported yet: give a mesh "
+                             "of this process's devices (jax.local_devices()), or use MultiWorkerMirroredStrategy.")
+        rules = tuple(as_layout_map(layout_map).items())
+        config = ShardingConfig(rules, zero_stage, int(min_shard_size), shard_dim, float(max_replicated_fraction))
+        config.check(dict(zip(device_mesh.axis_names, device_mesh.shape)), batch_dim_name)
+        self.device_mesh = device_mesh
+        self.zero_stage = zero_stage
+        super().__init__(mesh=device_mesh.jax_mesh, batch_axis=batch_dim_name, sharding=config)
+
+    def keras_variable_layout(self, variable: Any) -> Any:
+        """Where a Keras variable created in this scope lies from the start (Keras asks)."""
+        config = self.extended.sharding
+        spec = config.layout_of(self.mesh, self.extended.batch_axis, variable.path, tuple(variable.shape),
+                                variable.dtype, bool(variable.trainable))
+        return NamedSharding(self.mesh, spec)
+
+    def __repr__(self) -> str:
+        return (f"ShardedStrategy(mesh={self.device_mesh.shape} {self.device_mesh.axis_names}, "
+                f"zero_stage={self.zero_stage}, num_replicas_in_sync={self.num_replicas_in_sync})")

@@ -1,0 +1,143 @@
+"""Where a `Trainer` keeps its weights and optimizer state: replicated on every device
+(`Replicated`), or laid out by a sharded strategy's plan (`Sharded`: tensor-parallel rules and
+ZeRO stages, `lockstep.engine._sharding`), and the compiled steps such a layout needs.
+
+A sharded step is one `jax.jit` around two parts. The replicas' part (a `shard_map` over the
+batch axis only; the model axes stay the compiler's, which lays out their shards) computes each
+replica's gradient on its rows with the parameters gathered whole along the batch axis, and
+reduce-scatters it along each parameter's ZeRO dimension. The update runs outside it, on the
+shards, as the compiler partitions any optax transform (a global-norm clip included): so a step
+moves about 2P bytes (P gathered or all-gathered, P reduce-scattered) and equals the replicated
+step up to the order of the gradient's sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from ..engine._sharding import ShardingPlan
+from ._precision import loss_scale_of
+from ._steps import CHECK_VMA, replicas_axis, updated
+
+
+class Replicated:
+    """Weights and optimizer state copied to every device of `engine`."""
+
+    plan: ShardingPlan | None = None
+
+    def __init__(self, engine: Any, optimizer: optax.GradientTransformation):
+        self._engine = engine
+        self._optimizer = optimizer
+
+    def params(self, params: Any) -> Any:
+        return self._engine.put_replicated(params)
+
+    def opt_state(self, opt_state: Any) -> Any:
+        return self._engine.put_replicated(opt_state)
+
+    def init_opt_state(self, params: Any) -> Any:
+        """A fresh optimizer state for the (placed) trainable parameters of `params`."""
+        return self._engine.put_replicated(self._optimizer.init(params["trainable"]))
+
+
+class Sharded(Replicated):
+    """Weights and optimizer state laid out by `plan` (see `lockstep.engine._sharding`)."""
+
+    def __init__(self, engine: Any, optimizer: optax.GradientTransformation, plan: ShardingPlan):
+        super().__init__(engine, optimizer)
+        self.plan = plan
+        self._param_shardings = plan.shardings("param")
+        self._replicated = NamedSharding(plan.mesh, P())
+        self._state_shardings: Any = None
+
+    def params(self, params: Any) -> Any:
+        return self._engine.place(params, self._param_shardings)
+
+    def state_shardings(self, opt_state: Any) -> Any:
+        """Where each array of an optimizer state (arrays or their shapes) lies: a parameter's
+        state (Adam's moments) as the plan's state layout, the rest (step counts, scalars) replicated."""
+        if self._state_shardings is None:
+            self._state_shardings = optax.tree_map_params(
+                self._optimizer, lambda _, sharding: sharding, opt_state, self.plan.shardings("state")["trainable"],
+                transform_non_params=lambda _: self._replicated)
+        return self._state_shardings
+
+    def opt_state(self, opt_state: Any) -> Any:
+        return self._engine.place(opt_state, self.state_shardings(opt_state))
+
+    def init_opt_state(self, params: Any) -> Any:
+        """A fresh optimizer state made on the devices already laid out (no device holds a whole one)."""
+        shapes = jax.eval_shape(self._optimizer.init, params["trainable"])
+        return jax.jit(self._optimizer.init, out_shardings=self.state_shardings(shapes))(params["trainable"])
+
+    # --- steps ---------------------------------------------------------------------------
+    def scatter(self, grads: Any) -> Any:
+        """Each replica's share of the trainable gradients summed over the replicas: split along
+        each parameter's ZeRO dimension (a reduce-scatter), whole where the plan keeps it whole."""
+        dims = self.plan.tree([-1 if v.zero_dim is None or not self.plan.zero_stage else v.zero_dim
+                               for v in self.plan.variables])["trainable"]
+        axis = replicas_axis()
+        return jax.tree.map(lambda g, d: jax.lax.psum(g, axis) if d < 0 else
+                            jax.lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True), grads, dims)
+
+    def train_program(self, gradient_step: Callable[..., Any]) -> Callable[..., Any]:
+        """``(params, opt_state, metric_state, data, mask, count) -> (params, opt_state, metric_state)``:
+        one update, compiled (see the module doc); `gradient_step` is `make_gradient_step`'s,
+        reducing with `scatter`."""
+        grad_specs = self.plan.gradient_specs()["trainable"]
+        mapped = self._engine.mapped(gradient_step, ("replicated", "replicated", "per_replica", "rows", "rows",
+                                                     "replicated"),
+                                     (grad_specs, "replicated", "per_replica"), check_vma=CHECK_VMA)
+
+        def train(params: Any, opt_state: Any, metric_state: Any, data: Any, mask: Any, count: Any) -> Any:
+            grads, non_trainable, logs = mapped(params, loss_scale_of(opt_state), metric_state, data, mask, count,
+                                                  mask, count)  # (then the replica context's)
+            trainable, opt_state = updated(self._optimizer, grads, opt_state, params["trainable"])
+            return {"trainable": trainable, "non_trainable": non_trainable}, opt_state, logs
+        return self._compiled(train)
+
+    def apply_program(self) -> Callable[..., Any]:
+        """``(params, opt_state, acc, count) -> (params, opt_state, acc)``: the update at the end
+        of an accumulation group from the replicas' accumulators (reduce-scattered, divided by
+        the group's real count); the accumulators start again from zero."""
+        grad_specs = self.plan.gradient_specs()["trainable"]
+        mapped = self._engine.mapped(lambda acc: (self.scatter(acc),), ("per_replica",), (grad_specs,),
+                                     check_vma=CHECK_VMA, with_batch=False)
+
+        def apply(params: Any, opt_state: Any, acc: Any, count: Any) -> Any:
+            grads = jax.tree.map(lambda a: a / count, mapped(acc)[0])
+            trainable, opt_state = updated(self._optimizer, grads, opt_state, params["trainable"])
+            return ({"trainable": trainable, "non_trainable": params["non_trainable"]}, opt_state,
+                    jax.tree.map(jnp.zeros_like, acc))
+        return self._compiled(apply)
+
+    def _compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+        """`fn` compiled with its parameters and optimizer state kept in the plan's layouts (its
+        third output per replica: metric states, or accumulators)."""
+        cache: dict[Any, Callable[..., Any]] = {}
+        split = NamedSharding(self.plan.mesh, P(self.plan.batch_axis))
+
+        def call(params: Any, opt_state: Any, *rest: Any) -> Any:
+            key = jax.tree.structure(opt_state)
+            program = cache.get(key)
+            if program is None:
+                program = cache[key] = jax.jit(fn, out_shardings=(
+                    self._param_shardings, self.state_shardings(opt_state), split))
+            return program(params, opt_state, *rest)
+        return call
+
+
+def placement_for(engine: Any, optimizer: optax.GradientTransformation, params: Any, paths: Any) -> Replicated:
+    """`Sharded` when `engine` lays models out (a sharded strategy's), else `Replicated`."""
+    trainable = {"trainable": jax.tree.map(lambda _: True, params["trainable"]),
+                 "non_trainable": jax.tree.map(lambda _: False, params["non_trainable"])}
+    plan = engine.plan(params, paths, trainable)
+    return Replicated(engine, optimizer) if plan is None else Sharded(engine, optimizer, plan)
+
