@@ -127,7 +127,7 @@ class ShardingPlan:
         used: set[str] = set()
         out = []
         for path, leaf, flag in zip(path_list, leaves, flags):
-            shape, itemsize = tuple(np.shape(leaf)), np.dtype(leaf.dtype).itemsize
+            shape, itemsize = tuple(leaf.shape), np.dtype(leaf.dtype).itemsize
             hits = [(key, axes) for key, rx, axes in compiled if rx.fullmatch(path)]
             if len(hits) > 1:
                 raise UsageError(f"variable {path!r} matches several layout rules: {[k for k, _ in hits]}; "
@@ -194,15 +194,11 @@ class ShardingPlan:
                      "device")
         return "\n".join(lines)
 
-    def estimate(self, state_sizes: Callable[[VariableLayout], int]) -> dict[str, int]:
-        """Bytes each device holds at rest (DeepSpeed-style): parameters, gradients (as the step
-        makes them: whole up to stage 1... split from stage 2 on) and optimizer state
-        (`state_sizes(v)`: how many arrays of v's shape the optimizer keeps for it)."""
-        params = sum(v.param_bytes_per_device for v in self.variables)
-        grads = sum(v.bytes_per_device(v.state_spec if self.zero_stage >= 2 else P(*v.axes))
-                    for v in self.variables if v.trainable)
-        state = sum(state_sizes(v) * v.bytes_per_device(v.state_spec) for v in self.variables if v.trainable)
-        return {"parameters": params, "gradients": grads, "optimizer_state": state, "total": params + grads + state}
+    def gradient_bytes_per_device(self) -> int:
+        """Bytes of the trainable gradients each device holds in a step: split along the batch axis
+        from stage 2 on (stage 1 keeps whole ones until they are reduce-scattered)."""
+        return sum(v.bytes_per_device(v.state_spec if self.zero_stage >= 2 else P(*v.axes))
+                   for v in self.variables if v.trainable)
 
 
 def _show(spec: P) -> str:

@@ -143,7 +143,9 @@ class _KerasAdapter:
             raise ValueError(
                 f"a keras.distribution setting is active ({type(foreign).__name__}): lockstep "
                 "places the model itself and would ignore its layouts, running replicated; unset it "
-                "(keras.distribution.set_distribution(None)) and use a lockstep strategy.")
+                "(keras.distribution.set_distribution(None)) and use a lockstep strategy: "
+                "ls.ShardedStrategy(mesh=..., layout_map=..., batch_dim_name=...) takes Keras' DeviceMesh and "
+                "LayoutMap as they are.")
         self.model = model
         check_supported(model)
         hook_batch_norm(model, batch_statistics)

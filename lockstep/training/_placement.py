@@ -18,11 +18,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..engine._sharding import ShardingPlan
+from ._optimizers import KerasOptimizerState, get_optimizer, is_keras_optimizer, keras_state_owners
 from ._precision import loss_scale_of
 from ._steps import CHECK_VMA, replicas_axis, updated
 
@@ -46,13 +48,36 @@ class Replicated:
         """A fresh optimizer state for the (placed) trainable parameters of `params`."""
         return self._engine.put_replicated(self._optimizer.init(params["trainable"]))
 
+    def state_shardings(self, opt_state: Any) -> Any:
+        """Where each array of an optimizer state (arrays or their shapes) lies."""
+        replicated = NamedSharding(self._engine.mesh, P())
+        return jax.tree.map(lambda _: replicated, opt_state)
+
+    def estimate(self, params: Any) -> dict[str, int]:
+        """Bytes each device holds, before any array exists (`params`: a tree of arrays or of
+        `jax.ShapeDtypeStruct`s): parameters and optimizer state at rest, and the gradients of a step."""
+        opt_state = jax.eval_shape(self._optimizer.init, params["trainable"])
+        param_specs = (jax.tree.map(lambda _: P(), params) if self.plan is None
+                       else jax.tree.map(lambda s: s.spec, self.plan.shardings("param")))
+        grads = (sum(_bytes(x, P(), self._engine.mesh) for x in jax.tree.leaves(params["trainable"]))
+                 if self.plan is None else self.plan.gradient_bytes_per_device())
+        out = {"parameters": sum(_bytes(x, s, self._engine.mesh) for x, s in
+                                 zip(jax.tree.leaves(params), jax.tree.leaves(param_specs))),
+               "gradients": grads,
+               "optimizer_state": sum(_bytes(x, sh.spec, self._engine.mesh) for x, sh in
+                                      zip(jax.tree.leaves(opt_state), jax.tree.leaves(self.state_shardings(opt_state))))}
+        out["total"] = sum(out.values())
+        return out
+
 
 class Sharded(Replicated):
     """Weights and optimizer state laid out by `plan` (see `lockstep.engine._sharding`)."""
 
-    def __init__(self, engine: Any, optimizer: optax.GradientTransformation, plan: ShardingPlan):
+    def __init__(self, engine: Any, optimizer: optax.GradientTransformation, plan: ShardingPlan,
+                 keras_owners: list[int | None] | None = None):
         super().__init__(engine, optimizer)
         self.plan = plan
+        self._keras_owners = keras_owners  # a Keras optimizer's variables' parameters (`keras_state_owners`)
         self._param_shardings = plan.shardings("param")
         self._replicated = NamedSharding(plan.mesh, P())
         self._state_shardings: Any = None
@@ -64,9 +89,17 @@ class Sharded(Replicated):
         """Where each array of an optimizer state (arrays or their shapes) lies: a parameter's
         state (Adam's moments) as the plan's state layout, the rest (step counts, scalars) replicated."""
         if self._state_shardings is None:
-            self._state_shardings = optax.tree_map_params(
-                self._optimizer, lambda _, sharding: sharding, opt_state, self.plan.shardings("state")["trainable"],
-                transform_non_params=lambda _: self._replicated)
+            per_param = self.plan.shardings("state")["trainable"]
+            shardings = optax.tree_map_params(self._optimizer, lambda _, sharding: sharding, opt_state, per_param,
+                                              transform_non_params=lambda _: self._replicated)
+            if self._keras_owners is not None:  # a Keras optimizer's slots, by the variable each belongs to
+                def keras(state: Any, _: Any) -> Any:
+                    return KerasOptimizerState(
+                        [self._replicated if i is None else per_param[i] for i in self._keras_owners],
+                        {k: self._replicated for k in state.hyperparams})
+                shardings = jax.tree.map(keras, opt_state, shardings,
+                                         is_leaf=lambda x: isinstance(x, KerasOptimizerState))
+            self._state_shardings = shardings
         return self._state_shardings
 
     def opt_state(self, opt_state: Any) -> Any:
@@ -134,10 +167,38 @@ class Sharded(Replicated):
         return call
 
 
-def placement_for(engine: Any, optimizer: optax.GradientTransformation, params: Any, paths: Any) -> Replicated:
-    """`Sharded` when `engine` lays models out (a sharded strategy's), else `Replicated`."""
+def _bytes(x: Any, spec: P, mesh: Any) -> int:
+    """Bytes of one device's shard of an array shaped like `x` laid out by `spec` on `mesh`."""
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    n = 1
+    for dim, axis in zip(x.shape, tuple(spec) + (None,) * len(x.shape)):
+        names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+        n *= -(-dim // int(np.prod([sizes[a] for a in names])))
+    return n * np.dtype(x.dtype).itemsize
+
+
+def memory_estimate(model: Any, optimizer: Any, engine: Any) -> dict[str, int]:
+    """Bytes of parameters, gradients and optimizer state each device of `engine` holds for
+    `model` (a built Keras model) trained with `optimizer` (a name, a Keras optimizer or an optax
+    transformation), worked out before anything is placed: DeepSpeed's table."""
+    from ._model import adapt
+
+    shapes = {"trainable": [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in model.trainable_variables],
+              "non_trainable": [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in model.non_trainable_variables]}
+    transformation = get_optimizer(optimizer, model.trainable_variables)
+    owners = keras_state_owners(optimizer, model.trainable_variables) if is_keras_optimizer(optimizer) else None
+    return placement_for(engine, transformation, shapes, adapt(model).paths(shapes), owners).estimate(shapes)
+
+
+def placement_for(engine: Any, optimizer: optax.GradientTransformation, params: Any, paths: Any,
+                  keras_owners: list[int | None] | None = None) -> Replicated:
+    """`Sharded` when `engine` lays models out (a sharded strategy's), else `Replicated`;
+    `keras_owners`: a Keras optimizer's `keras_state_owners` (its slots are laid out as the
+    variable each belongs to)."""
     trainable = {"trainable": jax.tree.map(lambda _: True, params["trainable"]),
                  "non_trainable": jax.tree.map(lambda _: False, params["non_trainable"])}
     plan = engine.plan(params, paths, trainable)
-    return Replicated(engine, optimizer) if plan is None else Sharded(engine, optimizer, plan)
+    if plan is None:
+        return Replicated(engine, optimizer)
+    return Sharded(engine, optimizer, plan, keras_owners)
 

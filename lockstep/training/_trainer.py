@@ -58,6 +58,7 @@ from ._outputs import shapes_of
 from ._optimizers import (
     get_optimizer,
     is_keras_optimizer,
+    keras_state_owners,
     learning_rate_of,
     loss_scale_settings,
     set_learning_rate,
@@ -270,8 +271,22 @@ class Trainer:
 
     def _initial_state(self, params: Any) -> None:
         """The state a new model starts from, laid out as the strategy says."""
-        self._placement = placement_for(self._engine, self._optimizer, params, self._adapter.paths(params))
+        owners = (None if self._keras_optimizer is None
+                  else keras_state_owners(self._keras_optimizer, self.model.trainable_variables))
+        self._placement = placement_for(self._engine, self._optimizer, params, self._adapter.paths(params), owners)
         self._state = initial_state(self._placement, params, self._names)
+
+    @property
+    def layouts(self) -> Any:
+        """The sharded strategy's `ShardingPlan` of this model's variables (None: all replicated)."""
+        self._require_built()
+        return self._placement.plan
+
+    def memory_estimate(self) -> dict[str, int]:
+        """Bytes of parameters, gradients (in a step) and optimizer state each device holds for
+        this model on this strategy (see `ShardedStrategy.memory_estimate`)."""
+        self.get_weights()
+        return self._placement.estimate(jax.eval_shape(lambda p: p, self._state.params))
 
     @property
     def layout_report(self) -> str:
