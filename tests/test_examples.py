@@ -21,7 +21,9 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
                                     # make test covers Grain on several workers in test_grain / test_grain_iter (CI time)
                                     pytest.param("grain_files.py", marks=[_PROCESSES, pytest.mark.full_suite]),
                                     # ResNet50 on 4 replicas is also in test_keras_applications (CI time)
-                                    pytest.param("resnet_mirrored.py", marks=pytest.mark.full_suite)])
+                                    pytest.param("resnet_mirrored.py", marks=pytest.mark.full_suite),
+                                    # the transformer on a 2 x 4 mesh is also in test_sharded (CI time)
+                                    pytest.param("sharded_transformer.py", marks=pytest.mark.full_suite)])
 def test_example_runs_and_agrees(script, tmp_path):
     env = {**os.environ, "KERAS_BACKEND": "jax", "XLA_FLAGS": ""}
     args = [str(tmp_path)] if script == "keras_mirrored.py" else []

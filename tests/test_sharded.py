@@ -102,8 +102,7 @@ CASES = [(m, shape, stage) for m in MODELS for shape in MESHES for stage in (0, 
 
 
 @pytest.mark.parametrize("model_name,shape,stage", variants(CASES, {
-    ("mlp", (2, 4), 3), ("mlp", (8, 1), 1), ("mlp", (1, 8), 2), ("cnn", (4, 2), 3), ("lstm", (2, 4), 3),
-    ("transformer", (2, 4), 3), ("transformer", (4, 2), 0)}))
+    ("mlp", (8, 1), 1), ("mlp", (1, 8), 2), ("cnn", (4, 2), 3), ("lstm", (2, 4), 3), ("transformer", (2, 4), 3)}))
 def test_two_epochs_equal_keras_own_fit_on_one_device(model_name, shape, stage):
     x, y = _data(model_name)
     want = _keras_fit(MODELS[model_name], x, y)
@@ -154,7 +153,7 @@ def _wide():
                              L.Dense(256, activation="relu", name="dense_2"), L.Dense(8, name="dense_3")])
 
 
-@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+@pytest.mark.parametrize("stage", variants([0, 1, 2, 3], {1, 3}))
 def test_memory_per_device_is_what_the_stage_promises_and_the_estimate_says(stage):
     x, y = _data("mlp", n=16)
     x = np.random.RandomState(0).randn(16, 64).astype("float32")
@@ -255,7 +254,8 @@ def _functional():
     return ls.FunctionalModel(init, apply)
 
 
-@pytest.mark.parametrize("settings", [dict(gradient_accumulation_steps=2), dict(dtype_policy="mixed_float16"),
+@pytest.mark.parametrize("settings", [dict(gradient_accumulation_steps=2),
+                                      pytest.param(dict(dtype_policy="mixed_float16"), marks=pytest.mark.full_suite),
                                       dict(dtype_policy="mixed_bfloat16")])
 def test_accumulation_and_mixed_precision_on_a_functional_model_equal_one_device(settings):
     x, y = _data("mlp")

@@ -16,7 +16,7 @@ axis, and non-trainable state (batch-norm statistics) never moves off it.
 ...                                          "dense/bias": np.zeros((32,), np.float32)},
 ...                          {".*kernel": (None, "model")}, zero_stage=3, min_shard_size=64)
 >>> [(v.path, v.param_spec) for v in plan.variables]
-[('dense/kernel', PartitionSpec('batch', 'model')), ('dense/bias', PartitionSpec())]
+[('dense/kernel', P('batch', 'model')), ('dense/bias', P())]
 >>> plan.variables[0].param_bytes_per_device   # 16 * 32 * 4 bytes over 8 devices
 256
 """
