@@ -82,10 +82,10 @@ def main() -> int:
                                   min_shard_size=256)
     with strategy.scope():
         model = compiled(vocab)
-    print("estimated bytes per device:", strategy.memory_estimate(model, model.optimizer))
+    print("estimated bytes per device:", ls.memory_estimate(model, model.optimizer, strategy))
     trainer = ls.Trainer(model)
     history = trainer.fit(x, y, batch_size=32, epochs=3, shuffle=False, verbose=2).history
-    print(trainer.layout_report)
+    print(trainer.layouts.report())
 
     with ls.OneDeviceStrategy().scope():  # the same Keras code on one device
         one = ls.Trainer(compiled(vocab))

@@ -33,6 +33,7 @@ _EXPORTS: dict[str, str] = {
     "DeviceMesh": ".distribute._mesh",
     "LayoutMap": ".distribute._mesh",
     "ShardedStrategy": ".distribute._sharded",
+    "memory_estimate": ".training",
     "ValueContext": ".distribute._strategy",
     "get_strategy": ".distribute._strategy",
     "has_strategy": ".distribute._strategy",
@@ -126,3 +127,4 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .training import FunctionalModel as FunctionalModel
     from .training import TrainState as TrainState
     from .training import Trainer as Trainer
+    from .training import memory_estimate as memory_estimate

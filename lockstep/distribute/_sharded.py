@@ -74,22 +74,6 @@ class ShardedStrategy(Strategy):
                                 variable.dtype, bool(variable.trainable))
         return NamedSharding(self.mesh, spec)
 
-    def memory_estimate(self, model: Any, optimizer: Any = "adam") -> dict[str, int]:
-        """Bytes each device will hold for `model` (a built Keras model) trained with `optimizer`,
-        before anything is placed (DeepSpeed's table): ``{"parameters", "gradients",
-        "optimizer_state", "total"}``; parameters and optimizer state at rest, gradients in a step.
-
-        >>> import lockstep as ls, keras
-        >>> strategy = ls.ShardedStrategy(mesh=ls.DeviceMesh((8, 1), ("batch", "model")), zero_stage=3,
-        ...                               min_shard_size=1)
-        >>> model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64)])
-        >>> strategy.memory_estimate(model)["parameters"]   # (16 * 64 + 64) * 4 bytes over 8 devices
-        544
-        """
-        from ..training._placement import memory_estimate
-
-        return memory_estimate(model, optimizer, self.extended)
-
     def __repr__(self) -> str:
         return (f"ShardedStrategy(mesh={self.device_mesh.shape} {self.device_mesh.axis_names}, "
                 f"zero_stage={self.zero_stage}, num_replicas_in_sync={self.num_replicas_in_sync})")

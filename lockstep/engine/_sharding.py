@@ -60,12 +60,7 @@ class VariableLayout:
 
     def bytes_per_device(self, spec: P) -> int:
         """Bytes of this variable (one array of its shape and dtype) that each device holds under `spec`."""
-        sizes = dict(self.mesh_sizes)
-        n = 1
-        for dim, axis in zip(self.shape, tuple(spec) + (None,) * len(self.shape)):
-            names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
-            n *= math.ceil(dim / math.prod(sizes[a] for a in names))
-        return n * self.itemsize
+        return shard_bytes(self.shape, self.itemsize, spec, dict(self.mesh_sizes))
 
     @property
     def param_bytes_per_device(self) -> int:
@@ -80,6 +75,20 @@ class VariableLayout:
         """Whether some axis of more than one device splits its optimizer state (it is not left
         replicated on every device)."""
         return self.bytes_per_device(self.state_spec) < self.nbytes
+
+
+def shard_bytes(shape: tuple[int, ...], itemsize: int, spec: P, sizes: Mapping[str, int]) -> int:
+    """Bytes of one device's shard of an array of `shape` laid out by `spec` on a mesh whose axes
+    have `sizes`.
+
+    >>> shard_bytes((16, 32), 4, P("batch", "model"), {"batch": 2, "model": 4})
+    256
+    """
+    n = 1
+    for dim, axis in zip(shape, tuple(spec) + (None,) * len(shape)):
+        names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+        n *= math.ceil(dim / math.prod(sizes[a] for a in names))
+    return n * itemsize
 
 
 def _with_axis(axes: tuple[str | None, ...], dim: int | None, axis: str) -> P:

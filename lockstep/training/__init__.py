@@ -3,6 +3,7 @@
 from ._data_stream import DataPosition as DataPosition
 from ._model import FunctionalModel as FunctionalModel
 from ._optimizers import get_optimizer as get_optimizer
+from ._placement import memory_estimate as memory_estimate
 from ._state_names import StateNames as StateNames
 from ._steps import make_eval_step as make_eval_step
 from ._steps import make_predict_step as make_predict_step
@@ -13,4 +14,4 @@ from ._train_state import unflatten_train_state as unflatten_train_state
 from ._trainer import Trainer as Trainer
 
 __all__ = ["DataPosition", "FunctionalModel", "StateNames", "TrainState", "Trainer", "flatten_train_state", "get_optimizer", "make_eval_step",
-           "make_predict_step", "make_train_step", "unflatten_train_state"]
+           "make_predict_step", "make_train_step", "memory_estimate", "unflatten_train_state"]

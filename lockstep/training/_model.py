@@ -170,8 +170,7 @@ class _KerasAdapter:
 
     def paths(self, params: Params) -> Any:
         """Each variable's Keras `variable.path`, a tree like `params`."""
-        return {"trainable": [v.path for v in self.model.trainable_variables],
-                "non_trainable": [v.path for v in self.model.non_trainable_variables]}
+        return keras_paths(self.model)
 
     def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
         non_trainable = list(params["non_trainable"])
@@ -217,6 +216,12 @@ class _KerasAdapter:
             v.assign(np.asarray(value))
         for v, value in zip(self.model.non_trainable_variables, params["non_trainable"]):
             v.assign(np.asarray(value))
+
+
+def keras_paths(model: Any) -> dict[str, list[str]]:
+    """A Keras model's variables' paths, as a `Trainer` holds their values."""
+    return {"trainable": [v.path for v in model.trainable_variables],
+            "non_trainable": [v.path for v in model.non_trainable_variables]}
 
 
 def adapt(model: Any, seed: int = 0, batch_statistics: str = "global") -> _FunctionalAdapter | _KerasAdapter:

@@ -23,7 +23,9 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..engine._sharding import ShardingPlan
+from ..distribute._strategy import get_strategy
+from ..engine._sharding import ShardingPlan, shard_bytes
+from ._model import keras_paths
 from ._optimizers import KerasOptimizerState, get_optimizer, is_keras_optimizer, keras_state_owners
 from ._precision import loss_scale_of
 from ._steps import CHECK_VMA, replicas_axis, updated
@@ -169,25 +171,36 @@ class Sharded(Replicated):
 
 def _bytes(x: Any, spec: P, mesh: Any) -> int:
     """Bytes of one device's shard of an array shaped like `x` laid out by `spec` on `mesh`."""
-    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
-    n = 1
-    for dim, axis in zip(x.shape, tuple(spec) + (None,) * len(x.shape)):
-        names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
-        n *= -(-dim // int(np.prod([sizes[a] for a in names])))
-    return n * np.dtype(x.dtype).itemsize
+    return shard_bytes(tuple(x.shape), np.dtype(x.dtype).itemsize, spec, dict(zip(mesh.axis_names, mesh.devices.shape)))
 
 
-def memory_estimate(model: Any, optimizer: Any, engine: Any) -> dict[str, int]:
-    """Bytes of parameters, gradients and optimizer state each device of `engine` holds for
-    `model` (a built Keras model) trained with `optimizer` (a name, a Keras optimizer or an optax
-    transformation), worked out before anything is placed: DeepSpeed's table."""
-    from ._model import adapt
+def memory_estimate(model: Any, optimizer: Any = "adam", strategy: Any = None) -> dict[str, int]:
+    """Bytes of parameters, gradients (in a step) and optimizer state each device of `strategy`
+    (default: the active scope's) will hold for `model` (a built Keras model) trained with
+    `optimizer` (a name, a Keras optimizer or an optax transformation), worked out before
+    anything is placed: DeepSpeed's table.
 
+    >>> import lockstep as ls, keras
+    >>> strategy = ls.ShardedStrategy(mesh=ls.DeviceMesh((8, 1), ("batch", "model")), zero_stage=3,
+    ...                               min_shard_size=1)
+    >>> model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64)])
+    >>> ls.memory_estimate(model, "adam", strategy)["parameters"]   # (16 * 64 + 64) * 4 bytes over 8 devices
+    544
+    """
+    engine = (strategy or get_strategy()).extended
     shapes = {"trainable": [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in model.trainable_variables],
               "non_trainable": [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in model.non_trainable_variables]}
     transformation = get_optimizer(optimizer, model.trainable_variables)
-    owners = keras_state_owners(optimizer, model.trainable_variables) if is_keras_optimizer(optimizer) else None
-    return placement_for(engine, transformation, shapes, adapt(model).paths(shapes), owners).estimate(shapes)
+    keras_optimizer = optimizer if is_keras_optimizer(optimizer) else None
+    return placement_of(engine, transformation, keras_optimizer, model, shapes, keras_paths(model)).estimate(shapes)
+
+
+def placement_of(engine: Any, optimizer: optax.GradientTransformation, keras_optimizer: Any, model: Any,
+                 params: Any, paths: Any) -> Replicated:
+    """Where a trainer of `model` keeps `params` (whose paths are `paths`) and its optimizer state
+    (see `placement_for`); `keras_optimizer`: the Keras optimizer it runs, if any."""
+    owners = None if keras_optimizer is None else keras_state_owners(keras_optimizer, model.trainable_variables)
+    return placement_for(engine, optimizer, params, paths, owners)
 
 
 def placement_for(engine: Any, optimizer: optax.GradientTransformation, params: Any, paths: Any,

@@ -58,19 +58,18 @@ from ._outputs import shapes_of
 from ._optimizers import (
     get_optimizer,
     is_keras_optimizer,
-    keras_state_owners,
     learning_rate_of,
     loss_scale_settings,
     set_learning_rate,
     to_keras,
 )
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
-from ._placement import Replicated, placement_for
+from ._placement import Replicated, placement_of
 from ._restore import fit_start, initial_state, placed, snapshot, take_up
 from ._train_state import TrainState
 from ._state_names import state_names
 from ._step_runner import StepRunner, checked_accumulation
-from . import _weight_files as weight_files
+from ._weight_files import WeightFiles
 from ._steps import make_steps, unpack
 
 
@@ -186,7 +185,7 @@ def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> Non
             "are weighted here.", UserWarning, stacklevel=3)
 
 
-class Trainer:
+class Trainer(WeightFiles):
     """Trains, evaluates and predicts with a model on a strategy, Keras style.
 
     Every number it reports — losses, metrics, evaluation results, predictions, callback
@@ -242,6 +241,7 @@ class Trainer:
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._runner: StepRunner | None = None  # the compiled steps, once the model is built
         self._placement: Replicated = Replicated(self._engine, self._optimizer)  # where the state lies, once built
+        self.layouts: Any = None  # a sharded strategy's `ShardingPlan` of the variables, once built
         self.stop_training, self.history = False, None  # history: the last fit's `History`
         self._state: TrainState | None = None  # the training state, replaced at each step; None until built
         self._resume: TrainState | None = None  # a restored state, whose position the next fit takes up
@@ -271,30 +271,10 @@ class Trainer:
 
     def _initial_state(self, params: Any) -> None:
         """The state a new model starts from, laid out as the strategy says."""
-        owners = (None if self._keras_optimizer is None
-                  else keras_state_owners(self._keras_optimizer, self.model.trainable_variables))
-        self._placement = placement_for(self._engine, self._optimizer, params, self._adapter.paths(params), owners)
+        self._placement = placement_of(self._engine, self._optimizer, self._keras_optimizer, self.model, params,
+                                       self._adapter.paths(params))
         self._state = initial_state(self._placement, params, self._names)
-
-    @property
-    def layouts(self) -> Any:
-        """The sharded strategy's `ShardingPlan` of this model's variables (None: all replicated)."""
-        self._require_built()
-        return self._placement.plan
-
-    def memory_estimate(self) -> dict[str, int]:
-        """Bytes of parameters, gradients (in a step) and optimizer state each device holds for
-        this model on this strategy (see `ShardedStrategy.memory_estimate`)."""
-        self.get_weights()
-        return self._placement.estimate(jax.eval_shape(lambda p: p, self._state.params))
-
-    @property
-    def layout_report(self) -> str:
-        """Every variable's layout on a sharded strategy's mesh: path, shape, parameter and
-        optimizer-state layouts, bytes per device, the rule that matched; "replicated" otherwise."""
-        self._require_built()
-        plan = self._placement.plan
-        return "every variable replicated on every device" if plan is None else plan.report()
+        self.layouts = self._placement.plan  # a sharded strategy's `ShardingPlan` (`.report()`); None: replicated
 
     def get_metric(self, name: str) -> Metric | None:
         """The metric logged under `name` (``"loss"`` included), or None."""
@@ -503,16 +483,3 @@ class Trainer:
     def learning_rate(self, value: float) -> None:
         self._require_built()
         set_learning_rate(self._state.opt_state, value, self._engine.put_replicated)
-
-    def save_weights(self, path: str) -> None:
-        """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
-        weight_files.save_weights(self, path)
-
-    def load_weights(self, path: str) -> None:
-        """Reads weights written by `save_weights` (or by `save`)."""
-        weight_files.load_weights(self, path)
-
-    def save(self, path: str, epoch: int | None = None) -> None:
-        """Writes the training state atomically: a `.keras` file for a Keras model and a `.keras`
-        path; else weights, optimizer state and epoch (`.npz` layout)."""
-        weight_files.save(self, path, epoch)

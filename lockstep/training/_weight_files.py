@@ -57,3 +57,20 @@ def save(trainer: HasWeights, path: str, epoch: int | None = None) -> None:
         return
     extra = {} if epoch is None else {"epoch": epoch}
     save_tree(path, {"weights": weights, "opt_state": _opt_state_on_host(trainer)}, **extra)
+
+
+class WeightFiles:
+    """The `Trainer`'s weight-file methods (Keras' names), on its public API only."""
+
+    def save_weights(self: HasWeights, path: str) -> None:
+        """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
+        save_weights(self, path)
+
+    def load_weights(self: HasWeights, path: str) -> None:
+        """Reads weights written by `save_weights` (or by `save`)."""
+        load_weights(self, path)
+
+    def save(self: HasWeights, path: str, epoch: int | None = None) -> None:
+        """Writes the training state atomically: a `.keras` file for a Keras model and a `.keras`
+        path; else weights, optimizer state and epoch (`.npz` layout)."""
+        save(self, path, epoch)
