@@ -113,6 +113,15 @@ def test_two_epochs_equal_keras_own_fit_on_one_device(model_name, shape, stage):
     assert all(key in report for key in rules)
 
 
+@pytest.mark.parametrize("n,shape,stage", [(1, (8, 1), 3), (3, (4, 2), 3), (5, (2, 4), 2)])
+def test_replicas_holding_no_row_change_nothing(n, shape, stage):
+    """N under the replica count: replicas with padding only (every batch), against Keras' own fit."""
+    x, y = _data("cnn", n=n)
+    want = _keras_fit(_cnn, x, y)
+    _, got = _sharded_fit(_cnn, _strategy(shape, stage, _used_rules("cnn"), max_replicated_fraction=1.0), x, y)
+    assert_equals_one_device(got, want, rtol=2e-5, atol=5e-6)
+
+
 def test_pure_zero_equals_data_parallel_on_the_same_devices_bit_for_bit():
     x, y = _data("mlp")
     with ls.MirroredStrategy(8).scope():

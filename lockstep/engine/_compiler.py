@@ -170,18 +170,8 @@ class RunCompiler:
         """
         if self._agree is not None:
             return lambda *args: self.call_declared(fn, args, kinds, out_kinds, check_vma=check_vma)
-        axis = self._axis
-
-        def replica(*args: Any) -> Any:
-            args = jax.tree.map(lambda k, sub: jax.tree.map(lambda x: x[0], sub) if k == "per_replica" else sub,
-                                kinds, args)
-            with self._entered(None, None, check_vma):
-                return _as_kinds(out_kinds, fn(*args), axis)
-
         entry = _Entry()
-        entry.call = jax.jit(jax.shard_map(replica, mesh=self._mesh, in_specs=jax.tree.map(lambda k: spec(k, axis), kinds),
-                                           out_specs=jax.tree.map(lambda k: spec(k, axis), out_kinds),
-                                           check_vma=check_vma, axis_names=self._manual))
+        entry.call = jax.jit(self.mapped(fn, kinds, out_kinds, check_vma=check_vma, with_batch=False))
         with self._lock:
             self._entries[(fn, "bound")] = entry  # counted by `compile_counts`
         compiled = entry.call

@@ -110,17 +110,23 @@ def keras_state_owners(optimizer: Any, trainable_variables: Any) -> list[int | N
     """For each of a Keras optimizer's variables as `from_keras` keeps them (the learning rate
     apart), the index of the trainable variable it belongs to (Keras names it after the variable's
     path: ``adam/dense_kernel_momentum``), or None (the iteration count)."""
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
     by_path = {v.path.replace("/", "_"): i for i, v in enumerate(trainable_variables)}
     owners: list[int | None] = []
-    for v in optimizer.variables:
+    for v in keras_state_variables(optimizer):
         rest = v.path.split("/", 1)[-1]
         owner = max((p for p in by_path if rest.startswith(p + "_")), key=len, default=None)
         owners.append(None if owner is None else by_path[owner])
+    return owners
+
+
+def keras_state_variables(optimizer: Any) -> list[Any]:
+    """A Keras optimizer's variables as `from_keras` keeps them in its state: the learning rate apart."""
+    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    variables = list(optimizer.variables)
     lr_at = _learning_rate_index(optimizer)
     if lr_at is not None:
-        owners.pop(lr_at)
-    return owners
+        variables.pop(lr_at)
+    return variables
 
 
 def is_keras_optimizer(optimizer: Any) -> bool:

@@ -35,6 +35,8 @@ class Replicated:
     """Weights and optimizer state copied to every device of `engine`."""
 
     plan: ShardingPlan | None = None
+    #: how the train step combines the replicas' gradients (None: summed, whole on every replica)
+    reduce: Callable[[Any], Any] | None = None
 
     def __init__(self, engine: Any, optimizer: optax.GradientTransformation):
         self._engine = engine
@@ -80,6 +82,7 @@ class Sharded(Replicated):
         super().__init__(engine, optimizer)
         self.plan = plan
         self._keras_owners = keras_owners  # a Keras optimizer's variables' parameters (`keras_state_owners`)
+        self.reduce = self.scatter
         self._param_shardings = plan.shardings("param")
         self._replicated = NamedSharding(plan.mesh, P())
         self._state_shardings: Any = None

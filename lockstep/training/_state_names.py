@@ -23,6 +23,8 @@ from typing import Any
 
 import jax
 
+from ._optimizers import keras_state_owners, keras_state_variables
+
 
 @dataclasses.dataclass(frozen=True)
 class StateNames:
@@ -102,15 +104,14 @@ def _node_types(tree: Any) -> str:
 def _keras_optimizer_names(optimizer: Any, model: Any, params_names: dict[int, str], opt_state: Any) -> list[str]:
     """A Keras optimizer's state (`KerasOptimizerState`: its variables, the learning rate apart)
     named by parameter and slot (``dense/kernel:momentum``), else by the variable's own name."""
-    by_path = {v.path.replace("/", "_"): params_names.get(id(v), v.path) for v in model.trainable_variables}
+    trainable = model.trainable_variables
     names = []
-    for v in optimizer.variables:
-        rest = v.path.split("/", 1)[-1]
-        owner = max((p for p in by_path if rest.startswith(p + "_")), key=len, default=None)
-        names.append(v.name if owner is None else f"{by_path[owner]}:{rest[len(owner) + 1:]}")
-    lr = [i for i, v in enumerate(optimizer.variables) if v.path.rsplit("/", 1)[-1] == "learning_rate"]
-    if lr:
-        names.pop(lr[0])
+    for v, owner in zip(keras_state_variables(optimizer), keras_state_owners(optimizer, trainable)):
+        if owner is None:
+            names.append(v.name)
+        else:
+            slot = v.path.split("/", 1)[-1][len(trainable[owner].path.replace("/", "_")) + 1:]
+            names.append(f"{params_names.get(id(trainable[owner]), trainable[owner].path)}:{slot}")
     hyper = list(getattr(opt_state, "hyperparams", None) or {})
     if not hasattr(opt_state, "hyperparams") or len(names) + len(hyper) != len(jax.tree.leaves(opt_state)):
         # not the layout `from_keras` makes (loss scaling wraps it): tree paths

@@ -262,10 +262,9 @@ class Trainer(WeightFiles):
             self._all.build(shapes_of(y), pred_shape)
         if self._runner is None:
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
-            sharded = self._placement.plan is not None
             self._runner = StepRunner(self._engine, make_steps(apply, self._loss_fn, self._optimizer, self._loss_tracker,
                                                                self._metrics, self.strategy.num_replicas_in_sync,
-                                                               self._placement.scatter if sharded else None),
+                                                               self._placement.reduce),
                                       self._accumulation, self._placement)
         return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
 
