@@ -113,7 +113,7 @@ def test_two_epochs_equal_keras_own_fit_on_one_device(model_name, shape, stage):
     assert all(key in report for key in rules)
 
 
-@pytest.mark.parametrize("n,shape,stage", [(1, (8, 1), 3), (3, (4, 2), 3), (5, (2, 4), 2)])
+@pytest.mark.parametrize("n,shape,stage", variants([(1, (8, 1), 3), (3, (4, 2), 3), (5, (2, 4), 2)], {(1, (8, 1), 3)}))
 def test_replicas_holding_no_row_change_nothing(n, shape, stage):
     """N under the replica count: replicas with padding only (every batch), against Keras' own fit."""
     x, y = _data("cnn", n=n)
