@@ -11,7 +11,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from .distribute import _scope  # standard library only: `import lockstep.launch` stays free of JAX
+from .distribute import _joining, _scope  # standard library only: `import lockstep.launch` stays free of JAX
 
 __version__ = "0.1.0"
 
@@ -66,8 +66,17 @@ def _keras_fit_through_lockstep(keras: Any) -> None:
     install(keras)
 
 
-# the composition root connects the scopes (`distribute`) to training, which builds on them
+def _join_cluster(cluster_resolver: Any, failure_timeout: float | None) -> Any:
+    """A sharded strategy's workers joined as a multi-worker strategy's are (`lockstep.cluster`)."""
+    from .cluster._multi_worker import join
+
+    return join(cluster_resolver, failure_timeout)
+
+
+# the composition root connects the scopes (`distribute`) to training, and sharded strategies to
+# the cluster, which build on them
 _scope.KERAS_HOOKS.append(_keras_fit_through_lockstep)
+_joining.JOIN_HOOKS.append(_join_cluster)
 
 
 def __getattr__(name: str) -> Any:

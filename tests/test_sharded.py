@@ -15,87 +15,9 @@ from keras import layers as L
 
 import lockstep as ls
 from tests.keras_reference import assert_equals_one_device, assert_weights_close
+from tests.sharded_cases import (COMPILE, MESHES, MODELS, case_data, cnn, keras_fit, mlp,
+                                 sharded_fit, sharded_strategy, transformer, used_rules)
 from tests.suite import variants
-
-MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
-RULES = {".*dense.*/kernel": (None, "model"), ".*conv.*/kernel": (None, None, None, "model"),
-         ".*lstm.*/kernel": (None, "model"), ".*embedding.*/embeddings": (None, "model"),
-         ".*attention/(query|key|value)/kernel": (None, None, "model"),  # Megatron: heads' features split
-         ".*attention_output/kernel": (None, "model", None)}
-
-
-def _mlp():
-    return keras.Sequential([keras.Input((12,)), L.Dense(32, activation="relu", name="dense_a"),
-                             L.Dropout(0.0), L.Dense(4, name="head")])
-
-
-def _cnn():
-    return keras.Sequential([keras.Input((6, 6, 2)), L.Conv2D(8, 3, use_bias=False, name="conv"), L.BatchNormalization(),
-                             L.ReLU(), L.Flatten(), L.Dense(4, name="head")])
-
-
-def _lstm():
-    return keras.Sequential([keras.Input((5, 3)), L.Masking(0.0), L.LSTM(16, name="lstm"), L.Dense(4, name="head")])
-
-
-def _transformer():
-    inp = keras.Input((7,), dtype="int32")
-    h = L.Embedding(32, 16, name="embedding")(inp)
-    a = L.MultiHeadAttention(num_heads=2, key_dim=8, name="attention")(h, h)
-    h = L.LayerNormalization(name="norm")(h + a)
-    h = L.Dense(32, activation="relu", name="dense_ffn")(h)
-    h = L.GlobalAveragePooling1D()(h)
-    return keras.Model(inp, L.Dense(4, name="head")(h))
-
-
-def _data(name, n=37, seed=0):
-    rng = np.random.RandomState(seed)
-    x = {"mlp": lambda: rng.randn(n, 12), "cnn": lambda: rng.randn(n, 6, 6, 2),
-         "lstm": lambda: rng.randn(n, 5, 3) * (rng.rand(n, 5, 1) > 0.3),
-         "transformer": lambda: rng.randint(0, 32, (n, 7))}[name]()
-    x = x.astype("int32" if name == "transformer" else "float32")
-    return x, rng.randint(0, 4, n)
-
-
-MODELS = {"mlp": _mlp, "cnn": _cnn, "lstm": _lstm, "transformer": _transformer}
-COMPILE = dict(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-               metrics=["accuracy"])
-
-
-def _strategy(shape, stage, rules=RULES, **kw):
-    mesh = ls.DeviceMesh(shape, ("batch", "model"))
-    layout = ls.LayoutMap(mesh)
-    for key, axes in rules.items():
-        layout[key] = axes
-    kw.setdefault("min_shard_size", 128)
-    kw.setdefault("max_replicated_fraction", 0.3)
-    return ls.ShardedStrategy(mesh=mesh, layout_map=layout, batch_dim_name="batch", zero_stage=stage, **kw)
-
-
-def _keras_fit(factory, x, y, epochs=2):
-    keras.utils.set_random_seed(1)
-    model = factory()
-    model.compile(**COMPILE)
-    history = model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
-    return model.get_weights(), history.history
-
-
-def _sharded_fit(factory, strategy, x, y, epochs=2):
-    with strategy.scope():
-        keras.utils.set_random_seed(1)
-        model = factory()
-        model.compile(**COMPILE)
-    trainer = ls.Trainer(model)
-    history = trainer.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
-    return trainer, (trainer.get_weights(), history.history)
-
-
-def _used_rules(model_name):
-    keys = {"mlp": [".*dense.*/kernel"], "cnn": [".*conv.*/kernel"], "lstm": [".*lstm.*/kernel"],
-            "transformer": [".*dense.*/kernel", ".*embedding.*/embeddings", ".*attention/(query|key|value)/kernel",
-                            ".*attention_output/kernel"]}[model_name]
-    return {k: RULES[k] for k in keys}
-
 
 CASES = [(m, shape, stage) for m in MODELS for shape in MESHES for stage in (0, 1, 2, 3)
          if not (shape == (8, 1) and stage == 0)]  # (8, 1) at stage 0 splits nothing: see the error test
@@ -104,10 +26,10 @@ CASES = [(m, shape, stage) for m in MODELS for shape in MESHES for stage in (0, 
 @pytest.mark.parametrize("model_name,shape,stage", variants(CASES, {
     ("mlp", (8, 1), 1), ("mlp", (1, 8), 2), ("cnn", (4, 2), 3), ("lstm", (2, 4), 3)}))  # the transformer: test_evaluate_predict_and_gather_on_a_sharded_model
 def test_two_epochs_equal_keras_own_fit_on_one_device(model_name, shape, stage):
-    x, y = _data(model_name)
-    want = _keras_fit(MODELS[model_name], x, y)
-    rules = _used_rules(model_name)  # (what stays replicated is checked in test_bad_rules_...)
-    trainer, got = _sharded_fit(MODELS[model_name], _strategy(shape, stage, rules, max_replicated_fraction=1.0), x, y)
+    x, y = case_data(model_name)
+    want = keras_fit(MODELS[model_name], x, y)
+    rules = used_rules(model_name)  # (what stays replicated is checked in test_bad_rules_...)
+    trainer, got = sharded_fit(MODELS[model_name], sharded_strategy(shape, stage, rules, max_replicated_fraction=1.0), x, y)
     assert_equals_one_device(got, want, rtol=2e-5, atol=5e-6)
     report = trainer.layouts.report()
     assert all(key in report for key in rules)
@@ -116,31 +38,31 @@ def test_two_epochs_equal_keras_own_fit_on_one_device(model_name, shape, stage):
 @pytest.mark.parametrize("n,shape,stage", variants([(1, (8, 1), 3), (3, (4, 2), 3), (5, (2, 4), 2)], {(1, (8, 1), 3)}))
 def test_replicas_holding_no_row_change_nothing(n, shape, stage):
     """N under the replica count: replicas with padding only (every batch), against Keras' own fit."""
-    x, y = _data("cnn", n=n)
-    want = _keras_fit(_cnn, x, y)
-    _, got = _sharded_fit(_cnn, _strategy(shape, stage, _used_rules("cnn"), max_replicated_fraction=1.0), x, y)
+    x, y = case_data("cnn", n=n)
+    want = keras_fit(cnn, x, y)
+    _, got = sharded_fit(cnn, sharded_strategy(shape, stage, used_rules("cnn"), max_replicated_fraction=1.0), x, y)
     assert_equals_one_device(got, want, rtol=2e-5, atol=5e-6)
 
 
 def test_pure_zero_equals_data_parallel_on_the_same_devices_bit_for_bit():
-    x, y = _data("mlp")
+    x, y = case_data("mlp")
     with ls.MirroredStrategy(8).scope():
         keras.utils.set_random_seed(1)
-        model = _mlp()
+        model = mlp()
         model.compile(**COMPILE)
     plain = ls.Trainer(model)
     h = plain.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     for stage in (1, 3):
-        _, (w, hs) = _sharded_fit(_mlp, _strategy((8, 1), stage, rules={}), x, y)
+        _, (w, hs) = sharded_fit(mlp, sharded_strategy((8, 1), stage, rules={}), x, y)
         assert hs == h
         for a, b in zip(w, plain.get_weights()):
             np.testing.assert_array_equal(a, b)
 
 
 def test_variables_are_created_in_their_layout_inside_the_scope():
-    strategy = _strategy((2, 4), 3, _used_rules("mlp"))
+    strategy = sharded_strategy((2, 4), 3, used_rules("mlp"))
     with strategy.scope():
-        model = _mlp()
+        model = mlp()
     kernel = model.get_layer("dense_a").kernel.value
     assert kernel.sharding.spec == jax.sharding.PartitionSpec("batch", "model")
     assert {s.data.shape for s in kernel.addressable_shards} == {(6, 8)}  # (12, 32) over 2 x 4 devices
@@ -162,9 +84,9 @@ def _wide():
 
 @pytest.mark.parametrize("stage", variants([0, 1, 2, 3], {1, 3}))
 def test_memory_per_device_is_what_the_stage_promises_and_the_estimate_says(stage):
-    x, y = _data("mlp", n=16)
+    x, y = case_data("mlp", n=16)
     x = np.random.RandomState(0).randn(16, 64).astype("float32")
-    strategy = _strategy((8, 1), stage, rules={}, min_shard_size=1024, max_replicated_fraction=1.0)
+    strategy = sharded_strategy((8, 1), stage, rules={}, min_shard_size=1024, max_replicated_fraction=1.0)
     with strategy.scope():
         model = _wide()
         model.compile(**COMPILE)
@@ -189,17 +111,17 @@ def test_memory_per_device_is_what_the_stage_promises_and_the_estimate_says(stag
 
 
 def test_state_saved_on_one_mesh_restores_onto_any_other_and_the_run_goes_on_as_if_uninterrupted():
-    x, y = _data("mlp")
-    rules = _used_rules("mlp")
-    whole, (w_whole, h_whole) = _sharded_fit(_mlp, _strategy((2, 4), 3, rules), x, y, epochs=2)
-    first, _ = _sharded_fit(_mlp, _strategy((2, 4), 3, rules), x, y, epochs=1)
+    x, y = case_data("mlp")
+    rules = used_rules("mlp")
+    whole, (w_whole, h_whole) = sharded_fit(mlp, sharded_strategy((2, 4), 3, rules), x, y, epochs=2)
+    first, _ = sharded_fit(mlp, sharded_strategy((2, 4), 3, rules), x, y, epochs=1)
     saved = first.train_state
     saved_host = jax.tree.map(np.asarray, (saved.params, saved.opt_state))
-    for target in [_strategy((4, 2), 3, rules), _strategy((8, 1), 1, rules), _strategy((2, 4), 0, rules),
+    for target in [sharded_strategy((4, 2), 3, rules), sharded_strategy((8, 1), 1, rules), sharded_strategy((2, 4), 0, rules),
                    ls.OneDeviceStrategy()]:
         with target.scope():
             keras.utils.set_random_seed(5)  # other initial weights: the restore must replace them all
-            model = _mlp()
+            model = mlp()
             model.compile(**COMPILE)
         trainer = ls.Trainer(model)
         trainer.get_weights()
@@ -213,14 +135,14 @@ def test_state_saved_on_one_mesh_restores_onto_any_other_and_the_run_goes_on_as_
 
 
 def test_backup_and_restore_resumes_on_another_mesh(tmp_path):
-    x, y = _data("mlp")
-    rules = _used_rules("mlp")
-    _, (w_whole, _) = _sharded_fit(_mlp, _strategy((2, 4), 3, rules), x, y, epochs=2)
+    x, y = case_data("mlp")
+    rules = used_rules("mlp")
+    _, (w_whole, _) = sharded_fit(mlp, sharded_strategy((2, 4), 3, rules), x, y, epochs=2)
 
     def fit(strategy, epochs, stop_after=None):
         with strategy.scope():
             keras.utils.set_random_seed(1)
-            model = _mlp()
+            model = mlp()
             model.compile(**COMPILE)
         trainer = ls.Trainer(model)
         cbs = [ls.callbacks.BackupAndRestore(str(tmp_path / "backup"))]
@@ -230,8 +152,8 @@ def test_backup_and_restore_resumes_on_another_mesh(tmp_path):
         return trainer
 
     with pytest.raises(_Preempted):
-        fit(_strategy((2, 4), 3, rules), 2, stop_after=0)  # a run cut short after its first epoch
-    resumed = fit(_strategy((8, 1), 2, rules), 2)
+        fit(sharded_strategy((2, 4), 3, rules), 2, stop_after=0)  # a run cut short after its first epoch
+    resumed = fit(sharded_strategy((8, 1), 2, rules), 2)
     assert_weights_close(resumed.get_weights(), w_whole, atol=5e-6)
 
 
@@ -264,9 +186,9 @@ def _functional():
                                       pytest.param(dict(dtype_policy="mixed_float16"), marks=pytest.mark.full_suite),
                                       dict(dtype_policy="mixed_bfloat16")])
 def test_accumulation_and_mixed_precision_on_a_functional_model_equal_one_device(settings):
-    x, y = _data("mlp")
+    x, y = case_data("mlp")
     runs = []
-    for strategy in (ls.OneDeviceStrategy(), _strategy((2, 4), 3, {"dense_1/w": (None, "model")})):
+    for strategy in (ls.OneDeviceStrategy(), sharded_strategy((2, 4), 3, {"dense_1/w": (None, "model")})):
         trainer = ls.Trainer(_functional(), optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
                              metrics=["accuracy"], strategy=strategy, **settings)
         history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
@@ -276,11 +198,11 @@ def test_accumulation_and_mixed_precision_on_a_functional_model_equal_one_device
 
 
 def test_evaluate_predict_and_gather_on_a_sharded_model():
-    x, y = _data("transformer")
-    strategy = _strategy((2, 4), 3, _used_rules("transformer"))
-    trainer, _ = _sharded_fit(_transformer, strategy, x, y, epochs=1)
+    x, y = case_data("transformer")
+    strategy = sharded_strategy((2, 4), 3, used_rules("transformer"))
+    trainer, _ = sharded_fit(transformer, strategy, x, y, epochs=1)
     keras.utils.set_random_seed(1)
-    reference = _transformer()
+    reference = transformer()
     reference.compile(**COMPILE)
     reference.set_weights(trainer.get_weights())
     np.testing.assert_allclose(trainer.predict(x, batch_size=8), reference.predict(x, batch_size=8, verbose=0),
@@ -301,20 +223,20 @@ def test_keras_layout_objects_are_accepted():
     mesh = keras.distribution.DeviceMesh((2, 4), ("batch", "model"), devices=keras.distribution.list_devices())
     layout = keras.distribution.LayoutMap(mesh)
     layout[".*dense.*/kernel"] = (None, "model")
-    x, y = _data("mlp")
+    x, y = case_data("mlp")
     strategy = ls.ShardedStrategy(mesh=mesh, layout_map=layout, batch_dim_name="batch", zero_stage=3,
                                   min_shard_size=128, max_replicated_fraction=0.3)
-    want = _keras_fit(_mlp, x, y)
-    _, got = _sharded_fit(_mlp, strategy, x, y)
+    want = keras_fit(mlp, x, y)
+    _, got = sharded_fit(mlp, strategy, x, y)
     assert_equals_one_device(got, want, atol=5e-6)
 
 
 @pytest.mark.parametrize("build,message", [
-    (lambda: _strategy((2, 4), 1, {".*kernel": (None, "tensor")}), "lacks"),
-    (lambda: ls.DeviceMesh((4, 4), ("batch", "model")), "needs 16 devices"),
-    (lambda: _strategy((2, 4), 1, {".*kernel": ("model", "model")}), "same mesh axis"),
-    (lambda: _strategy((2, 4), 1, {".*kernel": (None, "batch")}), "batch axis"),
-    (lambda: _strategy((2, 4), 4), "zero_stage"),
+    (lambda: sharded_strategy((2, 4), 1, {".*kernel": (None, "tensor")}), "lacks"),
+    (lambda: ls.ShardedStrategy(mesh=ls.DeviceMesh((4, 4), ("batch", "model"))), "needs 16 devices"),
+    (lambda: sharded_strategy((2, 4), 1, {".*kernel": ("model", "model")}), "same mesh axis"),
+    (lambda: sharded_strategy((2, 4), 1, {".*kernel": (None, "batch")}), "batch axis"),
+    (lambda: sharded_strategy((2, 4), 4), "zero_stage"),
     (lambda: ls.ShardedStrategy(mesh=ls.DeviceMesh((2, 4), ("data", "model")), batch_dim_name="batch"),
      "batch_dim_name"),
 ])
@@ -330,11 +252,11 @@ def test_bad_layouts_are_named_before_any_step(build, message):
     ({".*dense.*/kernel": (None, "model", None)}, {}, "one mesh axis name or None per dimension"),
 ])
 def test_bad_rules_for_the_model_are_named_before_any_step(rules, kw, message):
-    strategy = _strategy((1, 8) if message == "does not divide" else (2, 4), 0, rules, **kw)
-    x, y = _data("mlp")
+    strategy = sharded_strategy((1, 8) if message == "does not divide" else (2, 4), 0, rules, **kw)
+    x, y = case_data("mlp")
     with pytest.raises(ls.UsageError, match=message) as err:
         with strategy.scope():  # the variables are made in their layouts: a rule that cannot be is named here
-            model = _mlp()
+            model = mlp()
         model.compile(**COMPILE)
         ls.Trainer(model).fit(x, y, batch_size=8, verbose=0)
     if message == "would stay replicated":
@@ -347,7 +269,7 @@ def test_keras_model_parallel_is_refused_with_the_lockstep_name_for_it():
     layout[".*dense.*/kernel"] = (None, "model")
     keras.distribution.set_distribution(keras.distribution.ModelParallel(layout_map=layout, batch_dim_name="batch"))
     try:
-        model = _mlp()
+        model = mlp()
         model.compile(**COMPILE)
         with pytest.raises(ValueError, match="ShardedStrategy"):
             ls.Trainer(model)

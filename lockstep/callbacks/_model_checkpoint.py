@@ -1,4 +1,4 @@
-"""`ModelCheckpoint`: atomic saves of the weights (or the whole training state), chief only."""
+"""`ModelCheckpoint`: atomic saves of the weights (or the whole training state), written by worker 0."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ from typing import Any
 
 import numpy as np
 
-from ._callback import is_chief
 from ._monitor import MonitorCallback
 
 
@@ -77,8 +76,7 @@ class ModelCheckpoint(MonitorCallback):
                 print(f"Epoch {epoch + 1}: {self.monitor} improved from {self.best} to {current}, saving.")
             self.best = current
         path = self.format_path(epoch, logs)
-        if not is_chief():
-            return
+        # every worker saves (a sharded model's weights are gathered from all), worker 0 alone writes
         if self.save_weights_only:
             self.trainer.save_weights(path)
         else:

@@ -20,6 +20,8 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..engine._cross_replica import host_value
+
 
 _TRASH = "trash"
 #: Where `set_aside` moves damaged checkpoints, inside the checkpoint directory.
@@ -33,17 +35,6 @@ class DamagedCheckpointError(RuntimeError):
     def __init__(self, step: int, why: str):
         super().__init__(f"checkpoint {step} is damaged: {why}")
         self.step, self.why = step, why
-
-
-def _whole(a: Any) -> np.ndarray:
-    """`a`'s whole value on this host (a collective for an array spread over workers)."""
-    if isinstance(a, jax.Array) and not a.is_fully_addressable:
-        if a.is_fully_replicated:
-            return np.asarray(a.addressable_data(0))
-        from jax.experimental import multihost_utils
-
-        return np.asarray(multihost_utils.process_allgather(a, tiled=True))
-    return np.asarray(a)
 
 
 def _crc(value: np.ndarray) -> str:
@@ -75,7 +66,7 @@ def checksums(arrays: dict[str, Any], meta: dict[str, Any], primary_only: bool =
     for k, v in sorted(arrays.items()):
         spread = isinstance(v, jax.Array) and not v.is_fully_addressable and not v.is_fully_replicated
         if spread or not skip:
-            out[k] = _crc(_whole(v))
+            out[k] = _crc(host_value(v))
     out["meta"] = _meta_crc(meta)
     return out
 

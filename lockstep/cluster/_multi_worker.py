@@ -31,6 +31,7 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -350,8 +351,9 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
 
     if backends_started():
         raise UsageError(
-            "MultiWorkerMirroredStrategy must be created before any JAX computation (JAX has already started "
-            "its backend): create the strategy first thing in the script, after `simulate_cpu_devices` if any.")
+            "a multi-worker strategy (MultiWorkerMirroredStrategy, or a ShardedStrategy whose mesh spans the workers) "
+            "must be created before any JAX computation (JAX has already started its backend): create the strategy "
+            "first thing in the script, after `simulate_cpu_devices` if any.")
     timeout = max(1, int(round(_BACKSTOP * failure_timeout)))  # the watchdog (WATCHDOG x) fires first
     flag = f"--xla_cpu_collective_timeout_seconds={timeout}"
     if "xla_cpu_collective_timeout_seconds" not in os.environ.get("XLA_FLAGS", ""):
@@ -405,6 +407,38 @@ def _not_joined(resolver: ClusterResolver, seconds: float) -> None:
     os._exit(LOST_WORKER_EXIT_CODE)
 
 
+def join(cluster_resolver: ClusterResolver | None = None, failure_timeout: float | None = None
+         ) -> tuple[ClusterResolver, float, Callable[[str], None] | None]:
+    """Joins this process to the job's other workers (once a process; a multi-worker strategy
+    calls it before it looks at the devices): `cluster_resolver`, or the one the environment
+    describes (LOCKSTEP_*, TF_CONFIG, SLURM); none is a job of one worker, this process.
+
+    Returns:
+      The cluster, the failure timeout (default `LOCKSTEP_FAILURE_TIMEOUT`, else 20 s), and the
+      check the workers make before each new compiled program (None for one worker).
+    """
+    single = cluster_resolver is None and not _cluster_configured(os.environ)
+    # as TF: no cluster configured is a cluster of one worker (this process, its local devices)
+    resolver = ClusterResolver("127.0.0.1:0", 1, 0) if single else (cluster_resolver or resolve_cluster())
+    if not isinstance(resolver, ClusterResolver):
+        raise TypeError(f"`cluster_resolver` must be a ClusterResolver, got {type(resolver).__name__}.")
+    if failure_timeout is None:
+        failure_timeout = float(os.environ.get("LOCKSTEP_FAILURE_TIMEOUT", DEFAULT_FAILURE_TIMEOUT))
+    if failure_timeout <= 0:
+        raise ValueError(f"`failure_timeout` must be positive, got failure_timeout={failure_timeout!r}.")
+    fresh = not _INITIALIZED
+    if not single:
+        _initialize(resolver, failure_timeout)
+    if fresh and resolver.num_processes > 1:
+        # the watchdog names a silent peer before the runtime's own heartbeat aborts this process
+        _Watchdog(resolver.process_id, resolver.num_processes, _WATCHDOG * failure_timeout,
+                  resolver.coordinator_address).start()
+        sys.excepthook = _exit_at_once(sys.excepthook)
+        _AGREEMENT.append(ProgramAgreement(resolver.process_id, resolver.num_processes, failure_timeout))
+    # one numbering of new programs per process, whatever the number of strategies
+    return resolver, failure_timeout, (_AGREEMENT[0].check if _AGREEMENT else None)
+
+
 class MultiWorkerMirroredStrategy(Strategy):
     """Synchronous data parallelism over every device of every worker process.
 
@@ -424,29 +458,10 @@ class MultiWorkerMirroredStrategy(Strategy):
     """
 
     def __init__(self, cluster_resolver: ClusterResolver | None = None, failure_timeout: float | None = None):
-        single = cluster_resolver is None and not _cluster_configured(os.environ)
-        # as TF: no cluster configured is a cluster of one worker (this process, its local devices)
-        resolver = ClusterResolver("127.0.0.1:0", 1, 0) if single else (cluster_resolver or resolve_cluster())
-        if not isinstance(resolver, ClusterResolver):
-            raise TypeError(f"`cluster_resolver` must be a ClusterResolver, got {type(resolver).__name__}.")
-        if failure_timeout is None:
-            failure_timeout = float(os.environ.get("LOCKSTEP_FAILURE_TIMEOUT", DEFAULT_FAILURE_TIMEOUT))
-        if failure_timeout <= 0:
-            raise ValueError(f"`failure_timeout` must be positive, got failure_timeout={failure_timeout!r}.")
-        fresh = not _INITIALIZED
-        if not single:
-            _initialize(resolver, failure_timeout)
-        self.cluster_resolver = resolver
-        self.failure_timeout = failure_timeout
+        self.cluster_resolver, self.failure_timeout, check = join(cluster_resolver, failure_timeout)
         super().__init__(jax.devices())
-        if fresh and resolver.num_processes > 1:
-            # the watchdog names a silent peer before the runtime's own heartbeat aborts this process
-            _Watchdog(resolver.process_id, resolver.num_processes, _WATCHDOG * failure_timeout,
-                      resolver.coordinator_address).start()
-            sys.excepthook = _exit_at_once(sys.excepthook)
-            _AGREEMENT.append(ProgramAgreement(resolver.process_id, resolver.num_processes, failure_timeout))
-        if _AGREEMENT:  # one numbering of new programs per process, whatever the number of strategies
-            self.extended.agree_on_programs(_AGREEMENT[0].check)
+        if check is not None:
+            self.extended.agree_on_programs(check)
 
     @property
     def num_workers(self) -> int:

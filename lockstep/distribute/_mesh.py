@@ -30,6 +30,11 @@ class DeviceMesh:
     """`devices` (default: all of them, in order) laid out as a grid of `shape` whose axes are
     named `axis_names` (Keras' `DeviceMesh`).
 
+    With `devices` left out, the devices are found when the mesh is first used (`devices`,
+    `jax_mesh`): a `ShardedStrategy` built on it first joins the job's other workers (as
+    `MultiWorkerMirroredStrategy` does), so the mesh spans every worker's devices. Build the
+    mesh, then the strategy, before any JAX computation.
+
     Raises:
       UsageError: the mesh needs more devices than there are, or its shape and names disagree.
     """
@@ -41,15 +46,33 @@ class DeviceMesh:
             raise UsageError(f"`shape` {shape} and `axis_names` {axis_names} must name one positive size per axis.")
         if len(set(axis_names)) != len(axis_names):
             raise UsageError(f"`axis_names` must be distinct, got {axis_names}.")
-        pool = list(jax.devices()) if devices is None else [_device(d) for d in devices]
-        size = int(np.prod(shape))
-        if size > len(pool) or (devices is not None and size != len(pool)):
-            raise UsageError(f"a mesh of shape {shape} needs {size} devices, but "
-                             f"{'there are' if devices is None else '`devices` holds'} {len(pool)}.")
         self.shape = shape
         self.axis_names = axis_names
-        self.devices = np.asarray(pool[:size], dtype=object).reshape(shape)
-        self.jax_mesh = Mesh(self.devices, axis_names, axis_types=(AxisType.Auto,) * len(shape))
+        self._given = None if devices is None else [_device(d) for d in devices]
+        self._mesh: Mesh | None = None
+        if self._given is not None:
+            self._resolve()
+
+    def _resolve(self) -> Mesh:
+        if self._mesh is None:
+            pool = list(jax.devices()) if self._given is None else self._given
+            size = int(np.prod(self.shape))
+            if size > len(pool) or (self._given is not None and size != len(pool)):
+                raise UsageError(f"a mesh of shape {self.shape} needs {size} devices, but "
+                                 f"{'there are' if self._given is None else '`devices` holds'} {len(pool)}.")
+            devices = np.asarray(pool[:size], dtype=object).reshape(self.shape)
+            self._mesh = Mesh(devices, self.axis_names, axis_types=(AxisType.Auto,) * len(self.shape))
+        return self._mesh
+
+    @property
+    def devices(self) -> np.ndarray:
+        """The devices, an array of the mesh's shape."""
+        return self._resolve().devices
+
+    @property
+    def jax_mesh(self) -> Mesh:
+        """The mesh as JAX's `jax.sharding.Mesh` (axis types Auto)."""
+        return self._resolve()
 
     def axis_size(self, name: str) -> int:
         """The number of devices along axis `name`."""

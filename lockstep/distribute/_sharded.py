@@ -24,6 +24,7 @@ from jax.sharding import NamedSharding
 from .._errors import UsageError
 from ..engine._engine import BATCH_AXIS
 from ..engine._sharding import ShardingConfig
+from ._joining import join
 from ._mesh import as_layout_map, as_mesh
 from ._strategy import Strategy
 
@@ -45,27 +46,47 @@ class ShardedStrategy(Strategy):
         of those the layout leaves whole and the batch axis divides.
       max_replicated_fraction: the largest fraction of trainable bytes allowed to stay replicated
         on every device (beyond it: an error before training, with the layout report).
+      cluster_resolver, failure_timeout: the job's workers and how long a silent one is waited
+        for, as `MultiWorkerMirroredStrategy` takes them: started by `lockstep launch` (or with
+        LOCKSTEP_*, TF_CONFIG or SLURM set), every worker runs the same script and a `DeviceMesh`
+        built without `devices` spans every worker's devices; each worker must hold whole
+        replicas (the batch axis first, as `jax.devices()` orders them by worker).
 
     Raises:
-      UsageError: an unknown or misused axis in a rule, a mesh larger than the devices, a mesh
-        spanning several processes (not supported yet), a bad stage.
+      UsageError: an unknown or misused axis in a rule, a mesh larger than the devices, a bad
+        stage, a mesh spanning processes that did not join through lockstep.
     """
 
     def __init__(self, mesh: Any, layout_map: Any = None, batch_dim_name: str = BATCH_AXIS, zero_stage: int = 0,
-                 min_shard_size: int = 1024, shard_dim: str = "largest", max_replicated_fraction: float = 0.02):
+                 min_shard_size: int = 1024, shard_dim: str = "largest", max_replicated_fraction: float = 0.02,
+                 cluster_resolver: Any = None, failure_timeout: float | None = None):
+        self.cluster_resolver, self.failure_timeout, check = join(cluster_resolver, failure_timeout)
         device_mesh = as_mesh(mesh)
         if batch_dim_name not in device_mesh.axis_names:
             raise UsageError(f"`batch_dim_name` {batch_dim_name!r} is not an axis of the mesh, whose axes are "
                              f"{device_mesh.axis_names}.")
-        if any(d.process_index != jax.process_index() for d in device_mesh.devices.flat):
-            raise UsageError("a ShardedStrategy mesh spanning several processes is not supported yet: give a mesh "
-                             "of this process's devices (jax.local_devices()), or use MultiWorkerMirroredStrategy.")
+        if check is None and any(d.process_index != jax.process_index() for d in device_mesh.devices.flat):
+            raise UsageError("the mesh spans several processes that did not join through lockstep: start the workers "
+                             "with `lockstep launch` (or set LOCKSTEP_*, TF_CONFIG or SLURM, or pass "
+                             "`cluster_resolver`) instead of calling jax.distributed.initialize yourself.")
         rules = tuple(as_layout_map(layout_map).items())
         config = ShardingConfig(rules, zero_stage, int(min_shard_size), shard_dim, float(max_replicated_fraction))
         config.check(dict(zip(device_mesh.axis_names, device_mesh.shape)), batch_dim_name)
         self.device_mesh = device_mesh
         self.zero_stage = zero_stage
         super().__init__(mesh=device_mesh.jax_mesh, batch_axis=batch_dim_name, sharding=config)
+        if check is not None:
+            self.extended.agree_on_programs(check)
+
+    @property
+    def num_workers(self) -> int:
+        """How many worker processes the job has."""
+        return 1 if self.cluster_resolver is None else self.cluster_resolver.num_workers
+
+    @property
+    def worker_index(self) -> int:
+        """This worker's number (0: the chief, which writes files)."""
+        return 0 if self.cluster_resolver is None else self.cluster_resolver.task_id
 
     def keras_variable_layout(self, variable: Any) -> Any:
         """Where a Keras variable created in this scope lies from the start (Keras asks)."""

@@ -177,6 +177,26 @@ class RunCompiler:
         compiled = entry.call
         return lambda *args: self._tracked(compiled(*args))
 
+    def jit(self, fn: Callable[..., Any], out_shardings: Any) -> Callable[..., Any]:
+        """`jax.jit(fn, out_shardings=out_shardings)` run as this compiler's own programs are: the
+        workers of a job agree on each new signature of its arguments before it runs, and its
+        calls count among the steps in flight (a caller's program on global arrays, say a `mapped`
+        step with work outside the `shard_map`)."""
+        compiled = jax.jit(fn, out_shardings=out_shardings)
+        agreed: set[Any] = set()
+
+        def call(*args: Any) -> Any:
+            if self._agree is not None:
+                leaves, tree = jax.tree.flatten(args)
+                signatures = [signature(x) for x in leaves]
+                key = (tree, tuple(signatures))
+                with self._lock:
+                    if key not in agreed:
+                        self._agree(describe(fn, ["global"] * len(leaves), signatures))
+                        agreed.add(key)
+            return self._tracked(compiled(*args))
+        return call
+
     def mapped(self, fn: Callable[..., Any], kinds: Any, out_kinds: Any, *, check_vma: bool = True,
                with_batch: bool = True) -> Callable[..., Any]:
         """`fn` as a `shard_map` (not compiled: for a caller's own `jax.jit` around it) of

@@ -161,6 +161,33 @@ def _concat_replicas(stacked: jax.Array, *, axis: int) -> jax.Array:
 
 
 # --- across worker processes, on the host ---------------------------------------------------
+def spread(x: Any) -> bool:
+    """Whether `x` is a global array some of whose shards only other workers hold."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable
+
+
+def held(x: Any) -> Any:
+    """`x` as this process keeps it: on the host, or, where other workers hold some of its shards,
+    the global array as it lies (no worker reads the whole of it)."""
+    return x if spread(x) else np.asarray(x)
+
+
+def host_value(x: Any) -> np.ndarray:
+    """`x`'s whole value on this host: a collective among the workers for an array whose shards
+    they hold apart (every worker must call it), a copy of a local shard for one each holds whole.
+
+    >>> host_value(jax.numpy.arange(3)).tolist()
+    [0, 1, 2]
+    """
+    if spread(x):
+        if x.is_fully_replicated:
+            return np.asarray(x.addressable_data(0))
+        from jax.experimental import multihost_utils
+
+        return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+    return np.asarray(x)
+
+
 def broadcast_from_chief(value: Any) -> Any:
     """Worker 0's `value` (a pytree of arrays or scalars) on every worker."""
     if jax.process_count() == 1:

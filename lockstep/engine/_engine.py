@@ -16,7 +16,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from ._compiler import RunCompiler
-from ._cross_replica import ReplicatedCall, gather_stacked
+from ._cross_replica import ReplicatedCall, gather_stacked, spread
 from ._layout import StepInfo
 from ._placement import BatchDistributor
 from ._replica_context import ReplicaContext
@@ -112,6 +112,11 @@ class Engine:
         caller's own `jax.jit` around it; see `RunCompiler.mapped`."""
         return self._compiler.mapped(fn, kinds, out_kinds, check_vma=check_vma, with_batch=with_batch)
 
+    def jit(self, fn: Callable[..., Any], out_shardings: Any) -> Callable[..., Any]:
+        """`jax.jit(fn, out_shardings=...)` on global arrays, which the workers of a job agree on
+        and whose calls count among the steps in flight; see `RunCompiler.jit`."""
+        return self._compiler.jit(fn, out_shardings)
+
     def plan(self, params: Any, paths: Any, trainable: Any) -> ShardingPlan | None:
         """The layouts of a model's parameters (trees of arrays, path strings and trainable flags)
         under this engine's `sharding`, or None when it replicates them."""
@@ -124,6 +129,8 @@ class Engine:
         def one(x: Any, sharding: Any) -> jax.Array:
             if isinstance(x, jax.Array) and x.sharding == sharding:
                 return x
+            if spread(x):  # a global array other workers hold shards of: laid out anew on the devices
+                return jax.device_put(x, sharding)
             x = np.asarray(x)
             return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
         return jax.tree.map(one, tree, shardings)

@@ -33,7 +33,9 @@ import jax
 import numpy as np
 
 from ..distribute import _scope
+from ..engine._cross_replica import host_value, spread
 from ._trainer import Trainer
+from ._weight_files import whole_on_host
 
 _ORIGINAL: dict[str, Any] = {}
 _HELD = "_lockstep_trainer"  # the model's attribute holding (key, Trainer): they live and die together
@@ -54,10 +56,26 @@ def install(keras: Any) -> None:
         return
     for name, method in (("fit", _fit), ("evaluate", _evaluate), ("predict", _predict),
                          ("predict_on_batch", _predict_on_batch), ("train_on_batch", _train_on_batch),
-                         ("test_on_batch", _test_on_batch)):
+                         ("test_on_batch", _test_on_batch), ("get_weights", _get_weights), ("save", _save)):
         _ORIGINAL[name] = getattr(keras.Model, name)
         method.__doc__ = _ORIGINAL[name].__doc__
         setattr(keras.Model, name, method)
+
+
+def _get_weights(self: Any) -> list[Any]:
+    """Keras' `get_weights`; variables whose shards other workers hold (a `ShardedStrategy` mesh
+    spanning workers) are gathered from them (every worker calls it, as it calls `fit`)."""
+    if not any(spread(v.value) for v in self.weights):
+        return _ORIGINAL["get_weights"](self)
+    return [host_value(v.value) for v in self.weights]
+
+
+def _save(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> None:
+    """Keras' `save`; with variables whose shards other workers hold, every worker gathers them
+    and worker 0 alone writes the file."""
+    with whole_on_host(self) as writes:
+        if writes:
+            _ORIGINAL["save"](self, filepath, *args, **kwargs)
 
 
 def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:

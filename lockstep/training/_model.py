@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..distribute import _scope
+from ..engine._cross_replica import held, host_value
 from ..engine._replica_context import get_replica_context
 from ._keras_layers import activity_penalties_masked, check_activity_regularizers, check_supported, hook_batch_norm
 
@@ -100,7 +101,7 @@ class _FunctionalAdapter:
         return y, {"rng_step": state["rng_step"] + jnp.uint32(training)}, None
 
     def get_weights(self, params: Params) -> Any:
-        return jax.tree.map(np.asarray, params["trainable"])
+        return jax.tree.map(host_value, params["trainable"])
 
     def paths(self, params: Params) -> Any:
         """Each parameter's path (its keys joined by ``/``: ``"dense/w"``), a tree like `params`."""
@@ -158,8 +159,8 @@ class _KerasAdapter:
     def build(self, sample_x: Any) -> Params:
         if not self.model.built:
             self.model(sample_x)  # builds the variables from one real input
-        return {"trainable": [np.asarray(v.value) for v in self.model.trainable_variables],
-                "non_trainable": [np.asarray(v.value) for v in self.model.non_trainable_variables]}
+        return {"trainable": [held(v.value) for v in self.model.trainable_variables],
+                "non_trainable": [held(v.value) for v in self.model.non_trainable_variables]}
 
     def _seed_states(self) -> list[int]:
         """Positions of the seed generators' states among the non-trainable variables."""
@@ -197,7 +198,7 @@ class _KerasAdapter:
         return [index[id(v)] for v in self.model.weights]
 
     def get_weights(self, params: Params) -> list[np.ndarray]:
-        return [np.asarray(params[kind][i]) for kind, i in self._order()]
+        return [host_value(params[kind][i]) for kind, i in self._order()]
 
     def set_weights(self, params: Params, weights: Any) -> Params:
         order = self._order()
@@ -208,14 +209,15 @@ class _KerasAdapter:
         for (kind, i), w in zip(order, weights):
             if np.shape(out[kind][i]) != np.shape(w):
                 raise ValueError(f"`weights` holds an array of shape {np.shape(w)} where {np.shape(out[kind][i])} belongs.")
-            out[kind][i] = np.asarray(w, dtype=np.asarray(out[kind][i]).dtype)
+            out[kind][i] = np.asarray(w, dtype=out[kind][i].dtype)
         return out
 
     def sync_to_model(self, params: Params) -> None:
         for v, value in zip(self.model.trainable_variables, params["trainable"]):
-            v.assign(np.asarray(value))
+            v.assign(held(value))
         for v, value in zip(self.model.non_trainable_variables, params["non_trainable"]):
-            v.assign(np.asarray(value))
+            v.assign(held(value))
+
 
 
 def keras_paths(model: Any) -> dict[str, list[str]]:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-import jax
 import numpy as np
 import optax
+
+from ..engine._cross_replica import held
 
 # name -> (optax factory, Keras' default learning rate, Keras-like defaults)
 _OPTIMIZERS: dict[str, tuple[Any, float, dict[str, Any]]] = {
@@ -90,7 +91,7 @@ def from_keras(optimizer: Any, trainable_variables: Any) -> optax.GradientTransf
     lr_at = _learning_rate_index(optimizer)
 
     def init(params: Any) -> KerasOptimizerState:
-        values = [np.asarray(v.value) for v in optimizer.variables]
+        values = [held(v.value) for v in optimizer.variables]
         hyper = {} if lr_at is None else {"learning_rate": values.pop(lr_at)}
         return KerasOptimizerState(values, hyper)
 
@@ -156,8 +157,8 @@ def to_keras(optimizer: Any, opt_state: Any) -> None:
             lr_at = _learning_rate_index(optimizer)
             if lr_at is not None:
                 values.insert(lr_at, node.hyperparams["learning_rate"])
-            for v, value in zip(optimizer.variables, jax.tree.map(np.asarray, values)):
-                v.assign(np.asarray(value))
+            for v, value in zip(optimizer.variables, values):
+                v.assign(held(value))
             return
         if isinstance(node, (tuple, list)):
             stack.extend(node)

@@ -111,9 +111,12 @@ class Sharded(Replicated):
         return self._engine.place(opt_state, self.state_shardings(opt_state))
 
     def init_opt_state(self, params: Any) -> Any:
-        """A fresh optimizer state made on the devices already laid out (no device holds a whole one)."""
+        """A fresh optimizer state made on the devices already laid out (no device holds a whole one;
+        a Keras optimizer's is its variables, which Keras made in their layouts)."""
         shapes = jax.eval_shape(self._optimizer.init, params["trainable"])
-        return jax.jit(self._optimizer.init, out_shardings=self.state_shardings(shapes))(params["trainable"])
+        if self._keras_owners is not None:
+            return self._engine.place(self._optimizer.init(params["trainable"]), self.state_shardings(shapes))
+        return self._engine.jit(self._optimizer.init, self.state_shardings(shapes))(params["trainable"])
 
     # --- steps ---------------------------------------------------------------------------
     def scatter(self, grads: Any) -> Any:
@@ -166,7 +169,7 @@ class Sharded(Replicated):
             key = jax.tree.structure(opt_state)
             program = cache.get(key)
             if program is None:
-                program = cache[key] = jax.jit(fn, out_shardings=(
+                program = cache[key] = self._engine.jit(fn, (
                     self._param_shardings, self.state_shardings(opt_state), split))
             return program(params, opt_state, *rest)
         return call

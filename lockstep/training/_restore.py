@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..engine._cross_replica import broadcast_from_chief
+from ..engine._cross_replica import broadcast_from_chief, spread
 from ._data_stream import DataPosition, DataStream
 from ._train_state import TrainState
 
@@ -33,7 +33,11 @@ def callback_key(callbacks: list[Any]) -> dict[str, Any]:
 def initial_state(placement: Any, params: Any, names: Any = None) -> TrainState:
     """Worker 0's `params` (host arrays) on the devices as `placement` (`_placement`'s) lays them
     out, with a fresh optimizer state; `names(params, opt_state)` gives their `StateNames`."""
-    params = jax.tree.map(np.asarray, broadcast_from_chief(params))  # every worker starts from worker 0's
+    leaves, tree = jax.tree.flatten(params)
+    own = [i for i, x in enumerate(leaves) if not spread(x)]  # a global array spread over workers is one value
+    for i, x in zip(own, broadcast_from_chief([np.asarray(leaves[i]) for i in own])):
+        leaves[i] = np.asarray(x)  # every worker starts from worker 0's
+    params = jax.tree.unflatten(tree, leaves)
     params = placement.params(params)
     opt_state = placement.init_opt_state(params)
     return TrainState(params=params, opt_state=opt_state, metric_state=None, epoch=0, step=0, global_step=0, seed=0,

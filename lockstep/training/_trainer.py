@@ -28,7 +28,7 @@ import optax
 
 from ..distribute import _scope
 from .. import losses as _losses
-from ..engine._cross_replica import broadcast_from_chief
+from ..engine._cross_replica import broadcast_from_chief, held
 from ..distribute._strategy import Strategy, get_strategy
 from ..callbacks import Callback, History, ProgbarLogger
 from ..callbacks._callback import is_chief
@@ -96,7 +96,8 @@ class _LazyLogs(Mapping[str, Any]):
 
 
 def _host(tree: Any) -> Any:
-    return jax.tree.map(np.asarray, tree)
+    """`tree` on the host, but for arrays whose shards other workers hold (see `held`)."""
+    return jax.tree.map(held, tree)
 
 
 def _to_python(v: Any) -> Any:

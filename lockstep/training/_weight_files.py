@@ -1,13 +1,19 @@
-"""Weight files: the `Trainer`'s `save_weights` / `load_weights` / `save`, on its public API only."""
+"""Weight files: the `Trainer`'s `save_weights` / `load_weights` / `save`, on its public API only.
+
+In a job of several workers every worker calls them (a sharded model's weights are gathered from
+the workers that hold them) and worker 0 alone writes the file.
+"""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any, Protocol
 
 import jax
-import numpy as np
 
 from ..checkpoint import atomic_path, load_tree, save_tree
+from ..engine._cross_replica import host_value, spread
 
 
 def _load_weights(path: str, like: Any, opt_state: Any) -> Any:
@@ -32,12 +38,14 @@ class HasWeights(Protocol):
 
 
 def _opt_state_on_host(trainer: HasWeights) -> Any:
-    return jax.tree.map(np.asarray, trainer.train_state.opt_state)
+    return jax.tree.map(host_value, trainer.train_state.opt_state)
 
 
 def save_weights(trainer: HasWeights, path: str) -> None:
     """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
-    save_tree(path, trainer.get_weights())
+    weights = trainer.get_weights()
+    if jax.process_index() == 0:
+        save_tree(path, weights)
 
 
 def load_weights(trainer: HasWeights, path: str) -> None:
@@ -52,11 +60,33 @@ def save(trainer: HasWeights, path: str, epoch: int | None = None) -> None:
     weights = trainer.get_weights()
     if path.endswith(".keras") and hasattr(trainer.model, "save"):
         trainer.sync_model()  # the weights and the Keras optimizer's state, as Keras saves them
-        with atomic_path(path) as tmp:
-            trainer.model.save(tmp)
+        with whole_on_host(trainer.model):
+            if jax.process_index() == 0:
+                with atomic_path(path) as tmp:
+                    trainer.model.save(tmp)
         return
     extra = {} if epoch is None else {"epoch": epoch}
-    save_tree(path, {"weights": weights, "opt_state": _opt_state_on_host(trainer)}, **extra)
+    state = {"weights": weights, "opt_state": _opt_state_on_host(trainer)}
+    if jax.process_index() == 0:
+        save_tree(path, state, **extra)
+
+
+@contextlib.contextmanager
+def whole_on_host(model: Any) -> Iterator[bool]:
+    """A Keras model (and its optimizer) whose variables other workers hold shards of keeps each
+    one's whole value on this host while Keras writes them (Keras reads variables with NumPy);
+    gives whether this worker writes: worker 0, or every worker where no variable is spread."""
+    optimizer = getattr(model, "optimizer", None)
+    variables = [*model.variables, *(getattr(optimizer, "variables", None) or [])]
+    kept = [(v, v._value) for v in variables if spread(getattr(v, "_value", None))]
+    whole = [host_value(value) for _, value in kept]  # every worker takes part in gathering them
+    try:
+        for (v, _), value in zip(kept, whole):
+            v._value = value  # Keras' own slot: `assign` would lay it out over the workers again
+        yield not kept or jax.process_index() == 0
+    finally:
+        for v, value in kept:
+            v._value = value
 
 
 class WeightFiles:

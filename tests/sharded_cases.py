@@ -1,0 +1,91 @@
+"""The models, data and strategies of the sharded-model tests (`tests/test_sharded.py`), shared
+with the job that runs them on a mesh spanning worker processes (`tests/workers/sharded_job.py`)."""
+
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from keras import layers as L  # noqa: E402
+
+import lockstep as ls  # noqa: E402
+
+MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
+RULES = {".*dense.*/kernel": (None, "model"), ".*conv.*/kernel": (None, None, None, "model"),
+         ".*lstm.*/kernel": (None, "model"), ".*embedding.*/embeddings": (None, "model"),
+         ".*attention/(query|key|value)/kernel": (None, None, "model"),  # Megatron: heads' features split
+         ".*attention_output/kernel": (None, "model", None)}
+
+
+def mlp():
+    return keras.Sequential([keras.Input((12,)), L.Dense(32, activation="relu", name="dense_a"),
+                             L.Dropout(0.0), L.Dense(4, name="head")])
+
+
+def cnn():
+    return keras.Sequential([keras.Input((6, 6, 2)), L.Conv2D(8, 3, use_bias=False, name="conv"), L.BatchNormalization(),
+                             L.ReLU(), L.Flatten(), L.Dense(4, name="head")])
+
+
+def lstm():
+    return keras.Sequential([keras.Input((5, 3)), L.Masking(0.0), L.LSTM(16, name="lstm"), L.Dense(4, name="head")])
+
+
+def transformer():
+    inp = keras.Input((7,), dtype="int32")
+    h = L.Embedding(32, 16, name="embedding")(inp)
+    a = L.MultiHeadAttention(num_heads=2, key_dim=8, name="attention")(h, h)
+    h = L.LayerNormalization(name="norm")(h + a)
+    h = L.Dense(32, activation="relu", name="dense_ffn")(h)
+    h = L.GlobalAveragePooling1D()(h)
+    return keras.Model(inp, L.Dense(4, name="head")(h))
+
+
+def case_data(name, n=37, seed=0):
+    rng = np.random.RandomState(seed)
+    x = {"mlp": lambda: rng.randn(n, 12), "cnn": lambda: rng.randn(n, 6, 6, 2),
+         "lstm": lambda: rng.randn(n, 5, 3) * (rng.rand(n, 5, 1) > 0.3),
+         "transformer": lambda: rng.randint(0, 32, (n, 7))}[name]()
+    x = x.astype("int32" if name == "transformer" else "float32")
+    return x, rng.randint(0, 4, n)
+
+
+MODELS = {"mlp": mlp, "cnn": cnn, "lstm": lstm, "transformer": transformer}
+COMPILE = dict(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+               metrics=["accuracy"])
+
+
+def sharded_strategy(shape, stage, rules=RULES, **kw):
+    mesh = ls.DeviceMesh(shape, ("batch", "model"))
+    layout = ls.LayoutMap(mesh)
+    for key, axes in rules.items():
+        layout[key] = axes
+    kw.setdefault("min_shard_size", 128)
+    kw.setdefault("max_replicated_fraction", 0.3)
+    return ls.ShardedStrategy(mesh=mesh, layout_map=layout, batch_dim_name="batch", zero_stage=stage, **kw)
+
+
+def keras_fit(factory, x, y, epochs=2):
+    keras.utils.set_random_seed(1)
+    model = factory()
+    model.compile(**COMPILE)
+    history = model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    return model.get_weights(), history.history
+
+
+def sharded_fit(factory, strategy, x, y, epochs=2):
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = factory()
+        model.compile(**COMPILE)
+    trainer = ls.Trainer(model)
+    history = trainer.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
+    return trainer, (trainer.get_weights(), history.history)
+
+
+def used_rules(model_name):
+    keys = {"mlp": [".*dense.*/kernel"], "cnn": [".*conv.*/kernel"], "lstm": [".*lstm.*/kernel"],
+            "transformer": [".*dense.*/kernel", ".*embedding.*/embeddings", ".*attention/(query|key|value)/kernel",
+                            ".*attention_output/kernel"]}[model_name]
+    return {k: RULES[k] for k in keys}

@@ -1,0 +1,113 @@
+"""Sharded models on a mesh spanning the workers (`ls.ShardedStrategy` under `lockstep launch`):
+argv = out_dir, which holds cases.json (a list of cases, run one after another in these processes).
+
+Each case: {"model", "shape" (batch x model mesh over every worker's devices), "stage", "n" (rows),
+"mode", "backup" (a directory)}. Modes:
+- "fit": Keras code as written in the scope (compile / fit / evaluate / predict / get_weights /
+  save); worker 0 writes case<i>.npz (weights, predictions, the saved .keras file's weights) and
+  case<i>.json (history, evaluation).
+- "resume": fit with `BackupAndRestore(backup)` that resumes a backup taken elsewhere; the state
+  just restored (parameters and optimizer state, whole) goes to case<i>_restored.npz.
+- "preempt": the same fit cut short after its first epoch's backup (as a preempted job).
+"""
+
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: `tests.*`
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import lockstep as ls  # noqa: E402
+
+out_dir = sys.argv[1]
+with open(os.path.join(out_dir, "cases.json")) as f:
+    cases = json.load(f)
+strategies = {}
+
+
+def strategy_for(case):
+    """One strategy a model, mesh and stage (the first joins the workers, before JAX starts)."""
+    key = (case["model"], tuple(case["shape"]), case["stage"])
+    if key not in strategies:
+        strategies[key] = sharded.sharded_strategy(key[1], key[2], sharded.used_rules(key[0]),
+                                                   max_replicated_fraction=1.0)
+    return strategies[key]
+
+
+from tests import sharded_cases as sharded  # noqa: E402  (imports JAX: after the lockstep import only)
+
+strategy_for(cases[0])  # joins the workers before anything else runs on JAX
+
+import jax  # noqa: E402
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+from lockstep.engine._cross_replica import host_value  # noqa: E402
+
+
+class Preempted(Exception):
+    pass
+
+
+class StopAfterFirstEpoch(ls.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        raise Preempted  # as a preempted job dies, after the backup of its first epoch
+
+
+class DumpRestored(ls.callbacks.Callback):
+    """The state the run starts from (a restored backup's), whole, written by worker 0."""
+
+    def __init__(self, path):
+        super().__init__()
+        self.path, self.done = path, False
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if self.done:
+            return
+        self.done = True
+        state = self.trainer.train_state
+        leaves = [host_value(a) for a in jax.tree.leaves((state.params, state.opt_state))]
+        if jax.process_index() == 0:
+            np.savez(self.path, *leaves)
+
+
+rank = jax.process_index()
+for i, case in enumerate(cases):
+    strategy = strategy_for(case)
+    factory = sharded.MODELS[case["model"]]
+    x, y = sharded.case_data(case["model"], n=case.get("n", 37))
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = factory()
+        model.compile(**sharded.COMPILE)
+    if case["mode"] == "fit":
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        evaluation = model.evaluate(x, y, batch_size=8, verbose=0)
+        predictions = model.predict(x, batch_size=8, verbose=0)
+        weights = model.get_weights()
+        path = os.path.join(out_dir, f"case{i}.keras")
+        model.save(path)
+        if rank == 0:
+            saved = keras.saving.load_model(path).get_weights()
+            np.savez(os.path.join(out_dir, f"case{i}.npz"), predictions=predictions,
+                     **{f"w{j}": w for j, w in enumerate(weights)}, **{f"s{j}": w for j, w in enumerate(saved)})
+            with open(os.path.join(out_dir, f"case{i}.json"), "w") as f:
+                json.dump({"history": history.history, "evaluate": evaluation}, f)
+    else:
+        callbacks = [ls.callbacks.BackupAndRestore(case["backup"])]
+        if case["mode"] == "resume":
+            callbacks.append(DumpRestored(os.path.join(out_dir, f"case{i}_restored.npz")))
+        else:
+            callbacks.append(StopAfterFirstEpoch())
+        trainer = ls.Trainer(model)
+        try:
+            history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
+        except Preempted:
+            history = None
+        weights = trainer.get_weights()
+        if rank == 0:
+            np.savez(os.path.join(out_dir, f"case{i}.npz"), **{f"w{j}": w for j, w in enumerate(weights)})
+            with open(os.path.join(out_dir, f"case{i}.json"), "w") as f:
+                json.dump({"history": None if history is None else history.history}, f)
+    print(f"case {i} done: {case}", flush=True)
