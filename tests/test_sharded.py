@@ -149,11 +149,12 @@ def test_backup_and_restore_resumes_on_another_mesh(tmp_path):
         if stop_after is not None:
             cbs.append(_StopAfterEpoch(stop_after))
         trainer.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=cbs)
-        return trainer
+        return trainer, cbs[0]
 
     with pytest.raises(_Preempted):
         fit(sharded_strategy((2, 4), 3, rules), 2, stop_after=0)  # a run cut short after its first epoch
-    resumed = fit(sharded_strategy((8, 1), 2, rules), 2)
+    resumed, backup = fit(sharded_strategy((8, 1), 2, rules), 2)
+    assert backup.restored_from == 5  # the backup of epoch 1 (5 steps of 8 rows)
     assert_weights_close(resumed.get_weights(), w_whole, atol=5e-6)
 
 
@@ -166,9 +167,9 @@ class _StopAfterEpoch(ls.callbacks.Callback):
         super().__init__()
         self.epoch = epoch
 
-    def on_epoch_end(self, epoch, logs=None):
-        if epoch == self.epoch:
-            raise _Preempted  # as a preempted job dies, after the backup of that epoch
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == self.epoch + 1:
+            raise _Preempted  # as a preempted job dies, after the backup of epoch `self.epoch` (backups run last)
 
 
 def _functional():

@@ -51,8 +51,9 @@ class Preempted(Exception):
 
 
 class StopAfterFirstEpoch(ls.callbacks.Callback):
-    def on_epoch_end(self, epoch, logs=None):
-        raise Preempted  # as a preempted job dies, after the backup of its first epoch
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise Preempted  # as a preempted job dies, after the backup of its first epoch (backups run last)
 
 
 class DumpRestored(ls.callbacks.Callback):

@@ -1,0 +1,118 @@
+"""Sharded models on a mesh spanning two worker processes of two devices each (`ls.ShardedStrategy`
+under `lockstep launch`, `tests/workers/sharded_job.py`): Keras code as written equals Keras' own
+`fit` on one device, a worker may hold no row, and backups move between one process and two
+workers bit for bit."""
+
+import json
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+
+import jax
+import keras
+import numpy as np
+import pytest
+
+import lockstep as ls
+from tests.keras_reference import assert_equals_one_device, assert_weights_close
+from tests.launching import WORKERS, launch_workers, output_of
+from tests.sharded_cases import COMPILE, MODELS, case_data, keras_fit, mlp, sharded_strategy, used_rules
+
+# these tests start processes: with `make test`'s two pytest workers, they run one after another
+pytestmark = pytest.mark.xdist_group("processes")
+
+JOB = WORKERS / "sharded_job.py"
+
+
+class _Preempted(Exception):
+    pass
+
+
+class _StopAfterFirstEpoch(ls.callbacks.Callback):
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise _Preempted  # as a preempted job dies, after the backup of its first epoch (backups run last)
+
+
+def _run_job(tmp_path, cases):
+    (tmp_path / "cases.json").write_text(json.dumps(cases))
+    proc = launch_workers(JOB, tmp_path, nproc=2, devices=2, timeout=400)
+    assert proc.returncode == 0, output_of(proc)
+    return [np.load(tmp_path / f"case{i}.npz") for i in range(len(cases))]
+
+
+def _keras_reference(name, n):
+    """Keras' own fit, evaluate and predict on one device."""
+    x, y = case_data(name, n=n)
+    keras.utils.set_random_seed(1)
+    model = MODELS[name]()
+    model.compile(**COMPILE)
+    history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    return (model.get_weights(), history, model.evaluate(x, y, batch_size=8, verbose=0),
+            model.predict(x, batch_size=8, verbose=0))
+
+
+def _check_fit(tmp_path, i, case, got):
+    weights, history, evaluation, predictions = _keras_reference(case["model"], case.get("n", 37))
+    out = json.loads((tmp_path / f"case{i}.json").read_text())
+    mine = [got[f"w{j}"] for j in range(len(weights))]
+    assert_equals_one_device((mine, out["history"]), (weights, history), rtol=2e-5, atol=5e-6)
+    np.testing.assert_allclose(out["evaluate"], evaluation, rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(got["predictions"], predictions, rtol=2e-5, atol=5e-6)
+    for j, w in enumerate(mine):  # the .keras file written from the workers' shards
+        np.testing.assert_array_equal(got[f"s{j}"], w)
+
+
+FIT_CASES = [{"model": "mlp", "shape": [2, 2], "stage": 3, "mode": "fit"},
+             {"model": "mlp", "shape": [4, 1], "stage": 2, "n": 1, "mode": "fit"}]  # worker 1 holds no row
+MORE_FIT_CASES = [{"model": "cnn", "shape": [4, 1], "stage": 3, "mode": "fit"},
+                  {"model": "lstm", "shape": [2, 2], "stage": 1, "mode": "fit"},
+                  {"model": "transformer", "shape": [2, 2], "stage": 3, "mode": "fit"},
+                  {"model": "cnn", "shape": [2, 2], "stage": 2, "n": 3, "mode": "fit"}]
+
+
+def test_two_workers_equal_keras_own_fit_and_backups_move_between_one_process_and_two_workers(tmp_path):
+    x, y = case_data("mlp")
+    # a backup taken in one process on a (2, 4) mesh at stage 3, cut short after its first epoch
+    strategy = sharded_strategy((2, 4), 3, used_rules("mlp"))
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = mlp()
+        model.compile(**COMPILE)
+    first = ls.Trainer(model)
+    with pytest.raises(_Preempted):
+        first.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
+                  callbacks=[ls.callbacks.BackupAndRestore(str(tmp_path / "from_one")), _StopAfterFirstEpoch()])
+    saved = [np.asarray(a) for a in jax.tree.leaves((first.train_state.params, first.train_state.opt_state))]
+
+    cases = [*FIT_CASES,
+             {"model": "mlp", "shape": [2, 2], "stage": 3, "mode": "resume", "backup": str(tmp_path / "from_one")},
+             {"model": "mlp", "shape": [4, 1], "stage": 1, "mode": "preempt", "backup": str(tmp_path / "from_two")}]
+    got = _run_job(tmp_path, cases)
+    for i, case in enumerate(FIT_CASES):
+        _check_fit(tmp_path, i, case, got[i])
+
+    whole, _ = keras_fit(mlp, x, y)  # the uninterrupted run
+    restored = np.load(tmp_path / "case2_restored.npz")  # the one-process backup, on two workers
+    assert len(restored.files) == len(saved)
+    for j, a in enumerate(saved):
+        np.testing.assert_array_equal(restored[f"arr_{j}"], a)
+    assert_weights_close([got[2][f"w{j}"] for j in range(len(whole))], whole, atol=5e-6)
+
+    # the two workers' backup (a (4, 1) mesh at stage 1), resumed in one process on one device
+    with ls.OneDeviceStrategy().scope():
+        keras.utils.set_random_seed(5)  # other initial weights: the restore must replace them all
+        model = mlp()
+        model.compile(**COMPILE)
+    backup = ls.callbacks.BackupAndRestore(str(tmp_path / "from_two"))
+    resumed = ls.Trainer(model)
+    resumed.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[backup])
+    assert backup.restored_from == 5  # the backup of epoch 1 (5 steps of 8 rows)
+    assert_weights_close(resumed.get_weights(), whole, atol=5e-6)
+
+
+@pytest.mark.full_suite
+def test_cnn_lstm_and_transformer_on_two_workers_equal_keras_own_fit(tmp_path):
+    got = _run_job(tmp_path, MORE_FIT_CASES)
+    for i, case in enumerate(MORE_FIT_CASES):
+        _check_fit(tmp_path, i, case, got[i])
