@@ -23,6 +23,7 @@ bench: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/efficiency.py
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/input.py
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/small_steps.py
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/sharded.py
 
 # two pytest workers; the tests that start processes run one after another in one of them
 test: $(STAMP)
