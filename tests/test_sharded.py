@@ -183,19 +183,27 @@ def _functional():
     return ls.FunctionalModel(init, apply)
 
 
-@pytest.mark.parametrize("settings", [dict(gradient_accumulation_steps=2),
-                                      pytest.param(dict(dtype_policy="mixed_float16"), marks=pytest.mark.full_suite),
-                                      dict(dtype_policy="mixed_bfloat16")])
-def test_accumulation_and_mixed_precision_on_a_functional_model_equal_one_device(settings):
+@pytest.mark.parametrize("settings,stage", [
+    (dict(gradient_accumulation_steps=2), 3), (dict(gradient_accumulation_steps=3), 1),
+    pytest.param(dict(gradient_accumulation_steps=2, dtype_policy="mixed_float16"), 2, marks=pytest.mark.full_suite),
+    pytest.param(dict(dtype_policy="mixed_float16"), 3, marks=pytest.mark.full_suite),
+    (dict(dtype_policy="mixed_bfloat16"), 3)])
+def test_accumulation_and_mixed_precision_on_a_functional_model_equal_one_device(settings, stage):
     x, y = case_data("mlp")
     runs = []
-    for strategy in (ls.OneDeviceStrategy(), sharded_strategy((2, 4), 3, {"dense_1/w": (None, "model")})):
+    for strategy in (ls.OneDeviceStrategy(), sharded_strategy((2, 4), stage, {"dense_1/w": (None, "model")})):
         trainer = ls.Trainer(_functional(), optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
                              metrics=["accuracy"], strategy=strategy, **settings)
         history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
         runs.append((trainer.get_weights(), history))
     tol = 5e-6 if "dtype_policy" not in settings else 1e-2
     assert_equals_one_device(runs[1], runs[0], rtol=max(tol, 2e-5), atol=tol)
+    if stage >= 2 and "gradient_accumulation_steps" in settings:  # each replica accumulates its share only
+        acc = trainer._runner._acc  # (the accumulators are the runner's own: no public name)
+        whole = sum(np.asarray(w).nbytes for w in jax.tree.leaves(runs[1][0]))  # P: the trainable bytes
+        on_device0 = sum(s.data.nbytes for a in jax.tree.leaves(acc) for s in a.addressable_shards
+                         if s.device == jax.devices()[0])
+        assert on_device0 <= whole / 2  # split over the 2 replicas (and dense_1/w over the model axis)
 
 
 def test_evaluate_predict_and_gather_on_a_sharded_model():

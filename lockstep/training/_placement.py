@@ -144,26 +144,57 @@ class Sharded(Replicated):
             return {"trainable": trainable, "non_trainable": non_trainable}, opt_state, logs
         return self._compiled(train)
 
+    @property
+    def shards_accumulators(self) -> bool:
+        """Whether gradient accumulators are laid out as the plan's gradients (stage 2 and 3: each
+        replica accumulates its reduce-scattered share) rather than whole on every replica."""
+        return self.plan.zero_stage >= 2
+
+    def zero_accumulators(self, params: Any) -> Any:
+        """Accumulators of zeros for the trainable parameters, in the optimizer state's layout."""
+        shardings = self.plan.shardings("state")["trainable"]
+        return self._engine.jit(lambda t: jax.tree.map(jnp.zeros_like, t), shardings)(params["trainable"])
+
+    def accumulate_program(self, accumulate_step: Callable[..., Any]) -> Callable[..., Any]:
+        """``(params, opt_state, acc, metric_state, data, mask, count) -> (params, acc, metric_state)``:
+        one micro-batch added to the sharded accumulators (`shards_accumulators`); `accumulate_step`
+        is `make_accumulate_step`'s, reducing with `scatter` and taking the loss scale."""
+        grad_specs = self.plan.gradient_specs()["trainable"]
+        mapped = self._engine.mapped(accumulate_step, ("replicated", "replicated", grad_specs, "per_replica", "rows",
+                                                       "rows", "replicated"),
+                                     ("replicated", grad_specs, "per_replica"), check_vma=CHECK_VMA)
+        split = NamedSharding(self.plan.mesh, P(self.plan.batch_axis))
+        program = self._engine.jit(lambda params, scale, *rest: mapped(params, scale, *rest, rest[-2], rest[-1]),
+                                   (self._param_shardings, self.plan.shardings("state")["trainable"], split))
+
+        def accumulate(params: Any, opt_state: Any, acc: Any, metric_state: Any, data: Any, mask: Any,
+                       count: Any) -> Any:
+            return program(params, loss_scale_of(opt_state), acc, metric_state, data, mask, count)
+        return accumulate
+
     def apply_program(self) -> Callable[..., Any]:
         """``(params, opt_state, acc, count) -> (params, opt_state, acc)``: the update at the end
         of an accumulation group from the replicas' accumulators (reduce-scattered, divided by
-        the group's real count); the accumulators start again from zero."""
+        the group's real count; already so with `shards_accumulators`); the accumulators start again
+        from zero."""
         grad_specs = self.plan.gradient_specs()["trainable"]
         mapped = self._engine.mapped(lambda acc: (self.scatter(acc),), ("per_replica",), (grad_specs,),
                                      check_vma=CHECK_VMA, with_batch=False)
 
         def apply(params: Any, opt_state: Any, acc: Any, count: Any) -> Any:
-            grads = jax.tree.map(lambda a: a / count, mapped(acc)[0])
+            summed = acc if self.shards_accumulators else mapped(acc)[0]
+            grads = jax.tree.map(lambda a: a / count, summed)
             trainable, opt_state = updated(self._optimizer, grads, opt_state, params["trainable"])
             return ({"trainable": trainable, "non_trainable": params["non_trainable"]}, opt_state,
                     jax.tree.map(jnp.zeros_like, acc))
-        return self._compiled(apply)
+        third = self.plan.shardings("state")["trainable"] if self.shards_accumulators else None
+        return self._compiled(apply, third)
 
-    def _compiled(self, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def _compiled(self, fn: Callable[..., Any], third: Any = None) -> Callable[..., Any]:
         """`fn` compiled with its parameters and optimizer state kept in the plan's layouts (its
-        third output per replica: metric states, or accumulators)."""
+        third output per replica: metric states, or accumulators; or laid out as `third` says)."""
         cache: dict[Any, Callable[..., Any]] = {}
-        split = NamedSharding(self.plan.mesh, P(self.plan.batch_axis))
+        split = NamedSharding(self.plan.mesh, P(self.plan.batch_axis)) if third is None else third
 
         def call(params: Any, opt_state: Any, *rest: Any) -> Any:
             key = jax.tree.structure(opt_state)

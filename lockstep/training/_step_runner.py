@@ -59,12 +59,17 @@ class StepRunner:
         self._sharded = placement if placement is not None and placement.plan is not None else None
         if self._sharded is not None:  # a sharded model: its own train and apply programs (`_placement`)
             self._train, self._apply = self._sharded.train_program(steps["gradient"]), self._sharded.apply_program()
+            if self._sharded.shards_accumulators:  # stages 2 and 3: each replica accumulates its share
+                self._accumulate = self._sharded.accumulate_program(steps["accumulate_reduced"])
         self._acc: Any = None  # per-replica gradient sums of the group in progress
         self._programs: dict[tuple[Any, ...], Callable[..., Any]] = {}  # several updates in one program
         self._starts: dict[int, jax.Array] = {}  # batch numbers on the devices, placed once
 
     def start(self, params: Any) -> None:
         """Fresh (zero) accumulators for a `fit` on `params`: a `fit` interrupted mid-group leaves none behind."""
+        if self._accumulation > 1 and self._sharded is not None and self._sharded.shards_accumulators:
+            self._acc = self._sharded.zero_accumulators(params)
+            return
         self._acc = None if self._accumulation == 1 else self._engine.per_replica_copies(
             jax.tree.map(lambda p: np.zeros(p.shape, p.dtype), params["trainable"]))
 
@@ -81,6 +86,12 @@ class StepRunner:
             params, opt_state, metric_state = run(
                 self._steps["train"], (params, opt_state, metric_state, batch.data, batch.mask, batch.count),
                 TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
+        elif self._sharded is not None and self._sharded.shards_accumulators:
+            for batch in group.batches:
+                params, self._acc, metric_state = self._accumulate(params, opt_state, self._acc, metric_state,
+                                                                   batch.data, batch.mask, batch.count)
+            count = self._engine.put_replicated(np.float32(group.num_samples))
+            params, opt_state, self._acc = self._apply(params, opt_state, self._acc, count)
         else:
             for batch in group.batches:
                 params, self._acc, metric_state = run(

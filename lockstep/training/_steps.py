@@ -169,17 +169,25 @@ def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTran
 
 
 def make_accumulate_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,
-                         num_replicas: int) -> Callable[..., Any]:
+                         num_replicas: int, reduce: Callable[[Any], Any] | None = None,
+                         scaled: bool = False) -> Callable[..., Any]:
     """One micro-batch of gradient accumulation: this replica's gradient of the micro-batch's
     *summed* loss (its mean-loss gradient times the micro-batch's real count) added to its local
-    accumulator; the weights stay, the non-trainable state and the logs advance."""
+    accumulator — or, with `reduce`, combined over the replicas first (a sharded model's
+    reduce-scatter: each replica accumulates its share); the weights stay, the non-trainable state
+    and the logs advance. Its second argument is the optimizer state, or with `scaled` the loss
+    scale alone (a sharded model's step does not gather its optimizer state)."""
 
     def accumulate_step(params: dict[str, Any], opt_state: Any, acc: Any, state: dict[str, Any], data: Any,
                         mask: jax.Array, count: jax.Array) -> Any:
         x, y, sw = unpack(data)
+        scale = opt_state if scaled else loss_scale_of(opt_state)
         grads, (y_pred, per_example, non_trainable, penalty) = _local_gradients(
-            apply, loss_fn, num_replicas, params, x, y, sw, mask, count, loss_scale_of(opt_state))
-        acc = jax.tree.map(lambda a, g: a + g * count, acc, grads)
+            apply, loss_fn, num_replicas, params, x, y, sw, mask, count, scale)
+        if reduce is None:
+            acc = jax.tree.map(lambda a, g: a + g * count, acc, grads)
+        else:
+            acc = jax.tree.map(lambda a, g: a + g, acc, reduce(jax.tree.map(lambda g: g * count, grads)))
         new_params = {"trainable": params["trainable"], "non_trainable": _agree_non_trainable(non_trainable, mask)}
         logs = update_logs(loss_tracker, metrics, state, y, y_pred, per_example, sw, mask,
                            global_penalty(penalty, num_replicas))
@@ -229,10 +237,13 @@ def make_steps(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransform
                metrics: MetricCollection, num_replicas: int,
                reduce: Callable[[Any], Any] | None = None) -> dict[str, Callable[..., Any]]:
     """The train (or accumulate + apply), eval and predict steps of one model, loss, optimizer and
-    metrics; and the gradient step whose gradients `reduce` combines (a sharded model's)."""
+    metrics; and the gradient and accumulate steps whose gradients `reduce` combines (a sharded
+    model's: "gradient", "accumulate_reduced")."""
     return {"train": make_train_step(apply, loss_fn, optimizer, loss_tracker, metrics, num_replicas),
             "gradient": make_gradient_step(apply, loss_fn, loss_tracker, metrics, num_replicas, reduce),
             "accumulate": make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
+            "accumulate_reduced": make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas,
+                                                       reduce, scaled=True),
             "apply": make_apply_step(optimizer),
             "eval": make_eval_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
             "predict": make_predict_step(apply)}
