@@ -367,6 +367,13 @@ def run_child(args: list[str], timeout: int = 1800) -> dict | str:
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
+def write_report(path: str, lines: list[str]) -> None:
+    """Writes a benchmark's Markdown report (its lines) to `path` and says so."""
+    with open(path, "w") as f:
+        f.write("\n".join(lines) + "\n")
+    print(f"wrote {path}")
+
+
 def machine() -> str:
     import jax
 
@@ -505,9 +512,7 @@ def main() -> int:
         if isinstance(r, dict):
             lines.append(f"| {devices} | {1000 * r['one_by_one']:.2f} | {1000 * r['together']:.2f} | "
                          f"{r['one_by_one'] / r['together']:.1f}x |")
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, lines)
     return 0
 
 

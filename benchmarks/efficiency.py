@@ -26,7 +26,7 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import ROOT, EpochTimer, keras_model, lockstep_timer, machine, make_data, summary  # noqa: E402
+from bench import EpochTimer, ROOT, keras_model, lockstep_timer, machine, make_data, summary, write_report  # noqa: E402
 
 ACCUMULATION = {"batch 256": (256, 1), "4 x 64 accumulated": (64, 4)}
 PRECISION = ["float32", "mixed_bfloat16", "mixed_float16"]
@@ -123,9 +123,7 @@ def main() -> int:
              "Low precision on CPU is reported as measured: XLA:CPU has no fast bfloat16/float16 matrix units, "
              "so the casts cost more than they save. Parameters, optimizer state and the loss stay float32 in "
              "every row."]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, lines)
     return 0
 
 

@@ -25,7 +25,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import ROOT, machine  # noqa: E402
+from bench import ROOT, machine, write_report  # noqa: E402
 
 N, BATCH = 20000, 256
 
@@ -149,9 +149,7 @@ def main() -> int:
             print(mode, res, flush=True)
     lines += ["", f"Written in {time.perf_counter() - started:.0f} s. Per-worker reading adds one read of "
               "sample 0 per worker (the shapes)."]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, lines)
     return 0
 
 

@@ -32,7 +32,7 @@ import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import ROOT, EpochTimer, lockstep_timer, machine, make_data, summary  # noqa: E402
+from bench import EpochTimer, ROOT, lockstep_timer, machine, make_data, summary, write_report  # noqa: E402
 
 DEVICES = 8
 #: row name -> (mesh shape (batch, model) or None for MirroredStrategy, ZeRO stage, layout rules)
@@ -194,9 +194,7 @@ def main() -> int:
              "the 8 simulated devices (which share 2 cores), where ZeRO runs an eighth of it on each. With a "
              "model axis the step also moves activations between the model axis' devices (tensor parallelism: "
              "the all-gathers beyond 1P and the small all-reduce)."]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, lines)
     return 0
 
 

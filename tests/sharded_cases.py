@@ -89,3 +89,16 @@ def used_rules(model_name):
             "transformer": [".*dense.*/kernel", ".*embedding.*/embeddings", ".*attention/(query|key|value)/kernel",
                             ".*attention_output/kernel"]}[model_name]
     return {k: RULES[k] for k in keys}
+
+
+class Preempted(Exception):
+    """What `StopAfterFirstEpoch` raises: a run cut short, as a preempted job dies."""
+
+
+class StopAfterFirstEpoch(ls.callbacks.Callback):
+    """Stops a run after its first epoch's backup (backups run last among the epoch-end callbacks,
+    so the stop comes as the second epoch begins)."""
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if epoch == 1:
+            raise Preempted

@@ -16,22 +16,13 @@ import pytest
 import lockstep as ls
 from tests.keras_reference import assert_equals_one_device, assert_weights_close
 from tests.launching import WORKERS, launch_workers, output_of
-from tests.sharded_cases import COMPILE, MODELS, case_data, keras_fit, mlp, sharded_strategy, used_rules
+from tests.sharded_cases import (COMPILE, MODELS, Preempted, StopAfterFirstEpoch, case_data, keras_fit, mlp,
+                                 sharded_strategy, used_rules)
 
 # these tests start processes: with `make test`'s two pytest workers, they run one after another
 pytestmark = pytest.mark.xdist_group("processes")
 
 JOB = WORKERS / "sharded_job.py"
-
-
-class _Preempted(Exception):
-    pass
-
-
-class _StopAfterFirstEpoch(ls.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == 1:
-            raise _Preempted  # as a preempted job dies, after the backup of its first epoch (backups run last)
 
 
 def _run_job(tmp_path, cases):
@@ -80,9 +71,9 @@ def test_two_workers_equal_keras_own_fit_and_backups_move_between_one_process_an
         model = mlp()
         model.compile(**COMPILE)
     first = ls.Trainer(model)
-    with pytest.raises(_Preempted):
+    with pytest.raises(Preempted):
         first.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0,
-                  callbacks=[ls.callbacks.BackupAndRestore(str(tmp_path / "from_one")), _StopAfterFirstEpoch()])
+                  callbacks=[ls.callbacks.BackupAndRestore(str(tmp_path / "from_one")), StopAfterFirstEpoch()])
     saved = [np.asarray(a) for a in jax.tree.leaves((first.train_state.params, first.train_state.opt_state))]
 
     cases = [*FIT_CASES,

@@ -46,16 +46,6 @@ import numpy as np  # noqa: E402
 from lockstep.engine._cross_replica import host_value  # noqa: E402
 
 
-class Preempted(Exception):
-    pass
-
-
-class StopAfterFirstEpoch(ls.callbacks.Callback):
-    def on_epoch_begin(self, epoch, logs=None):
-        if epoch == 1:
-            raise Preempted  # as a preempted job dies, after the backup of its first epoch (backups run last)
-
-
 class DumpRestored(ls.callbacks.Callback):
     """The state the run starts from (a restored backup's), whole, written by worker 0."""
 
@@ -100,11 +90,11 @@ for i, case in enumerate(cases):
         if case["mode"] == "resume":
             callbacks.append(DumpRestored(os.path.join(out_dir, f"case{i}_restored.npz")))
         else:
-            callbacks.append(StopAfterFirstEpoch())
+            callbacks.append(sharded.StopAfterFirstEpoch())
         trainer = ls.Trainer(model)
         try:
             history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
-        except Preempted:
+        except sharded.Preempted:
             history = None
         weights = trainer.get_weights()
         if rank == 0:
