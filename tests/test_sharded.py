@@ -170,7 +170,8 @@ def _functional():
 
 
 @pytest.mark.parametrize("settings,stage", [
-    (dict(gradient_accumulation_steps=2), 3), (dict(gradient_accumulation_steps=3), 1),
+    (dict(gradient_accumulation_steps=2), 3),
+    pytest.param(dict(gradient_accumulation_steps=3), 1, marks=pytest.mark.full_suite),
     pytest.param(dict(gradient_accumulation_steps=2, dtype_policy="mixed_float16"), 2, marks=pytest.mark.full_suite),
     pytest.param(dict(dtype_policy="mixed_float16"), 3, marks=pytest.mark.full_suite),
     (dict(dtype_policy="mixed_bfloat16"), 3)])

@@ -6,7 +6,8 @@ The callback's `self.model` is a view of the Keras model whose training-time sta
 trainer's: `stop_training` is the trainer's (every worker agrees at the end of each epoch),
 `optimizer.learning_rate` reads and sets the trainer's learning rate (no recompilation),
 `get_weights` / `set_weights` are the trainer's weights (Keras' order), and `save` /
-`save_weights` write the trained weights and optimizer state, from worker 0 only. Callbacks that
+`save_weights` write the trained weights and optimizer state, from worker 0 only (every worker
+gathers the shards of a model whose variables are split over the workers). Callbacks that
 only write (`CSVLogger`, `TensorBoard`, `ProgbarLogger`, `RemoteMonitor`) run on worker 0 only.
 Any other attribute is the Keras model's own.
 """
@@ -18,6 +19,8 @@ from typing import Any
 
 import numpy as np
 
+from .._errors import UsageError
+from ..engine._cross_replica import spread
 from ._callback import HOOKS, Callback, is_chief
 from ._trainer_view import TrainerView
 
@@ -74,8 +77,12 @@ class _ModelView:
 
     def _write(self, how: str, *args: Any, **kwargs: Any) -> None:
         self._trainer.sync_model()
-        if is_chief():
-            getattr(self._trainer.model, how)(*args, **kwargs)
+        model = self._trainer.model
+        # variables whose shards other workers hold are gathered by every worker (Keras' save and
+        # save_weights, as lockstep routes them: worker 0 writes); else the chief alone writes
+        optimizer = getattr(model, "optimizer", None)
+        if is_chief() or any(spread(v.value) for v in [*model.variables, *(getattr(optimizer, "variables", None) or [])]):
+            getattr(model, how)(*args, **kwargs)
 
     def jax_state_sync(self) -> None:
         """Keras' `Callback.model` calls it on every access: the weights are read only when asked for."""
@@ -152,7 +159,14 @@ class KerasCallback(Callback):
 
     def set_trainer(self, trainer: TrainerView) -> None:
         super().set_trainer(trainer)
-        self.keras_callback.set_model(_ModelView(trainer))
+        callback = self.keras_callback
+        if (getattr(callback, "histogram_freq", 0) or getattr(callback, "write_images", False)) and any(
+                spread(v.value) for v in getattr(trainer.model, "variables", [])):
+            raise UsageError(f"keras.callbacks.{type(callback).__name__}(histogram_freq=..., write_images=...) reads "
+                             "every weight on worker 0 alone, but other workers hold shards of this model's "
+                             "variables: leave histogram_freq=0 and write_images=False (the scalars are logged), "
+                             "or use lockstep.callbacks.TensorBoard.")
+        callback.set_model(_ModelView(trainer))
 
     def set_params(self, params: dict[str, Any]) -> None:
         super().set_params(params)

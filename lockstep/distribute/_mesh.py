@@ -65,6 +65,11 @@ class DeviceMesh:
         return self._mesh
 
     @property
+    def resolved(self) -> bool:
+        """Whether the devices are chosen already (given, or looked up by a first use)."""
+        return self._mesh is not None
+
+    @property
     def devices(self) -> np.ndarray:
         """The devices, an array of the mesh's shape."""
         return self._resolve().devices

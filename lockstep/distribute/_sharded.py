@@ -60,15 +60,20 @@ class ShardedStrategy(Strategy):
     def __init__(self, mesh: Any, layout_map: Any = None, batch_dim_name: str = BATCH_AXIS, zero_stage: int = 0,
                  min_shard_size: int = 1024, shard_dim: str = "largest", max_replicated_fraction: float = 0.02,
                  cluster_resolver: Any = None, failure_timeout: float | None = None):
-        self.cluster_resolver, self.failure_timeout, check = join(cluster_resolver, failure_timeout)
         device_mesh = as_mesh(mesh)
+        # a mesh whose devices are still to be found spans the job's workers: join them first
+        joins = cluster_resolver is not None or not device_mesh.resolved
+        self.cluster_resolver, self.failure_timeout, check = (join(cluster_resolver, failure_timeout) if joins
+                                                              else (None, failure_timeout, None))
         if batch_dim_name not in device_mesh.axis_names:
             raise UsageError(f"`batch_dim_name` {batch_dim_name!r} is not an axis of the mesh, whose axes are "
                              f"{device_mesh.axis_names}.")
         if check is None and any(d.process_index != jax.process_index() for d in device_mesh.devices.flat):
             raise UsageError("the mesh spans several processes that did not join through lockstep: start the workers "
                              "with `lockstep launch` (or set LOCKSTEP_*, TF_CONFIG or SLURM, or pass "
-                             "`cluster_resolver`) instead of calling jax.distributed.initialize yourself.")
+                             "`cluster_resolver`), build the mesh as ls.DeviceMesh(shape, axis_names) without "
+                             "`devices` and the strategy before any JAX computation, instead of calling "
+                             "jax.distributed.initialize (or keras.distribution.initialize) yourself.")
         rules = tuple(as_layout_map(layout_map).items())
         config = ShardingConfig(rules, zero_stage, int(min_shard_size), shard_dim, float(max_replicated_fraction))
         config.check(dict(zip(device_mesh.axis_names, device_mesh.shape)), batch_dim_name)

@@ -162,8 +162,9 @@ def _concat_replicas(stacked: jax.Array, *, axis: int) -> jax.Array:
 
 # --- across worker processes, on the host ---------------------------------------------------
 def spread(x: Any) -> bool:
-    """Whether `x` is a global array some of whose shards only other workers hold."""
-    return isinstance(x, jax.Array) and not x.is_fully_addressable
+    """Whether `x` is a global array some of whose shards only other workers hold (not one every
+    worker holds whole, as a multi-worker strategy's replicated weights)."""
+    return isinstance(x, jax.Array) and not x.is_fully_addressable and not x.is_fully_replicated
 
 
 def held(x: Any) -> Any:
@@ -179,7 +180,7 @@ def host_value(x: Any) -> np.ndarray:
     >>> host_value(jax.numpy.arange(3)).tolist()
     [0, 1, 2]
     """
-    if spread(x):
+    if isinstance(x, jax.Array) and not x.is_fully_addressable:
         if x.is_fully_replicated:
             return np.asarray(x.addressable_data(0))
         from jax.experimental import multihost_utils

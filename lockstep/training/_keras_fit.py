@@ -56,7 +56,8 @@ def install(keras: Any) -> None:
         return
     for name, method in (("fit", _fit), ("evaluate", _evaluate), ("predict", _predict),
                          ("predict_on_batch", _predict_on_batch), ("train_on_batch", _train_on_batch),
-                         ("test_on_batch", _test_on_batch), ("get_weights", _get_weights), ("save", _save)):
+                         ("test_on_batch", _test_on_batch), ("get_weights", _get_weights), ("save", _save),
+                         ("save_weights", _save_weights)):
         _ORIGINAL[name] = getattr(keras.Model, name)
         method.__doc__ = _ORIGINAL[name].__doc__
         setattr(keras.Model, name, method)
@@ -71,11 +72,18 @@ def _get_weights(self: Any) -> list[Any]:
 
 
 def _save(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> None:
-    """Keras' `save`; with variables whose shards other workers hold, every worker gathers them
-    and worker 0 alone writes the file."""
+    """Keras' `save`, called by every worker of a job: worker 0 alone writes the file (variables
+    whose shards other workers hold are gathered by all first)."""
     with whole_on_host(self) as writes:
         if writes:
             _ORIGINAL["save"](self, filepath, *args, **kwargs)
+
+
+def _save_weights(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> None:
+    """Keras' `save_weights`, as `_save`."""
+    with whole_on_host(self) as writes:
+        if writes:
+            _ORIGINAL["save_weights"](self, filepath, *args, **kwargs)
 
 
 def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:

@@ -219,7 +219,6 @@ class _KerasAdapter:
             v.assign(held(value))
 
 
-
 def keras_paths(model: Any) -> dict[str, list[str]]:
     """A Keras model's variables' paths, as a `Trainer` holds their values."""
     return {"trainable": [v.path for v in model.trainable_variables],

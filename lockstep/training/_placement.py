@@ -178,11 +178,11 @@ class Sharded(Replicated):
         the group's real count; already so with `shards_accumulators`); the accumulators start again
         from zero."""
         grad_specs = self.plan.gradient_specs()["trainable"]
-        mapped = self._engine.mapped(lambda acc: (self.scatter(acc),), ("per_replica",), (grad_specs,),
-                                     check_vma=CHECK_VMA, with_batch=False)
+        scattered = None if self.shards_accumulators else self._engine.mapped(
+            lambda acc: (self.scatter(acc),), ("per_replica",), (grad_specs,), check_vma=CHECK_VMA, with_batch=False)
 
         def apply(params: Any, opt_state: Any, acc: Any, count: Any) -> Any:
-            summed = acc if self.shards_accumulators else mapped(acc)[0]
+            summed = acc if scattered is None else scattered(acc)[0]
             grads = jax.tree.map(lambda a: a / count, summed)
             trainable, opt_state = updated(self._optimizer, grads, opt_state, params["trainable"])
             return ({"trainable": trainable, "non_trainable": params["non_trainable"]}, opt_state,

@@ -57,6 +57,7 @@ class StepRunner:
         self._steps = steps
         self._accumulation = accumulation
         self._sharded = placement if placement is not None and placement.plan is not None else None
+        self._accumulate: Callable[..., Any] | None = None  # a sharded model's, with sharded accumulators
         if self._sharded is not None:  # a sharded model: its own train and apply programs (`_placement`)
             self._train, self._apply = self._sharded.train_program(steps["gradient"]), self._sharded.apply_program()
             if self._sharded.shards_accumulators:  # stages 2 and 3: each replica accumulates its share

@@ -239,11 +239,13 @@ def make_steps(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransform
     """The train (or accumulate + apply), eval and predict steps of one model, loss, optimizer and
     metrics; and the gradient and accumulate steps whose gradients `reduce` combines (a sharded
     model's: "gradient", "accumulate_reduced")."""
-    return {"train": make_train_step(apply, loss_fn, optimizer, loss_tracker, metrics, num_replicas),
-            "gradient": make_gradient_step(apply, loss_fn, loss_tracker, metrics, num_replicas, reduce),
-            "accumulate": make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
-            "accumulate_reduced": make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas,
-                                                       reduce, scaled=True),
-            "apply": make_apply_step(optimizer),
-            "eval": make_eval_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
-            "predict": make_predict_step(apply)}
+    steps = {"train": make_train_step(apply, loss_fn, optimizer, loss_tracker, metrics, num_replicas),
+             "gradient": make_gradient_step(apply, loss_fn, loss_tracker, metrics, num_replicas, reduce),
+             "accumulate": make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
+             "apply": make_apply_step(optimizer),
+             "eval": make_eval_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
+             "predict": make_predict_step(apply)}
+    if reduce is not None:
+        steps["accumulate_reduced"] = make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas,
+                                                           reduce, scaled=True)
+    return steps

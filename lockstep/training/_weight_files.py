@@ -57,7 +57,6 @@ def load_weights(trainer: HasWeights, path: str) -> None:
 def save(trainer: HasWeights, path: str, epoch: int | None = None) -> None:
     """Writes the training state atomically: a Keras `.keras` file for a Keras model and a
     `.keras` path; else weights, optimizer state and epoch (`.npz` layout)."""
-    weights = trainer.get_weights()
     if path.endswith(".keras") and hasattr(trainer.model, "save"):
         trainer.sync_model()  # the weights and the Keras optimizer's state, as Keras saves them
         with whole_on_host(trainer.model):
@@ -65,6 +64,7 @@ def save(trainer: HasWeights, path: str, epoch: int | None = None) -> None:
                 with atomic_path(path) as tmp:
                     trainer.model.save(tmp)
         return
+    weights = trainer.get_weights()
     extra = {} if epoch is None else {"epoch": epoch}
     state = {"weights": weights, "opt_state": _opt_state_on_host(trainer)}
     if jax.process_index() == 0:
@@ -75,7 +75,7 @@ def save(trainer: HasWeights, path: str, epoch: int | None = None) -> None:
 def whole_on_host(model: Any) -> Iterator[bool]:
     """A Keras model (and its optimizer) whose variables other workers hold shards of keeps each
     one's whole value on this host while Keras writes them (Keras reads variables with NumPy);
-    gives whether this worker writes: worker 0, or every worker where no variable is spread."""
+    gives whether this worker writes: worker 0 (workers writing one file at once would garble it)."""
     optimizer = getattr(model, "optimizer", None)
     variables = [*model.variables, *(getattr(optimizer, "variables", None) or [])]
     kept = [(v, v._value) for v in variables if spread(getattr(v, "_value", None))]
@@ -83,7 +83,7 @@ def whole_on_host(model: Any) -> Iterator[bool]:
     try:
         for (v, _), value in zip(kept, whole):
             v._value = value  # Keras' own slot: `assign` would lay it out over the workers again
-        yield not kept or jax.process_index() == 0
+        yield jax.process_index() == 0
     finally:
         for v, value in kept:
             v._value = value

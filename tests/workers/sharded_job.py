@@ -3,9 +3,10 @@ argv = out_dir, which holds cases.json (a list of cases, run one after another i
 
 Each case: {"model", "shape" (batch x model mesh over every worker's devices), "stage", "n" (rows),
 "mode", "backup" (a directory)}. Modes:
-- "fit": Keras code as written in the scope (compile / fit / evaluate / predict / get_weights /
-  save); worker 0 writes case<i>.npz (weights, predictions, the saved .keras file's weights) and
-  case<i>.json (history, evaluation).
+- "fit": Keras code as written in the scope (compile / fit with Keras' ModelCheckpoint, whole
+  model and weights only / evaluate / predict / get_weights / save); worker 0 writes case<i>.npz
+  (weights, predictions, the weights read back from each file written) and case<i>.json
+  (history, evaluation).
 - "resume": fit with `BackupAndRestore(backup)` that resumes a backup taken elsewhere; the state
   just restored (parameters and optimizer state, whole) goes to case<i>_restored.npz.
 - "preempt": the same fit cut short after its first epoch's backup (as a preempted job).
@@ -73,7 +74,11 @@ for i, case in enumerate(cases):
         model = factory()
         model.compile(**sharded.COMPILE)
     if case["mode"] == "fit":
-        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+        checkpoint = os.path.join(out_dir, f"case{i}_checkpoint.keras")
+        weights_file = os.path.join(out_dir, f"case{i}.weights.h5")
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
+            keras.callbacks.ModelCheckpoint(checkpoint), keras.callbacks.ModelCheckpoint(weights_file,
+                                                                                         save_weights_only=True)])
         evaluation = model.evaluate(x, y, batch_size=8, verbose=0)
         predictions = model.predict(x, batch_size=8, verbose=0)
         weights = model.get_weights()
@@ -81,8 +86,13 @@ for i, case in enumerate(cases):
         model.save(path)
         if rank == 0:
             saved = keras.saving.load_model(path).get_weights()
+            checkpointed = keras.saving.load_model(checkpoint).get_weights()
+            fresh = factory()
+            fresh.load_weights(weights_file)
             np.savez(os.path.join(out_dir, f"case{i}.npz"), predictions=predictions,
-                     **{f"w{j}": w for j, w in enumerate(weights)}, **{f"s{j}": w for j, w in enumerate(saved)})
+                     **{f"w{j}": w for j, w in enumerate(weights)}, **{f"s{j}": w for j, w in enumerate(saved)},
+                     **{f"c{j}": w for j, w in enumerate(checkpointed)},
+                     **{f"h{j}": w for j, w in enumerate(fresh.get_weights())})
             with open(os.path.join(out_dir, f"case{i}.json"), "w") as f:
                 json.dump({"history": history.history, "evaluate": evaluation}, f)
     else:
