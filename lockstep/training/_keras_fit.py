@@ -56,8 +56,8 @@ def install(keras: Any) -> None:
         return
     for name, method in (("fit", _fit), ("evaluate", _evaluate), ("predict", _predict),
                          ("predict_on_batch", _predict_on_batch), ("train_on_batch", _train_on_batch),
-                         ("test_on_batch", _test_on_batch), ("get_weights", _get_weights), ("save", _save),
-                         ("save_weights", _save_weights)):
+                         ("test_on_batch", _test_on_batch), ("get_weights", _get_weights),
+                         ("save", _written("save")), ("save_weights", _written("save_weights"))):
         _ORIGINAL[name] = getattr(keras.Model, name)
         method.__doc__ = _ORIGINAL[name].__doc__
         setattr(keras.Model, name, method)
@@ -71,19 +71,15 @@ def _get_weights(self: Any) -> list[Any]:
     return [host_value(v.value) for v in self.weights]
 
 
-def _save(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> None:
-    """Keras' `save`, called by every worker of a job: worker 0 alone writes the file (variables
-    whose shards other workers hold are gathered by all first)."""
-    with whole_on_host(self) as writes:
-        if writes:
-            _ORIGINAL["save"](self, filepath, *args, **kwargs)
-
-
-def _save_weights(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> None:
-    """Keras' `save_weights`, as `_save`."""
-    with whole_on_host(self) as writes:
-        if writes:
-            _ORIGINAL["save_weights"](self, filepath, *args, **kwargs)
+def _written(name: str) -> Any:
+    """Keras' writing method `name` (`save`, `save_weights`), called by every worker of a job:
+    worker 0 alone writes the file (variables whose shards other workers hold are gathered by all
+    first)."""
+    def write(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        with whole_on_host(self) as writes:
+            if writes:
+                _ORIGINAL[name](self, filepath, *args, **kwargs)
+    return write
 
 
 def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:

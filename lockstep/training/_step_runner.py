@@ -68,7 +68,7 @@ class StepRunner:
 
     def start(self, params: Any) -> None:
         """Fresh (zero) accumulators for a `fit` on `params`: a `fit` interrupted mid-group leaves none behind."""
-        if self._accumulation > 1 and self._sharded is not None and self._sharded.shards_accumulators:
+        if self._accumulation > 1 and self._accumulate is not None:
             self._acc = self._sharded.zero_accumulators(params)
             return
         self._acc = None if self._accumulation == 1 else self._engine.per_replica_copies(
@@ -87,7 +87,7 @@ class StepRunner:
             params, opt_state, metric_state = run(
                 self._steps["train"], (params, opt_state, metric_state, batch.data, batch.mask, batch.count),
                 TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
-        elif self._sharded is not None and self._sharded.shards_accumulators:
+        elif self._accumulate is not None:
             for batch in group.batches:
                 params, self._acc, metric_state = self._accumulate(params, opt_state, self._acc, metric_state,
                                                                    batch.data, batch.mask, batch.count)

@@ -59,8 +59,8 @@ def save(trainer: HasWeights, path: str, epoch: int | None = None) -> None:
     `.keras` path; else weights, optimizer state and epoch (`.npz` layout)."""
     if path.endswith(".keras") and hasattr(trainer.model, "save"):
         trainer.sync_model()  # the weights and the Keras optimizer's state, as Keras saves them
-        with whole_on_host(trainer.model):
-            if jax.process_index() == 0:
+        with whole_on_host(trainer.model) as writes:
+            if writes:
                 with atomic_path(path) as tmp:
                     trainer.model.save(tmp)
         return
