@@ -119,10 +119,11 @@ def _strategy_for(model: Any, given: Any) -> Strategy:
             raise TypeError(f"`strategy` must be a lockstep strategy, got {type(given).__name__}.")
         return given
     found = _scope.strategy_of_model(model)
-    if found is not None:
+    if found is not None and (found.num_replicas_in_sync > 1 or _scope.strategy_of_model(model, by_devices=False)):
         return found
+    # one device: the default, or a one-device strategy whose devices merely hold the variables
     variables = getattr(model, "variables", None) or []
-    default = get_strategy()
+    default = found or get_strategy()
     if variables and any(st.num_replicas_in_sync > 1 for st in _scope.recent()):
         warnings.warn(
             "this Trainer runs on one device (no strategy given, no scope active, and the model was not built "
