@@ -13,6 +13,7 @@ import lockstep as ls  # noqa: E402
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
 RULES = {".*dense.*/kernel": (None, "model"), ".*conv.*/kernel": (None, None, None, "model"),
+         ".*norm/(gamma|beta|moving_mean|moving_variance)": ("model",),
          ".*lstm.*/kernel": (None, "model"), ".*embedding.*/embeddings": (None, "model"),
          ".*attention/(query|key|value)/kernel": (None, None, "model"),  # Megatron: heads' features split
          ".*attention_output/kernel": (None, "model", None)}
@@ -42,7 +43,21 @@ def transformer():
     return keras.Model(inp, L.Dense(4, name="head")(h))
 
 
+def odd():
+    """An MLP whose widths (30, 7) the meshes' axes mostly do not divide: uneven splits, stored padded."""
+    return keras.Sequential([keras.Input((12,)), L.Dense(30, activation="relu", name="dense_a"),
+                             L.Dense(7, activation="relu", name="dense_b"), L.Dense(4, name="head")])
+
+
+def odd_cnn():
+    """A CNN + BatchNorm of 6 channels (split over 4 or 8 model devices: padded, batch-norm
+    statistics included)."""
+    return keras.Sequential([keras.Input((6, 6, 2)), L.Conv2D(6, 3, use_bias=False, name="conv"),
+                             L.BatchNormalization(name="norm"), L.ReLU(), L.Flatten(), L.Dense(4, name="head")])
+
+
 def case_data(name, n=37, seed=0):
+    name = {"odd": "mlp", "odd_cnn": "cnn"}.get(name, name)
     rng = np.random.RandomState(seed)
     x = {"mlp": lambda: rng.randn(n, 12), "cnn": lambda: rng.randn(n, 6, 6, 2),
          "lstm": lambda: rng.randn(n, 5, 3) * (rng.rand(n, 5, 1) > 0.3),
@@ -52,6 +67,7 @@ def case_data(name, n=37, seed=0):
 
 
 MODELS = {"mlp": mlp, "cnn": cnn, "lstm": lstm, "transformer": transformer}
+ODD_MODELS = {"odd": odd, "odd_cnn": odd_cnn}
 COMPILE = dict(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                metrics=["accuracy"])
 
@@ -75,6 +91,7 @@ def keras_fit(factory, x, y, epochs=2):
 
 
 def sharded_fit(factory, strategy, x, y, epochs=2):
+    """Lockstep's `Trainer.fit` of `factory()` built and compiled in `strategy`'s scope; (trainer, (weights, history))."""
     with strategy.scope():
         keras.utils.set_random_seed(1)
         model = factory()
@@ -87,7 +104,9 @@ def sharded_fit(factory, strategy, x, y, epochs=2):
 def used_rules(model_name):
     keys = {"mlp": [".*dense.*/kernel"], "cnn": [".*conv.*/kernel"], "lstm": [".*lstm.*/kernel"],
             "transformer": [".*dense.*/kernel", ".*embedding.*/embeddings", ".*attention/(query|key|value)/kernel",
-                            ".*attention_output/kernel"]}[model_name]
+                            ".*attention_output/kernel"],
+            "odd": [".*dense.*/kernel"], "odd_cnn": [".*conv.*/kernel", ".*norm/(gamma|beta|moving_mean|moving_variance)"],
+            }[model_name]
     return {k: RULES[k] for k in keys}
 
 

@@ -9,6 +9,13 @@ gradients too, stage 3 (FSDP) the parameters too, which the step gathers whole f
 and backward pass. A variable smaller than `min_shard_size` elements stays whole along the batch
 axis, and non-trainable state (batch-norm statistics) never moves off it.
 
+Uneven sizes are padded, never refused. JAX lays an array out only along axes that divide its
+dimensions, so a variable that a split does not divide is *stored* padded with zeros at the end
+of that dimension up to a multiple of the split (`VariableLayout.stored_shape`); every step cuts
+it back to its shape before it computes (`fit_to`), so padding never takes part in a number.
+Read out whole (a Keras variable, a backup) it lies as `variable_spec`: its layout without the
+splits that do not divide it. ZeRO pads only a variable none of whose free dimensions it divides.
+
 >>> import jax, numpy as np
 >>> from jax.sharding import Mesh
 >>> mesh = Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("batch", "model"))
@@ -19,6 +26,10 @@ axis, and non-trainable state (batch-norm statistics) never moves off it.
 [('dense/kernel', P('batch', 'model')), ('dense/bias', P())]
 >>> plan.variables[0].param_bytes_per_device   # 16 * 32 * 4 bytes over 8 devices
 256
+>>> odd = ShardingPlan.make(mesh, "batch", {"out/kernel": np.zeros((9, 10), np.float32)},
+...                         {".*kernel": (None, "model")}, zero_stage=3, min_shard_size=64).variables[0]
+>>> odd.param_spec, odd.stored_shape(odd.param_spec), odd.variable_spec   # 10 columns over 4: padded to 12
+(P('batch', 'model'), (10, 12), P())
 """
 
 from __future__ import annotations
@@ -30,13 +41,15 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from .._errors import UsageError
 
-#: Which dimension ZeRO splits along the batch axis: the largest, the first or the last that it divides.
+#: Which dimension ZeRO splits along the batch axis: the largest, the first or the last that it
+#: divides (of those it does not divide when it divides none: padded).
 SHARD_DIMS = ("largest", "first", "last")
 
 
@@ -70,11 +83,64 @@ class VariableLayout:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.itemsize
 
+    def stored_shape(self, spec: P) -> tuple[int, ...]:
+        """The shape an array of this variable is stored in under `spec`: each dimension padded up
+        to a multiple of the devices splitting it (its own shape where they divide it)."""
+        sizes = dict(self.mesh_sizes)
+        return tuple(-(-dim // n) * n for dim, n in zip(self.shape, _splits(spec, len(self.shape), sizes)))
+
+    @property
+    def padded(self) -> bool:
+        """Whether its parameter or optimizer state is stored padded (a split does not divide it)."""
+        return self.stored_shape(self.state_spec) != self.shape or self.stored_shape(self.param_spec) != self.shape
+
+    def even(self, spec: P) -> P:
+        """`spec` without the splits that do not divide this variable's dimensions: where an array
+        of its own shape can lie."""
+        sizes = dict(self.mesh_sizes)
+        splits = _splits(spec, len(self.shape), sizes)
+        axes = [a if n == 1 or dim % n == 0 else None
+                for a, dim, n in zip(tuple(spec) + (None,) * len(self.shape), self.shape, splits)]
+        return _with_axis(tuple(axes), None, "")
+
+    @property
+    def variable_spec(self) -> P:
+        """Where the variable itself lies (a Keras variable, a value read out whole): `param_spec`
+        without the splits that do not divide it (see the module doc)."""
+        return self.even(self.param_spec)
+
     @property
     def split(self) -> bool:
         """Whether some axis of more than one device splits its optimizer state (it is not left
         replicated on every device)."""
         return self.bytes_per_device(self.state_spec) < self.nbytes
+
+
+def _splits(spec: P, ndim: int, sizes: Mapping[str, int]) -> list[int]:
+    """How many ways `spec` splits each of `ndim` dimensions on a mesh whose axes have `sizes`."""
+    out = []
+    for axis in (tuple(spec) + (None,) * ndim)[:ndim]:
+        names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
+        out.append(math.prod(sizes[a] for a in names))
+    return out
+
+
+def fit_to(x: Any, shape: tuple[int, ...]) -> Any:
+    """`x` cut, or padded with zeros, at the end of each dimension to `shape`: an array stored
+    padded (`VariableLayout.stored_shape`) to its own shape and back. NumPy arrays stay NumPy;
+    JAX values (traced ones included) stay JAX.
+
+    >>> fit_to(np.arange(3.0), (4,)).tolist(), fit_to(np.arange(4.0), (3,)).tolist()
+    ([0.0, 1.0, 2.0, 0.0], [0.0, 1.0, 2.0])
+    """
+    shape = tuple(shape)
+    if tuple(x.shape) == shape:
+        return x
+    x = x[tuple(slice(0, min(a, b)) for a, b in zip(x.shape, shape))]
+    widths = [(0, b - a) for a, b in zip(x.shape, shape)]
+    if not any(w for _, w in widths):
+        return x
+    return np.pad(x, widths) if isinstance(x, np.ndarray) else jnp.pad(x, widths)
 
 
 def shard_bytes(shape: tuple[int, ...], itemsize: int, spec: P, sizes: Mapping[str, int]) -> int:
@@ -84,11 +150,7 @@ def shard_bytes(shape: tuple[int, ...], itemsize: int, spec: P, sizes: Mapping[s
     >>> shard_bytes((16, 32), 4, P("batch", "model"), {"batch": 2, "model": 4})
     256
     """
-    n = 1
-    for dim, axis in zip(shape, tuple(spec) + (None,) * len(shape)):
-        names = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
-        n *= math.ceil(dim / math.prod(sizes[a] for a in names))
-    return n * itemsize
+    return math.prod(-(-dim // n) for dim, n in zip(shape, _splits(spec, len(shape), sizes))) * itemsize
 
 
 def _with_axis(axes: tuple[str | None, ...], dim: int | None, axis: str) -> P:
@@ -122,7 +184,7 @@ class ShardingPlan:
 
         Raises:
           UsageError: a rule names an axis the mesh lacks or the batch axis, gives the wrong number
-            of dimensions, splits a dimension its axes do not divide, or uses an axis twice; a
+            of dimensions, or uses an axis twice; a
             variable's path matches several rules; a rule matches no variable (with
             `every_rule_used`).
         """
@@ -192,6 +254,8 @@ class ShardingPlan:
             note = v.rule or "-"
             if v.zero_dim is None and v.trainable and self.zero_stage:
                 note += f" (whole along {self.batch_axis!r}: {v.why_whole})"
+            if v.padded:
+                note += f" (stored padded to {v.stored_shape(v.state_spec)})"
             rows.append((v.path, str(v.shape), _show(v.param_spec), _show(v.state_spec),
                          str(v.param_bytes_per_device), note))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -242,16 +306,14 @@ def _checked(path: str, shape: tuple[int, ...], rule: str, axes: tuple[Any, ...]
     if len(axes) != len(shape):
         raise UsageError(f"layout rule {rule!r} gives {len(axes)} axes {axes} to variable {path!r} of shape "
                          f"{shape} ({len(shape)} dimensions): give one mesh axis name or None per dimension.")
-    for axis, dim in _check_axes(rule, axes, sizes, batch_axis, path).items():
-        if shape[dim] % sizes[axis]:
-            raise UsageError(f"layout rule {rule!r} splits dimension {dim} (size {shape[dim]}) of variable {path!r} "
-                             f"along mesh axis {axis!r} of size {sizes[axis]}, which does not divide it.")
+    _check_axes(rule, axes, sizes, batch_axis, path)  # a split that does not divide is padded (module doc)
     return tuple(axes)
 
 
 def _zero_dim(shape: tuple[int, ...], axes: tuple[str | None, ...], n: int, trainable: bool, stage: int,
               min_size: int, shard_dim: str) -> tuple[int | None, str]:
-    """The dimension ZeRO splits `n` ways, or None and why not."""
+    """The dimension ZeRO splits `n` ways (one it divides if any: `shard_dim` picks among them;
+    else one padded), or None and why not."""
     if not stage:
         return None, "ZeRO stage 0"
     if not trainable:
@@ -260,9 +322,10 @@ def _zero_dim(shape: tuple[int, ...], axes: tuple[str | None, ...], n: int, trai
         return None, "the batch axis has one device"
     if math.prod(shape) < min_size:
         return None, f"under min_shard_size={min_size} elements"
-    free = [d for d in range(len(shape)) if axes[d] is None and shape[d] % n == 0]
+    free = [d for d in range(len(shape)) if axes[d] is None and shape[d] > 1]
     if not free:
-        return None, f"no dimension that the layout leaves whole is divisible by {n}"
+        return None, "the layout splits every dimension of more than one element"
+    free = [d for d in free if shape[d] % n == 0] or free  # one that divides, else padded (module doc)
     if shard_dim == "first":
         return free[0], ""
     if shard_dim == "last":
@@ -297,11 +360,12 @@ class ShardingConfig:
 
     def layout_of(self, mesh: Mesh, batch_axis: str, path: str, shape: tuple[int, ...], dtype: Any,
                   trainable: bool) -> P:
-        """Where one variable's parameter lies (a Keras variable being created in the scope)."""
+        """Where one variable lies (a Keras variable being created in the scope): its parameter's
+        layout without the splits that do not divide it (`VariableLayout.variable_spec`)."""
         plan = ShardingPlan.make(mesh, batch_axis, {path: jax.ShapeDtypeStruct(shape, dtype)}, dict(self.rules),
                                  self.zero_stage, self.min_shard_size, self.shard_dim, trainable=[trainable],
                                  every_rule_used=False)
-        return plan.variables[0].param_spec
+        return plan.variables[0].variable_spec
 
     def plan(self, mesh: Mesh, batch_axis: str, params: Any, paths: Any, trainable: Any) -> ShardingPlan:
         """The plan of a model's parameters (a tree; `paths` and `trainable` trees alike).

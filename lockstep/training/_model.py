@@ -240,15 +240,16 @@ def adapt(model: Any, seed: int = 0, batch_statistics: str = "global") -> _Funct
     raise TypeError(f"`model` must be a Keras 3 model or a lockstep.FunctionalModel, got {type(model).__name__}.")
 
 
-def output_shape(adapter: Any, params: Params, x: Any) -> Any:
+def output_shape(adapter: Any, params: Params, x: Any, apply: Callable[..., Any] | None = None) -> Any:
     """The shape of the model's output on `x` (a tree of shapes for several outputs; traced, not
     run; `x` already passed the trainer's `InputCheck`). A built Keras model states it (no trace
-    of the model needed)."""
+    of the model needed); else `apply` (default the adapter's) runs on `params`."""
     try:
         declared = getattr(getattr(adapter, "model", None), "output_shape", None)
     except (AttributeError, ValueError, RuntimeError):
         declared = None
     if isinstance(declared, tuple) and declared and all(isinstance(d, int) for d in declared[1:]):
         return (jax.tree.leaves(x)[0].shape[0], *declared[1:])
-    out = jax.eval_shape(lambda p, x: adapter.apply(p, x, False)[0], params, x)
+    apply = apply or adapter.apply
+    out = jax.eval_shape(lambda p, x: apply(p, x, False)[0], params, x)
     return jax.tree.map(lambda a: tuple(a.shape), out)

@@ -9,12 +9,20 @@ reduce-scatters it along each parameter's ZeRO dimension. The update runs outsid
 shards, as the compiler partitions any optax transform (a global-norm clip included): so a step
 moves about 2P bytes (P gathered or all-gathered, P reduce-scattered) and equals the replicated
 step up to the order of the gradient's sums.
+
+A variable that its splits do not divide is stored padded with zeros (`_sharding`'s module doc):
+the model sees it cut to its shape (`on_stored`), so its gradient comes out padded with zeros;
+the update runs on the variables', gradients' and optimizer state's own shapes and is padded
+again; what leaves the trainer (`unpadded_params`, `unpadded_state`: Keras variables, backups) has
+the variable's own shape.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -24,7 +32,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..distribute._strategy import get_strategy
-from ..engine._sharding import ShardingPlan, shard_bytes
+from ..engine._cross_replica import spread
+from ..engine._sharding import ShardingPlan, VariableLayout, fit_to, shard_bytes
 from ._model import keras_paths
 from ._optimizers import KerasOptimizerState, get_optimizer, is_keras_optimizer, keras_state_owners
 from ._precision import loss_scale_of
@@ -51,6 +60,18 @@ class Replicated:
     def init_opt_state(self, params: Any) -> Any:
         """A fresh optimizer state for the (placed) trainable parameters of `params`."""
         return self._engine.put_replicated(self._optimizer.init(params["trainable"]))
+
+    def on_stored(self, apply: Callable[..., Any]) -> Callable[..., Any]:
+        """The model's ``apply(params, x, training)`` taking parameters as they are stored."""
+        return apply
+
+    def unpadded_params(self, params: Any) -> Any:
+        """Stored parameters in their own shapes (nothing is padded here)."""
+        return params
+
+    def unpadded_state(self, opt_state: Any) -> Any:
+        """A stored optimizer state in its own shapes (nothing is padded here)."""
+        return opt_state
 
     def state_shardings(self, opt_state: Any) -> Any:
         """Where each array of an optimizer state (arrays or their shapes) lies."""
@@ -86,47 +107,151 @@ class Sharded(Replicated):
         self._param_shardings = plan.shardings("param")
         self._replicated = NamedSharding(plan.mesh, P())
         self._state_shardings: Any = None
+        self._layouts = plan.tree(plan.variables)  # each parameter's `VariableLayout`, a tree like the parameters
+        self._padded = any(v.padded for v in plan.variables)
+        self._state_layouts: Any = None
+        self._cuts: dict[Any, Callable[..., Any]] = {}
 
     def params(self, params: Any) -> Any:
-        return self._engine.place(params, self._param_shardings)
+        return self._engine.place(self._padded_for(params, self._layouts, "param_spec"), self._param_shardings)
+
+    def _per_state(self, opt_state: Any, per_param: Any, other: Any) -> Any:
+        """A tree like `opt_state`: each parameter's state (Adam's moments) given that parameter's
+        value in `per_param` (a tree like the trainable parameters), the rest (counts, scalars) `other`."""
+        out = optax.tree_map_params(self._optimizer, lambda _, value: value, opt_state, per_param,
+                                    transform_non_params=lambda _: other)
+        if self._keras_owners is not None:  # a Keras optimizer's slots, by the variable each belongs to
+            def keras(state: Any, _: Any) -> Any:
+                return KerasOptimizerState([other if i is None else per_param[i] for i in self._keras_owners],
+                                           {k: other for k in state.hyperparams})
+            out = jax.tree.map(keras, opt_state, out, is_leaf=lambda x: isinstance(x, KerasOptimizerState))
+        return out
 
     def state_shardings(self, opt_state: Any) -> Any:
         """Where each array of an optimizer state (arrays or their shapes) lies: a parameter's
         state (Adam's moments) as the plan's state layout, the rest (step counts, scalars) replicated."""
         if self._state_shardings is None:
-            per_param = self.plan.shardings("state")["trainable"]
-            shardings = optax.tree_map_params(self._optimizer, lambda _, sharding: sharding, opt_state, per_param,
-                                              transform_non_params=lambda _: self._replicated)
-            if self._keras_owners is not None:  # a Keras optimizer's slots, by the variable each belongs to
-                def keras(state: Any, _: Any) -> Any:
-                    return KerasOptimizerState(
-                        [self._replicated if i is None else per_param[i] for i in self._keras_owners],
-                        {k: self._replicated for k in state.hyperparams})
-                shardings = jax.tree.map(keras, opt_state, shardings,
-                                         is_leaf=lambda x: isinstance(x, KerasOptimizerState))
-            self._state_shardings = shardings
+            self._state_shardings = self._per_state(opt_state, self.plan.shardings("state")["trainable"],
+                                                    self._replicated)
         return self._state_shardings
 
+    def _layouts_of_state(self, opt_state: Any) -> Any:
+        """Each optimizer-state array's variable layout (`_NOT_A_PARAM` for counts and scalars)."""
+        if self._state_layouts is None:
+            self._state_layouts = self._per_state(opt_state, self._layouts["trainable"], _NOT_A_PARAM)
+        return self._state_layouts
+
     def opt_state(self, opt_state: Any) -> Any:
-        return self._engine.place(opt_state, self.state_shardings(opt_state))
+        return self._engine.place(self._padded_for(opt_state, self._layouts_of_state(opt_state), "state_spec"),
+                                  self.state_shardings(opt_state))
 
     def init_opt_state(self, params: Any) -> Any:
         """A fresh optimizer state made on the devices already laid out (no device holds a whole one;
         a Keras optimizer's is its variables, which Keras made in their layouts)."""
-        shapes = jax.eval_shape(self._optimizer.init, params["trainable"])
         if self._keras_owners is not None:
-            return self._engine.place(self._optimizer.init(params["trainable"]), self.state_shardings(shapes))
-        return self._engine.jit(self._optimizer.init, self.state_shardings(shapes))(params["trainable"])
+            return self.opt_state(self._optimizer.init(params["trainable"]))
+        shapes = jax.eval_shape(self._optimizer.init, params["trainable"])
+        return self._engine.jit(lambda t: self._stored_state(self._optimizer.init(self._cut(t))),
+                                self.state_shardings(shapes))(params["trainable"])
+
+    # --- padding (see the module doc) ------------------------------------------------------
+    def _cut(self, trainable: Any) -> Any:
+        """Stored trainable arrays (parameters, gradients) cut to their variables' shapes (in a program)."""
+        return jax.tree.map(lambda x, v: fit_to(x, v.shape), trainable, self._layouts["trainable"])
+
+    def _stored(self, params: Any, kind: str = "trainable") -> Any:
+        """The `kind` part of the parameters padded as stored (in a program)."""
+        return jax.tree.map(lambda x, v: fit_to(x, v.stored_shape(v.param_spec)), params, self._layouts[kind])
+
+    def _stored_state(self, opt_state: Any, store: bool = True) -> Any:
+        """An optimizer state padded as stored (or, with `store` False, cut to its variables'
+        shapes), in a program; arrays shaped otherwise than their variable are left alone."""
+        if not self._padded:
+            return opt_state
+
+        def one(x: Any, v: Any) -> Any:
+            if v is _NOT_A_PARAM:
+                return x
+            stored = v.stored_shape(v.state_spec)
+            source, target = (v.shape, stored) if store else (stored, v.shape)
+            return fit_to(x, target) if tuple(x.shape) == source else x
+        return jax.tree.map(one, opt_state, self._layouts_of_state(opt_state))
+
+    def _padded_for(self, tree: Any, layouts: Any, spec: str) -> Any:
+        """Arrays in their variables' shapes (host arrays or global ones) padded as stored under
+        each layout's `spec`, for `place` (a global array spread over workers is padded on the
+        devices, in its stored layout)."""
+        if not self._padded:
+            return tree
+
+        def one(x: Any, v: Any) -> Any:
+            if not isinstance(v, VariableLayout) or tuple(x.shape) != v.shape:
+                return x
+            target = v.stored_shape(getattr(v, spec))
+            if target == v.shape:
+                return x
+            if spread(x):
+                return self._cutter(target, NamedSharding(self.plan.mesh, getattr(v, spec)))(x)
+            return fit_to(np.asarray(x), target)
+        return jax.tree.map(one, tree, layouts)
+
+    def _cutter(self, shape: tuple[int, ...], sharding: NamedSharding) -> Callable[..., Any]:
+        """A compiled `fit_to(x, shape)` whose result lies as `sharding` (one per shape and sharding)."""
+        key = (shape, sharding)
+        if key not in self._cuts:
+            self._cuts[key] = self._engine.jit(functools.partial(fit_to, shape=shape), sharding)
+        return self._cuts[key]
+
+    def _unpadded(self, tree: Any, layouts: Any, spec: str) -> Any:
+        def one(x: Any, v: Any) -> Any:
+            if not isinstance(v, VariableLayout) or tuple(x.shape) == v.shape:
+                return x
+            return self._cutter(v.shape, NamedSharding(self.plan.mesh, v.even(getattr(v, spec))))(x)
+        return tree if not self._padded else jax.tree.map(one, tree, layouts)
+
+    def unpadded_params(self, params: Any) -> Any:
+        """Stored parameters in their own shapes, each laid out as `variable_spec` says (a padded
+        variable without the splits that do not divide it)."""
+        return self._unpadded(params, self._layouts, "param_spec")
+
+    def unpadded_state(self, opt_state: Any) -> Any:
+        """A stored optimizer state in its variables' shapes (see `unpadded_params`)."""
+        return self._unpadded(opt_state, self._layouts_of_state(opt_state), "state_spec")
+
+    def on_stored(self, apply: Callable[..., Any]) -> Callable[..., Any]:
+        """The model's ``apply(params, x, training)`` taking parameters as they are stored: cut
+        to their shapes for the model (so a gradient comes out padded with zeros), the new
+        non-trainable state padded back."""
+        if not self._padded:
+            return apply
+
+        def stored_apply(params: Any, x: Any, training: bool) -> Any:
+            cut = jax.tree.map(lambda a, v: fit_to(a, v.shape), params, self._layouts)
+            y, non_trainable, penalty = apply(cut, x, training)
+            return y, self._stored(non_trainable, "non_trainable"), penalty
+        return stored_apply
+
+    def _update(self, grads: Any, opt_state: Any, trainable: Any) -> tuple[Any, Any]:
+        """`updated` on the variables' own shapes (gradients as reduce-scattered, the rest as
+        stored), its results padded as stored."""
+        if not self._padded:
+            return updated(self._optimizer, grads, opt_state, trainable)
+        new, opt_state = updated(self._optimizer, self._cut(grads), self._stored_state(opt_state, store=False),
+                                 self._cut(trainable))
+        return self._stored(new), self._stored_state(opt_state)
 
     # --- steps ---------------------------------------------------------------------------
     def scatter(self, grads: Any) -> Any:
         """Each replica's share of the trainable gradients summed over the replicas: split along
         each parameter's ZeRO dimension (a reduce-scatter), whole where the plan keeps it whole."""
-        dims = self.plan.tree([-1 if v.zero_dim is None or not self.plan.zero_stage else v.zero_dim
-                               for v in self.plan.variables])["trainable"]
         axis = replicas_axis()
-        return jax.tree.map(lambda g, d: jax.lax.psum(g, axis) if d < 0 else
-                            jax.lax.psum_scatter(g, axis, scatter_dimension=d, tiled=True), grads, dims)
+
+        def one(g: Any, v: VariableLayout) -> Any:
+            g = fit_to(g, v.stored_shape(v.state_spec))  # padded as the optimizer state is stored
+            if v.zero_dim is None or not self.plan.zero_stage:
+                return jax.lax.psum(g, axis)
+            return jax.lax.psum_scatter(g, axis, scatter_dimension=v.zero_dim, tiled=True)
+        return jax.tree.map(one, grads, self._layouts["trainable"])
 
     def train_program(self, gradient_step: Callable[..., Any]) -> Callable[..., Any]:
         """``(params, opt_state, metric_state, data, mask, count) -> (params, opt_state, metric_state)``:
@@ -140,7 +265,7 @@ class Sharded(Replicated):
         def train(params: Any, opt_state: Any, metric_state: Any, data: Any, mask: Any, count: Any) -> Any:
             grads, non_trainable, logs = mapped(params, loss_scale_of(opt_state), metric_state, data, mask, count,
                                                   mask, count)  # (then the replica context's)
-            trainable, opt_state = updated(self._optimizer, grads, opt_state, params["trainable"])
+            trainable, opt_state = self._update(grads, opt_state, params["trainable"])
             return {"trainable": trainable, "non_trainable": non_trainable}, opt_state, logs
         return self._compiled(train)
 
@@ -151,9 +276,11 @@ class Sharded(Replicated):
         return self.plan.zero_stage >= 2
 
     def zero_accumulators(self, params: Any) -> Any:
-        """Accumulators of zeros for the trainable parameters, in the optimizer state's layout."""
+        """Accumulators of zeros for the trainable parameters, in the optimizer state's layout
+        (and stored shape)."""
         shardings = self.plan.shardings("state")["trainable"]
-        return self._engine.jit(lambda t: jax.tree.map(jnp.zeros_like, t), shardings)(params["trainable"])
+        return self._engine.jit(lambda t: jax.tree.map(lambda x, v: jnp.zeros(v.stored_shape(v.state_spec), x.dtype), t,
+                                                       self._layouts["trainable"]), shardings)(params["trainable"])
 
     def accumulate_program(self, accumulate_step: Callable[..., Any]) -> Callable[..., Any]:
         """``(params, opt_state, acc, metric_state, data, mask, count) -> (params, acc, metric_state)``:
@@ -184,7 +311,7 @@ class Sharded(Replicated):
         def apply(params: Any, opt_state: Any, acc: Any, count: Any) -> Any:
             summed = acc if scattered is None else scattered(acc)[0]
             grads = jax.tree.map(lambda a: a / count, summed)
-            trainable, opt_state = updated(self._optimizer, grads, opt_state, params["trainable"])
+            trainable, opt_state = self._update(grads, opt_state, params["trainable"])
             return ({"trainable": trainable, "non_trainable": params["non_trainable"]}, opt_state,
                     jax.tree.map(jnp.zeros_like, acc))
         third = self.plan.shardings("state")["trainable"] if self.shards_accumulators else None
@@ -204,6 +331,10 @@ class Sharded(Replicated):
                     self._param_shardings, self.state_shardings(opt_state), split))
             return program(params, opt_state, *rest)
         return call
+
+
+#: An optimizer-state array that belongs to no parameter (a step count, a scalar).
+_NOT_A_PARAM = object()
 
 
 def _bytes(x: Any, spec: P, mesh: Any) -> int:

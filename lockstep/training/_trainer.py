@@ -239,7 +239,7 @@ class Trainer(WeightFiles):
             self._optimizer = with_loss_scaling(self._optimizer, *loss_scale_settings(optimizer))
         self._loss_fn = _losses.get(loss)
         self._labels = LabelCheck(loss)  # labels checked on the host against a named loss
-        self._inputs = InputCheck(lambda p, x: self._adapter.apply(p, x, False)[0])  # and inputs against the model
+        self._inputs = InputCheck(lambda p, x: self._placement.on_stored(self._adapter.apply)(p, x, False)[0])
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._runner: StepRunner | None = None  # the compiled steps, once the model is built
         self._placement: Replicated = Replicated(self._engine, self._optimizer)  # where the state lies, once built
@@ -259,11 +259,13 @@ class Trainer(WeightFiles):
             self._initial_state(self._adapter.build(x))
         self._inputs.check(self._state.params, x, arg)
         if y is not None and (not self._all.built or self._labels.needs_classes):
-            pred_shape = output_shape(self._adapter, self._state.params, x)  # a tree of shapes for several outputs
+            pred_shape = output_shape(self._adapter, self._state.params, x,  # a tree of shapes for several outputs
+                                      self._placement.on_stored(self._adapter.apply))
             self._labels.set_classes(pred_shape)
             self._all.build(shapes_of(y), pred_shape)
         if self._runner is None:
-            apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
+            apply = self._placement.on_stored(
+                in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel)))
             self._runner = StepRunner(self._engine, make_steps(apply, self._loss_fn, self._optimizer, self._loss_tracker,
                                                                self._metrics, self.strategy.num_replicas_in_sync,
                                                                self._placement.reduce),
@@ -298,13 +300,19 @@ class Trainer(WeightFiles):
     def train_state(self) -> TrainState:
         """The whole training state (weights, optimizer, metric states, position, callbacks): in `fit`, the last step's."""
         self._require_built()
-        return snapshot(self._state, self._callbacks, self._stream)
+        return snapshot(self._unpadded(), self._callbacks, self._stream)
 
     def shared_train_state(self) -> TrainState:
         """`train_state` with every worker's data checksum and iterator state: a collective, which
         every worker calls at the same step (as `BackupAndRestore` does)."""
         self._require_built()
-        return snapshot(self._state, self._callbacks, self._stream, share=True)
+        return snapshot(self._unpadded(), self._callbacks, self._stream, share=True)
+
+    def _unpadded(self) -> TrainState:
+        """The state with its weights and optimizer state in the variables' own shapes (a sharded
+        strategy stores a variable its splits do not divide padded)."""
+        return self._state.replace(params=self._placement.unpadded_params(self._state.params),
+                                   opt_state=self._placement.unpadded_state(self._state.opt_state))
 
     def restore(self, state: TrainState) -> None:
         """Puts `state` (from `train_state`, or a checkpoint of it) back.
@@ -457,20 +465,20 @@ class Trainer(WeightFiles):
     def sync_model(self) -> None:
         """Writes the trained weights (and a Keras optimizer's state) into the model object, as
         Keras' `fit` leaves it; `fit` does it on every exit."""
-        self._adapter.sync_to_model(_host(self._state.params))
-        to_keras(self._keras_optimizer, self._state.opt_state)
+        self._adapter.sync_to_model(_host(self._placement.unpadded_params(self._state.params)))
+        to_keras(self._keras_optimizer, self._placement.unpadded_state(self._state.opt_state))
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
         if self._state is None and self._adapter.ready():
             self._initial_state(self._adapter.build(None))
         self._require_built()
-        return self._adapter.get_weights(_host(self._state.params))
+        return self._adapter.get_weights(_host(self._placement.unpadded_params(self._state.params)))
 
     def set_weights(self, weights: Any) -> None:
         """Replaces the weights (same structure as `get_weights`); a Keras model is kept in sync."""
         self.get_weights()
-        params = self._adapter.set_weights(_host(self._state.params), weights)
+        params = self._adapter.set_weights(_host(self._placement.unpadded_params(self._state.params)), weights)
         self._state = self._state.replace(params=self._placement.params(params))
         self._adapter.sync_to_model(params)
 
