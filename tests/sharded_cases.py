@@ -68,6 +68,7 @@ def case_data(name, n=37, seed=0):
 
 MODELS = {"mlp": mlp, "cnn": cnn, "lstm": lstm, "transformer": transformer}
 ODD_MODELS = {"odd": odd, "odd_cnn": odd_cnn}
+ALL_MODELS = {**MODELS, **ODD_MODELS}
 COMPILE = dict(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
                metrics=["accuracy"])
 

@@ -67,7 +67,7 @@ class DumpRestored(ls.callbacks.Callback):
 rank = jax.process_index()
 for i, case in enumerate(cases):
     strategy = strategy_for(case)
-    factory = sharded.MODELS[case["model"]]
+    factory = sharded.ALL_MODELS[case["model"]]
     x, y = sharded.case_data(case["model"], n=case.get("n", 37))
     with strategy.scope():
         keras.utils.set_random_seed(1)
