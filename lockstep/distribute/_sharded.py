@@ -43,7 +43,9 @@ class ShardedStrategy(Strategy):
         split along the batch axis.
       min_shard_size: variables with fewer elements stay whole along the batch axis.
       shard_dim: which dimension ZeRO splits: ``"largest"`` (default), ``"first"`` or ``"last"``
-        of those the layout leaves whole and the batch axis divides.
+        of those the layout leaves whole and the batch axis divides (of those it does not divide
+        when it divides none). Uneven splits, a rule's or ZeRO's, are padded, never refused: such
+        a variable is stored padded with zeros and every number is still one device's.
       max_replicated_fraction: the largest fraction of trainable bytes allowed to stay replicated
         on every device (beyond it: an error before training, with the layout report).
       cluster_resolver, failure_timeout: the job's workers and how long a silent one is waited

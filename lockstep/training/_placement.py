@@ -203,8 +203,11 @@ class Sharded(Replicated):
         return self._cuts[key]
 
     def _unpadded(self, tree: Any, layouts: Any, spec: str) -> Any:
+        """Stored arrays (`layouts`: each one's variable layout) cut to their variables' shapes,
+        laid out as their `spec` without the splits that do not divide them."""
         def one(x: Any, v: Any) -> Any:
-            if not isinstance(v, VariableLayout) or tuple(x.shape) == v.shape:
+            if not isinstance(v, VariableLayout) or v.shape == v.stored_shape(getattr(v, spec)) \
+                    or tuple(x.shape) != v.stored_shape(getattr(v, spec)):  # not padded (or not shaped like it)
                 return x
             return self._cutter(v.shape, NamedSharding(self.plan.mesh, v.even(getattr(v, spec))))(x)
         return tree if not self._padded else jax.tree.map(one, tree, layouts)
