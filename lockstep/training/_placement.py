@@ -256,10 +256,12 @@ class Sharded(Replicated):
             return jax.lax.psum_scatter(g, axis, scatter_dimension=v.zero_dim, tiled=True)
         return jax.tree.map(one, grads, self._layouts["trainable"])
 
-    def train_program(self, gradient_step: Callable[..., Any]) -> Callable[..., Any]:
+    def train_program(self, gradient_step: Callable[..., Any], length: int = 1) -> Callable[..., Any]:
         """``(params, opt_state, metric_state, data, mask, count) -> (params, opt_state, metric_state)``:
         one update, compiled (see the module doc); `gradient_step` is `make_gradient_step`'s,
-        reducing with `scatter`."""
+        reducing with `scatter`. With `length` > 1, `data`, `mask` and `count` are tuples of
+        `length` batches (of one shape) and the program takes an update on each (a `lax.scan`
+        whose body is the one-update program: `steps_per_execution`)."""
         grad_specs = self.plan.gradient_specs()["trainable"]
         mapped = self._engine.mapped(gradient_step, ("replicated", "replicated", "per_replica", "rows", "rows",
                                                      "replicated"),
@@ -270,7 +272,14 @@ class Sharded(Replicated):
                                                   mask, count)  # (then the replica context's)
             trainable, opt_state = self._update(grads, opt_state, params["trainable"])
             return {"trainable": trainable, "non_trainable": non_trainable}, opt_state, logs
-        return self._compiled(train)
+        if length == 1:
+            return self._compiled(train)
+
+        def execution(params: Any, opt_state: Any, metric_state: Any, datas: Any, masks: Any, counts: Any) -> Any:
+            batches = (jax.tree.map(lambda *xs: jnp.stack(xs), *datas), jnp.stack(masks), jnp.stack(counts))
+            return jax.lax.scan(lambda carry, batch: (train(*carry, *batch), None), (params, opt_state, metric_state),
+                                batches)[0]
+        return self._compiled(execution)
 
     @property
     def shards_accumulators(self) -> bool:

@@ -112,11 +112,39 @@ class StepRunner:
         """`state` after the updates of one execution, as few compiled calls as they allow (see
         `lockstep.training._executions`)."""
         for key, run in runs(updates):
-            if key is None or (key[0] == "placed" and len(run) == 1) or self._sharded is not None:
+            if self._sharded is not None:
+                state = self._run_sharded(state, [_placed(update) for update in run])
+            elif key is None or (key[0] == "placed" and len(run) == 1):
                 for update in run:
                     state = self.step(state, _placed(update))
             else:
                 state = self._run(state, key, run)
+        return state
+
+    def _run_sharded(self, state: TrainState, run: list[AccumulationGroup]) -> TrainState:
+        """A sharded model's updates of one run (placed): consecutive one-batch updates of one
+        shape in one call of the placement's program for that many (`Sharded.train_program`);
+        updates of several batches one call each."""
+        i = 0
+        while i < len(run):
+            j = i + 1
+            if self._accumulation == 1:
+                while j < len(run) and run[j].batches[0].signature == run[i].batches[0].signature:
+                    j += 1
+            if j - i == 1:
+                state = self.step(state, run[i])
+            else:
+                program = self._programs.get(("sharded", j - i))
+                if program is None:
+                    program = self._programs[("sharded", j - i)] = self._sharded.train_program(
+                        self._steps["gradient"], j - i)
+                batches = [u.batches[0] for u in run[i:j]]
+                params, opt_state, metric_state = program(
+                    state.params, state.opt_state, state.metric_state, tuple(b.data for b in batches),
+                    tuple(b.mask for b in batches), tuple(b.count for b in batches))
+                state = state.replace(params=params, opt_state=opt_state, metric_state=metric_state,
+                                      step=state.step + j - i, global_step=state.global_step + j - i)
+            i = j
         return state
 
     def _run(self, state: TrainState, key: tuple[Any, ...], run: list[AccumulationGroup]) -> TrainState:
