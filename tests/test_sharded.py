@@ -272,9 +272,10 @@ def test_keras_model_parallel_is_refused_with_the_lockstep_name_for_it():
         keras.distribution.set_distribution(None)
 
 
-@pytest.mark.parametrize("model_name,shape,stage", variants(
-    [("odd_cnn", (2, 4), 3), ("odd", (8, 1), 2), ("transformer", (4, 2), 1)], {("odd_cnn", (2, 4), 3)}))
-def test_steps_per_execution_takes_k_updates_a_call_equal_to_one_a_call(model_name, shape, stage):
+@pytest.mark.parametrize("model_name,shape,stage,accumulation", variants(
+    [("odd_cnn", (2, 4), 3, 1), ("odd", (8, 1), 2, 2), ("odd", (2, 4), 1, 3), ("transformer", (4, 2), 1, 1),
+     ("odd_cnn", (4, 2), 3, 2)], {("odd_cnn", (2, 4), 3, 1), ("odd", (2, 4), 1, 3)}))
+def test_steps_per_execution_takes_k_updates_a_call_equal_to_one_a_call(model_name, shape, stage, accumulation):
     """Equal up to float32 rounding (XLA partitions a step inside a loop its own way: a convolution's
     weights moved by 3e-8), not bit for bit."""
     x, y = case_data(model_name, n=61)  # 8 batches of 8 a epoch, the last of 5 rows
@@ -285,8 +286,8 @@ def test_steps_per_execution_takes_k_updates_a_call_equal_to_one_a_call(model_na
             keras.utils.set_random_seed(1)
             model = ALL_MODELS[model_name]()
             model.compile(**COMPILE, steps_per_execution=k)  # Keras' own setting
-        trainer = ls.Trainer(model)
+        trainer = ls.Trainer(model, gradient_accumulation_steps=accumulation)
         history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=True, seed=3, verbose=0).history
         runs.append((trainer.get_weights(), history))
-    assert ("sharded", 3) in trainer._runner._programs  # (the runner's programs have no public name)
+    assert any(key[0] == "sharded" for key in trainer._runner._programs)  # several updates a call (no public name)
     assert_equals_one_device(runs[1], runs[0], rtol=1e-6, atol=1e-6)

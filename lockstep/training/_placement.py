@@ -37,7 +37,7 @@ from ..engine._sharding import ShardingPlan, VariableLayout, fit_to, shard_bytes
 from ._model import keras_paths
 from ._optimizers import KerasOptimizerState, get_optimizer, is_keras_optimizer, keras_state_owners
 from ._precision import loss_scale_of
-from ._steps import CHECK_VMA, replicas_axis, updated
+from ._steps import ACCUMULATE_KINDS, ACCUMULATE_OUT, CHECK_VMA, replicas_axis, updated
 
 
 class Replicated:
@@ -256,12 +256,13 @@ class Sharded(Replicated):
             return jax.lax.psum_scatter(g, axis, scatter_dimension=v.zero_dim, tiled=True)
         return jax.tree.map(one, grads, self._layouts["trainable"])
 
-    def train_program(self, gradient_step: Callable[..., Any], length: int = 1) -> Callable[..., Any]:
+    def train_program(self, gradient_step: Callable[..., Any]) -> Callable[..., Any]:
         """``(params, opt_state, metric_state, data, mask, count) -> (params, opt_state, metric_state)``:
         one update, compiled (see the module doc); `gradient_step` is `make_gradient_step`'s,
-        reducing with `scatter`. With `length` > 1, `data`, `mask` and `count` are tuples of
-        `length` batches (of one shape) and the program takes an update on each (a `lax.scan`
-        whose body is the one-update program: `steps_per_execution`)."""
+        reducing with `scatter`."""
+        return self._compiled(self._train_fn(gradient_step))
+
+    def _train_fn(self, gradient_step: Callable[..., Any]) -> Callable[..., Any]:
         grad_specs = self.plan.gradient_specs()["trainable"]
         mapped = self._engine.mapped(gradient_step, ("replicated", "replicated", "per_replica", "rows", "rows",
                                                      "replicated"),
@@ -272,13 +273,39 @@ class Sharded(Replicated):
                                                   mask, count)  # (then the replica context's)
             trainable, opt_state = self._update(grads, opt_state, params["trainable"])
             return {"trainable": trainable, "non_trainable": non_trainable}, opt_state, logs
-        if length == 1:
-            return self._compiled(train)
+        return train
+
+    def execution_program(self, steps: dict[str, Callable[..., Any]], length: int, accumulation: int
+                          ) -> Callable[..., Any]:
+        """``(params, opt_state, metric_state, datas, masks, counts) -> (params, opt_state,
+        metric_state)``: `length` updates of `accumulation` batches each (tuples of their data,
+        masks and counts, batches of one shape) in one compiled call (`steps_per_execution`): a
+        `lax.scan` whose body is the one-update programs' (`steps`: `make_steps`'s)."""
+        train = self._train_fn(steps["gradient"])
+        accumulate, apply = self._accumulate_fn(steps), self._apply_fn()
+
+        def zeros(params: Any) -> Any:
+            if self.shards_accumulators:
+                return jax.tree.map(lambda x, v: jnp.zeros(v.stored_shape(v.state_spec), x.dtype), params["trainable"],
+                                    self._layouts["trainable"])
+            r = self._engine.num_replicas
+            return jax.tree.map(lambda x: jnp.zeros((r, *x.shape), x.dtype), params["trainable"])
+
+        def update(carry: Any, group: Any) -> tuple[Any, None]:
+            if accumulation == 1:
+                return train(*carry, *jax.tree.map(lambda v: v[0], group)), None
+            params, opt_state, metric_state = carry
+
+            def micro(c: Any, batch: Any) -> tuple[Any, Any]:
+                return accumulate(c[0], opt_state, c[1], c[2], *batch), batch[2]
+            (params, acc, metric_state), counts = jax.lax.scan(micro, (params, zeros(params), metric_state), group)
+            params, opt_state, _ = apply(params, opt_state, acc, jnp.sum(counts))
+            return (params, opt_state, metric_state), None
 
         def execution(params: Any, opt_state: Any, metric_state: Any, datas: Any, masks: Any, counts: Any) -> Any:
             batches = (jax.tree.map(lambda *xs: jnp.stack(xs), *datas), jnp.stack(masks), jnp.stack(counts))
-            return jax.lax.scan(lambda carry, batch: (train(*carry, *batch), None), (params, opt_state, metric_state),
-                                batches)[0]
+            groups = jax.tree.map(lambda v: v.reshape(length, accumulation, *v.shape[1:]), batches)
+            return jax.lax.scan(update, (params, opt_state, metric_state), groups)[0]
         return self._compiled(execution)
 
     @property
@@ -298,12 +325,8 @@ class Sharded(Replicated):
         """``(params, opt_state, acc, metric_state, data, mask, count) -> (params, acc, metric_state)``:
         one micro-batch added to the sharded accumulators (`shards_accumulators`); `accumulate_step`
         is `make_accumulate_step`'s, reducing with `scatter` and taking the loss scale."""
-        grad_specs = self.plan.gradient_specs()["trainable"]
-        mapped = self._engine.mapped(accumulate_step, ("replicated", "replicated", grad_specs, "per_replica", "rows",
-                                                       "rows", "replicated"),
-                                     ("replicated", grad_specs, "per_replica"), check_vma=CHECK_VMA)
         split = NamedSharding(self.plan.mesh, P(self.plan.batch_axis))
-        program = self._engine.jit(lambda params, scale, *rest: mapped(params, scale, *rest, rest[-2], rest[-1]),
+        program = self._engine.jit(self._accumulate_fn({"accumulate_reduced": accumulate_step}, scaled=True),
                                    (self._param_shardings, self.plan.shardings("state")["trainable"], split))
 
         def accumulate(params: Any, opt_state: Any, acc: Any, metric_state: Any, data: Any, mask: Any,
@@ -311,11 +334,32 @@ class Sharded(Replicated):
             return program(params, loss_scale_of(opt_state), acc, metric_state, data, mask, count)
         return accumulate
 
+    def _accumulate_fn(self, steps: dict[str, Callable[..., Any]], scaled: bool = False) -> Callable[..., Any]:
+        """``(params, opt_state, acc, metric_state, data, mask, count) -> (params, acc, metric_state)``
+        uncompiled: the sharded accumulators' step ("accumulate_reduced"; with `scaled` it takes
+        the loss scale for the optimizer state), or whole per-replica ones' ("accumulate")."""
+        if not self.shards_accumulators:
+            mapped = self._engine.mapped(steps["accumulate"], ACCUMULATE_KINDS, ACCUMULATE_OUT, check_vma=CHECK_VMA)
+            return lambda *args: mapped(*args, args[-2], args[-1])
+        grad_specs = self.plan.gradient_specs()["trainable"]
+        mapped = self._engine.mapped(steps["accumulate_reduced"], ("replicated", "replicated", grad_specs,
+                                                                   "per_replica", "rows", "rows", "replicated"),
+                                     ("replicated", grad_specs, "per_replica"), check_vma=CHECK_VMA)
+
+        def accumulate(params: Any, opt_state: Any, *rest: Any) -> Any:
+            return mapped(params, opt_state if scaled else loss_scale_of(opt_state), *rest, rest[-2], rest[-1])
+        return accumulate
+
     def apply_program(self) -> Callable[..., Any]:
         """``(params, opt_state, acc, count) -> (params, opt_state, acc)``: the update at the end
         of an accumulation group from the replicas' accumulators (reduce-scattered, divided by
         the group's real count; already so with `shards_accumulators`); the accumulators start again
         from zero."""
+        third = self.plan.shardings("state")["trainable"] if self.shards_accumulators else None
+        return self._compiled(self._apply_fn(), third)
+
+    def _apply_fn(self) -> Callable[..., Any]:
+        """`apply_program`'s function, uncompiled."""
         grad_specs = self.plan.gradient_specs()["trainable"]
         scattered = None if self.shards_accumulators else self._engine.mapped(
             lambda acc: (self.scatter(acc),), ("per_replica",), (grad_specs,), check_vma=CHECK_VMA, with_batch=False)
@@ -326,8 +370,7 @@ class Sharded(Replicated):
             trainable, opt_state = self._update(grads, opt_state, params["trainable"])
             return ({"trainable": trainable, "non_trainable": params["non_trainable"]}, opt_state,
                     jax.tree.map(jnp.zeros_like, acc))
-        third = self.plan.shardings("state")["trainable"] if self.shards_accumulators else None
-        return self._compiled(apply, third)
+        return apply
 
     def _compiled(self, fn: Callable[..., Any], third: Any = None) -> Callable[..., Any]:
         """`fn` compiled with its parameters and optimizer state kept in the plan's layouts (its

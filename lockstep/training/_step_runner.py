@@ -122,23 +122,26 @@ class StepRunner:
         return state
 
     def _run_sharded(self, state: TrainState, run: list[AccumulationGroup]) -> TrainState:
-        """A sharded model's updates of one run (placed): consecutive one-batch updates of one
-        shape in one call of the placement's program for that many (`Sharded.train_program`);
-        updates of several batches one call each."""
+        """A sharded model's updates of one run (placed): consecutive updates of as many batches,
+        all of one shape, in one call of the placement's program for them (`Sharded.execution_program`)."""
+        def key(update: AccumulationGroup) -> tuple[Any, ...]:
+            return len(update.batches), update.batches[0].signature
+
         i = 0
         while i < len(run):
             j = i + 1
-            if self._accumulation == 1:
-                while j < len(run) and run[j].batches[0].signature == run[i].batches[0].signature:
+            if all(b.signature == run[i].batches[0].signature for b in run[i].batches):
+                while j < len(run) and key(run[j]) == key(run[i]) and all(
+                        b.signature == run[i].batches[0].signature for b in run[j].batches):
                     j += 1
             if j - i == 1:
                 state = self.step(state, run[i])
             else:
-                program = self._programs.get(("sharded", j - i))
+                name = ("sharded", j - i, len(run[i].batches))
+                program = self._programs.get(name)
                 if program is None:
-                    program = self._programs[("sharded", j - i)] = self._sharded.train_program(
-                        self._steps["gradient"], j - i)
-                batches = [u.batches[0] for u in run[i:j]]
+                    program = self._programs[name] = self._sharded.execution_program(self._steps, *name[1:])
+                batches = [b for u in run[i:j] for b in u.batches]
                 params, opt_state, metric_state = program(
                     state.params, state.opt_state, state.metric_state, tuple(b.data for b in batches),
                     tuple(b.mask for b in batches), tuple(b.count for b in batches))
