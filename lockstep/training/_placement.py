@@ -37,7 +37,7 @@ from ..engine._sharding import ShardingPlan, VariableLayout, fit_to, shard_bytes
 from ._model import keras_paths
 from ._optimizers import KerasOptimizerState, get_optimizer, is_keras_optimizer, keras_state_owners
 from ._precision import loss_scale_of
-from ._steps import ACCUMULATE_KINDS, ACCUMULATE_OUT, CHECK_VMA, replicas_axis, updated
+from ._steps import CHECK_VMA, replicas_axis, updated
 
 
 class Replicated:
@@ -321,13 +321,14 @@ class Sharded(Replicated):
         return self._engine.jit(lambda t: jax.tree.map(lambda x, v: jnp.zeros(v.stored_shape(v.state_spec), x.dtype), t,
                                                        self._layouts["trainable"]), shardings)(params["trainable"])
 
-    def accumulate_program(self, accumulate_step: Callable[..., Any]) -> Callable[..., Any]:
+    def accumulate_program(self, steps: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
         """``(params, opt_state, acc, metric_state, data, mask, count) -> (params, acc, metric_state)``:
-        one micro-batch added to the sharded accumulators (`shards_accumulators`); `accumulate_step`
-        is `make_accumulate_step`'s, reducing with `scatter` and taking the loss scale."""
+        one micro-batch added to the accumulators (`steps`: `make_steps`'s); the step takes the
+        loss scale, not the optimizer state (which stage 1 would gather whole each micro-batch)."""
         split = NamedSharding(self.plan.mesh, P(self.plan.batch_axis))
-        program = self._engine.jit(self._accumulate_fn({"accumulate_reduced": accumulate_step}, scaled=True),
-                                   (self._param_shardings, self.plan.shardings("state")["trainable"], split))
+        accumulators = self.plan.shardings("state")["trainable"] if self.shards_accumulators else split
+        program = self._engine.jit(self._accumulate_fn(steps, scaled=True),
+                                   (self._param_shardings, accumulators, split))
 
         def accumulate(params: Any, opt_state: Any, acc: Any, metric_state: Any, data: Any, mask: Any,
                        count: Any) -> Any:
@@ -336,15 +337,13 @@ class Sharded(Replicated):
 
     def _accumulate_fn(self, steps: dict[str, Callable[..., Any]], scaled: bool = False) -> Callable[..., Any]:
         """``(params, opt_state, acc, metric_state, data, mask, count) -> (params, acc, metric_state)``
-        uncompiled: the sharded accumulators' step ("accumulate_reduced"; with `scaled` it takes
-        the loss scale for the optimizer state), or whole per-replica ones' ("accumulate")."""
-        if not self.shards_accumulators:
-            mapped = self._engine.mapped(steps["accumulate"], ACCUMULATE_KINDS, ACCUMULATE_OUT, check_vma=CHECK_VMA)
-            return lambda *args: mapped(*args, args[-2], args[-1])
-        grad_specs = self.plan.gradient_specs()["trainable"]
-        mapped = self._engine.mapped(steps["accumulate_reduced"], ("replicated", "replicated", grad_specs,
-                                                                   "per_replica", "rows", "rows", "replicated"),
-                                     ("replicated", grad_specs, "per_replica"), check_vma=CHECK_VMA)
+        uncompiled (with `scaled`, the loss scale in the optimizer state's place): the sharded
+        accumulators' step ("accumulate_reduced": each replica adds its reduce-scattered share), or
+        whole per-replica accumulators' ("accumulate_scaled": reduced once, by the apply step)."""
+        kind = self.plan.gradient_specs()["trainable"] if self.shards_accumulators else "per_replica"
+        step = steps["accumulate_reduced" if self.shards_accumulators else "accumulate_scaled"]
+        mapped = self._engine.mapped(step, ("replicated", "replicated", kind, "per_replica", "rows", "rows",
+                                            "replicated"), ("replicated", kind, "per_replica"), check_vma=CHECK_VMA)
 
         def accumulate(params: Any, opt_state: Any, *rest: Any) -> Any:
             return mapped(params, opt_state if scaled else loss_scale_of(opt_state), *rest, rest[-2], rest[-1])

@@ -57,19 +57,18 @@ class StepRunner:
         self._steps = steps
         self._accumulation = accumulation
         self._sharded = placement if placement is not None and placement.plan is not None else None
-        self._accumulate: Callable[..., Any] | None = None  # a sharded model's, with sharded accumulators
-        if self._sharded is not None:  # a sharded model: its own train and apply programs (`_placement`)
+        self._train = self._apply = self._accumulate = None  # a sharded model's own programs (`_placement`):
+        if self._sharded is not None:
             self._train, self._apply = self._sharded.train_program(steps["gradient"]), self._sharded.apply_program()
-            if self._sharded.shards_accumulators:  # stages 2 and 3: each replica accumulates its share
-                self._accumulate = self._sharded.accumulate_program(steps["accumulate_reduced"])
+            self._accumulate = self._sharded.accumulate_program(steps)
         self._acc: Any = None  # per-replica gradient sums of the group in progress
         self._programs: dict[tuple[Any, ...], Callable[..., Any]] = {}  # several updates in one program
         self._starts: dict[int, jax.Array] = {}  # batch numbers on the devices, placed once
 
     def start(self, params: Any) -> None:
         """Fresh (zero) accumulators for a `fit` on `params`: a `fit` interrupted mid-group leaves none behind."""
-        if self._accumulation > 1 and self._accumulate is not None:
-            self._acc = self._sharded.zero_accumulators(params)
+        if self._accumulation > 1 and self._sharded is not None and self._sharded.shards_accumulators:
+            self._acc = self._sharded.zero_accumulators(params)  # stages 2 and 3: each replica accumulates its share
             return
         self._acc = None if self._accumulation == 1 else self._engine.per_replica_copies(
             jax.tree.map(lambda p: np.zeros(p.shape, p.dtype), params["trainable"]))
@@ -87,7 +86,7 @@ class StepRunner:
             params, opt_state, metric_state = run(
                 self._steps["train"], (params, opt_state, metric_state, batch.data, batch.mask, batch.count),
                 TRAIN_KINDS, TRAIN_OUT, mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
-        elif self._accumulate is not None:
+        elif self._sharded is not None:
             for batch in group.batches:
                 params, self._acc, metric_state = self._accumulate(params, opt_state, self._acc, metric_state,
                                                                    batch.data, batch.mask, batch.count)
@@ -100,11 +99,8 @@ class StepRunner:
                                                 batch.count), ACCUMULATE_KINDS, ACCUMULATE_OUT,
                     mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
             count = self._engine.put_replicated(np.float32(group.num_samples))
-            if self._sharded is not None:
-                params, opt_state, self._acc = self._apply(params, opt_state, self._acc, count)
-            else:
-                params, opt_state, self._acc = run(self._steps["apply"], (params, opt_state, self._acc, count),
-                                                   APPLY_KINDS, APPLY_OUT, check_vma=CHECK_VMA)
+            params, opt_state, self._acc = run(self._steps["apply"], (params, opt_state, self._acc, count),
+                                               APPLY_KINDS, APPLY_OUT, check_vma=CHECK_VMA)
         return state.replace(params=params, opt_state=opt_state, metric_state=metric_state, step=state.step + 1,
                              global_step=state.global_step + 1)
 

@@ -238,7 +238,8 @@ def make_steps(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransform
                reduce: Callable[[Any], Any] | None = None) -> dict[str, Callable[..., Any]]:
     """The train (or accumulate + apply), eval and predict steps of one model, loss, optimizer and
     metrics; and the gradient and accumulate steps whose gradients `reduce` combines (a sharded
-    model's: "gradient", "accumulate_reduced")."""
+    model's: "gradient", "accumulate_reduced"), with the accumulate step that takes the loss scale
+    for the optimizer state ("accumulate_scaled")."""
     steps = {"train": make_train_step(apply, loss_fn, optimizer, loss_tracker, metrics, num_replicas),
              "gradient": make_gradient_step(apply, loss_fn, loss_tracker, metrics, num_replicas, reduce),
              "accumulate": make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
@@ -248,4 +249,6 @@ def make_steps(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransform
     if reduce is not None:
         steps["accumulate_reduced"] = make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas,
                                                            reduce, scaled=True)
+        steps["accumulate_scaled"] = make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas,
+                                                          scaled=True)
     return steps
