@@ -30,6 +30,21 @@ def _stored(trainer):
     return trainer._state  # no public name: what leaves the trainer is never padded
 
 
+def _assert_padding_holds_zeros(trainer):
+    """Every stored array's padding (parameters and optimizer state) is zero."""
+    state, placement = _stored(trainer), trainer._placement
+    layouts = jax.tree.leaves((placement._layouts, placement._layouts_of_state(state.opt_state)))
+    checked = 0
+    for leaf, v in zip(jax.tree.leaves((state.params, state.opt_state)), layouts):
+        if not hasattr(v, "shape") or tuple(leaf.shape) == v.shape or len(leaf.shape) != len(v.shape):
+            continue
+        whole = np.asarray(leaf)
+        for dim, size in enumerate(v.shape):
+            assert not whole[(slice(None),) * dim + (slice(size, None),)].any()
+        checked += 1
+    assert checked  # some array is padded
+
+
 def _device_bytes(tree):
     out = {}
     for leaf in jax.tree.leaves(tree):
@@ -54,10 +69,7 @@ def test_uneven_splits_are_stored_padded_and_equal_keras_own_fit(model_name, sha
         assert leaf.sharding.spec == v.param_spec
     for leaf, v in zip(jax.tree.leaves(trainer.train_state.params), trainer.layouts.variables):
         assert leaf.shape == v.shape  # and what leaves the trainer has the variable's own shape
-    for v, leaf in zip(trainer.layouts.variables, jax.tree.leaves(stored)):  # the padding holds zeros still
-        whole = np.asarray(leaf)
-        for dim, size in enumerate(v.shape):
-            assert not whole[(slice(None),) * dim + (slice(size, None),)].any()
+    _assert_padding_holds_zeros(trainer)  # the steps never write into the padding
     model = trainer.model
     assert_weights_close(model.get_weights(), want[0], atol=5e-6)  # the Keras model holds its own shapes
 
@@ -95,7 +107,10 @@ def test_padded_shards_are_the_memory_each_device_holds_and_the_estimate_says(st
     n, p = 8, model.count_params()
     small = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables if np.prod(v.shape) < 1024)
     params, opt = _device_bytes(state.params), _device_bytes(state.opt_state)
-    assert len(set(params.values())) == 1 and len(set(opt.values())) == 1  # padding spread: every device alike
+    for v, leaf in zip(trainer.layouts.variables, jax.tree.leaves(state.params)):  # each device: ceil(size / 8)
+        ways = [8 if axis == "batch" else 1 for axis in tuple(v.param_spec) + (None,) * len(v.shape)]
+        assert {s.data.shape for s in leaf.addressable_shards} == {tuple(-(-d // n) for d, n in zip(v.shape, ways))}
+    assert any(v.padded for v in trainer.layouts.variables)  # 250 over 8 devices
     per_device = params[jax.devices()[0]] + opt[jax.devices()[0]]
     hyper = 64
     padding = 256 / 250  # 250 rows or columns padded to 256
@@ -143,6 +158,8 @@ def test_state_saved_under_one_padding_restores_under_another_bit_for_bit_and_go
         now = [np.asarray(a) for a in jax.tree.leaves((trainer.train_state.params, trainer.train_state.opt_state))]
         for a, b in zip(now, saved_host):
             np.testing.assert_array_equal(a, b)
+        if trainer.layouts is not None:
+            _assert_padding_holds_zeros(trainer)  # padded again, with zeros, as this mesh pads it
         x, y = case_data("odd")
         history = trainer.fit(x, y, batch_size=8, epochs=2, initial_epoch=1, shuffle=False, verbose=0).history
         assert_weights_close(trainer.get_weights(), whole.get_weights(), atol=5e-6)
@@ -186,8 +203,10 @@ def test_uneven_accumulation_and_mixed_precision_on_a_functional_model_equal_one
     assert_equals_one_device(runs[1], runs[0], rtol=max(tol, 2e-5), atol=tol)
 
 
-def test_keras_code_as_written_with_uneven_splits(tmp_path):
-    """`compile` / `fit` / `evaluate` / `predict` / `save` in the scope, a Keras optimizer object."""
+@pytest.mark.parametrize("stage", [3, 1])
+def test_keras_code_as_written_with_uneven_splits(tmp_path, stage):
+    """`compile` / `fit` / `evaluate` / `predict` / `save` in the scope, a Keras optimizer object,
+    Keras callbacks that set the learning rate and the weights (`restore_best_weights`)."""
     x, y = case_data("odd")
 
     def fit(strategy=None):
@@ -195,11 +214,15 @@ def test_keras_code_as_written_with_uneven_splits(tmp_path):
             keras.utils.set_random_seed(1)
             model = odd()
             model.compile(optimizer=keras.optimizers.Adam(0.01), loss=COMPILE["loss"], metrics=["accuracy"])
-            history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+            callbacks = [keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5),
+                         keras.callbacks.EarlyStopping(monitor="loss", mode="max", patience=1,  # stops after epoch 1
+                                                       restore_best_weights=True)]  # and puts epoch 0's weights back
+            history = model.fit(x, y, batch_size=8, epochs=4, shuffle=False, verbose=0, callbacks=callbacks).history
             return model, history, model.evaluate(x, y, batch_size=8, verbose=0), model.predict(x, batch_size=8,
                                                                                                  verbose=0)
     want = fit()
-    got = fit(sharded_strategy((2, 4), 3, ODD_RULES, min_shard_size=16))
+    got = fit(sharded_strategy((2, 4), stage, ODD_RULES, min_shard_size=16))
+    assert len(got[1]["loss"]) == 2
     assert_equals_one_device((got[0].get_weights(), got[1]), (want[0].get_weights(), want[1]), rtol=2e-5, atol=5e-6)
     np.testing.assert_allclose(got[2], want[2], rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(got[3], want[3], rtol=2e-5, atol=5e-6)
@@ -208,3 +231,12 @@ def test_keras_code_as_written_with_uneven_splits(tmp_path):
     got[0].save(tmp_path / "odd.keras")
     for a, b in zip(keras.models.load_model(tmp_path / "odd.keras").get_weights(), got[0].get_weights()):
         np.testing.assert_array_equal(a, b)
+
+
+def test_a_state_of_other_shapes_is_refused_on_restore():
+    trainer, _ = _fit(sharded_strategy((8, 1), 3, {}, min_shard_size=16), 1)
+    state = trainer.train_state
+    params = {"trainable": list(state.params["trainable"]), "non_trainable": state.params["non_trainable"]}
+    params["trainable"][2] = np.zeros((32, 7), np.float32)  # (30, 7) as stored, padded: not a variable's shape
+    with pytest.raises(ValueError, match=r"shape \(32, 7\).*\(30, 7\)"):
+        trainer.restore(state.replace(params=params))

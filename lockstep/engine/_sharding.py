@@ -28,7 +28,7 @@ splits that do not divide it. ZeRO pads only a variable none of whose free dimen
 256
 >>> odd = ShardingPlan.make(mesh, "batch", {"out/kernel": np.zeros((9, 10), np.float32)},
 ...                         {".*kernel": (None, "model")}, zero_stage=3, min_shard_size=64).variables[0]
->>> odd.param_spec, odd.stored_shape(odd.param_spec), odd.variable_spec   # 10 columns over 4: padded to 12
+>>> odd.param_spec, odd.stored_shape(odd.param_spec), odd.variable_spec   # 9 rows over 2, 10 columns over 4
 (P('batch', 'model'), (10, 12), P())
 """
 
@@ -184,9 +184,8 @@ class ShardingPlan:
 
         Raises:
           UsageError: a rule names an axis the mesh lacks or the batch axis, gives the wrong number
-            of dimensions, or uses an axis twice; a
-            variable's path matches several rules; a rule matches no variable (with
-            `every_rule_used`).
+            of dimensions, or uses an axis twice; a variable's path matches several rules; a rule
+            matches no variable (with `every_rule_used`).
         """
         if paths is None:
             paths, named = list(named), list(named.values())
@@ -255,7 +254,8 @@ class ShardingPlan:
             if v.zero_dim is None and v.trainable and self.zero_stage:
                 note += f" (whole along {self.batch_axis!r}: {v.why_whole})"
             if v.padded:
-                note += f" (stored padded to {v.stored_shape(v.state_spec)})"
+                stored = {v.stored_shape(v.param_spec), v.stored_shape(v.state_spec)} - {v.shape}
+                note += f" (stored padded to {' / '.join(map(str, sorted(stored)))})"
             rows.append((v.path, str(v.shape), _show(v.param_spec), _show(v.state_spec),
                          str(v.param_bytes_per_device), note))
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -302,7 +302,8 @@ def _check_axes(rule: str, axes: tuple[Any, ...], sizes: Mapping[str, int], batc
 
 def _checked(path: str, shape: tuple[int, ...], rule: str, axes: tuple[Any, ...], sizes: dict[str, int],
              batch_axis: str) -> tuple[str | None, ...]:
-    """A rule's axes for one variable, checked against the mesh and the variable's shape."""
+    """A rule's axes for one variable, checked against the mesh and the variable's number of
+    dimensions (a split that does not divide a dimension is padded)."""
     if len(axes) != len(shape):
         raise UsageError(f"layout rule {rule!r} gives {len(axes)} axes {axes} to variable {path!r} of shape "
                          f"{shape} ({len(shape)} dimensions): give one mesh axis name or None per dimension.")

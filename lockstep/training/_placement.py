@@ -19,10 +19,9 @@ the variable's own shape.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
-
-import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,6 +37,10 @@ from ._model import keras_paths
 from ._optimizers import KerasOptimizerState, get_optimizer, is_keras_optimizer, keras_state_owners
 from ._precision import loss_scale_of
 from ._steps import CHECK_VMA, replicas_axis, updated
+
+
+#: An optimizer-state array that belongs to no parameter (a step count, a scalar).
+_NOT_A_PARAM = object()
 
 
 class Replicated:
@@ -68,6 +71,11 @@ class Replicated:
     def unpadded_params(self, params: Any) -> Any:
         """Stored parameters in their own shapes (nothing is padded here)."""
         return params
+
+    def shapes(self, params: Any, opt_state: Any) -> list[tuple[int, ...]]:
+        """The shape of each array of stored parameters and optimizer state once unpadded (in the
+        order of ``jax.tree.leaves((params, opt_state))``; nothing is padded here)."""
+        return [tuple(np.shape(x)) for x in jax.tree.leaves((params, opt_state))]
 
     def unpadded_state(self, opt_state: Any) -> Any:
         """A stored optimizer state in its own shapes (nothing is padded here)."""
@@ -163,17 +171,25 @@ class Sharded(Replicated):
         """The `kind` part of the parameters padded as stored (in a program)."""
         return jax.tree.map(lambda x, v: fit_to(x, v.stored_shape(v.param_spec)), params, self._layouts[kind])
 
-    def _stored_state(self, opt_state: Any, store: bool = True) -> Any:
-        """An optimizer state padded as stored (or, with `store` False, cut to its variables'
-        shapes), in a program; arrays shaped otherwise than their variable are left alone."""
+    def _stored_state(self, opt_state: Any) -> Any:
+        """An optimizer state in its variables' shapes padded as stored (in a program)."""
+        return self._state_to(opt_state, stored=True)
+
+    def _cut_state(self, opt_state: Any) -> Any:
+        """A stored optimizer state cut to its variables' shapes (in a program)."""
+        return self._state_to(opt_state, stored=False)
+
+    def _state_to(self, opt_state: Any, stored: bool) -> Any:
+        """An optimizer state's parameter arrays fitted to their stored shapes, or to their
+        variables' own; arrays shaped otherwise than either (a factored state) are left alone."""
         if not self._padded:
             return opt_state
 
         def one(x: Any, v: Any) -> Any:
             if v is _NOT_A_PARAM:
                 return x
-            stored = v.stored_shape(v.state_spec)
-            source, target = (v.shape, stored) if store else (stored, v.shape)
+            padded = v.stored_shape(v.state_spec)
+            source, target = (v.shape, padded) if stored else (padded, v.shape)
             return fit_to(x, target) if tuple(x.shape) == source else x
         return jax.tree.map(one, opt_state, self._layouts_of_state(opt_state))
 
@@ -206,15 +222,29 @@ class Sharded(Replicated):
         """Stored arrays (`layouts`: each one's variable layout) cut to their variables' shapes,
         laid out as their `spec` without the splits that do not divide them."""
         def one(x: Any, v: Any) -> Any:
-            if not isinstance(v, VariableLayout) or v.shape == v.stored_shape(getattr(v, spec)) \
-                    or tuple(x.shape) != v.stored_shape(getattr(v, spec)):  # not padded (or not shaped like it)
+            if not isinstance(v, VariableLayout):
+                return x
+            padded = v.stored_shape(getattr(v, spec))
+            if padded == v.shape or tuple(x.shape) != padded:  # not padded (or not an array shaped like it)
                 return x
             return self._cutter(v.shape, NamedSharding(self.plan.mesh, v.even(getattr(v, spec))))(x)
         return tree if not self._padded else jax.tree.map(one, tree, layouts)
 
+    def shapes(self, params: Any, opt_state: Any) -> list[tuple[int, ...]]:
+        """The shape of each array of stored parameters and optimizer state once unpadded (in the
+        order of ``jax.tree.leaves((params, opt_state))``)."""
+        def own(x: Any, v: Any) -> tuple[int, ...]:
+            if isinstance(v, VariableLayout) and tuple(x.shape) in (v.stored_shape(v.param_spec),
+                                                                    v.stored_shape(v.state_spec)):
+                return v.shape
+            return tuple(x.shape)
+        layouts = jax.tree.leaves((self._layouts, self._layouts_of_state(opt_state)))
+        return [own(x, v) for x, v in zip(jax.tree.leaves((params, opt_state)), layouts)]
+
     def unpadded_params(self, params: Any) -> Any:
         """Stored parameters in their own shapes, each laid out as `variable_spec` says (a padded
-        variable without the splits that do not divide it)."""
+        variable without the splits that do not divide it). With several workers, a collective:
+        every worker calls it."""
         return self._unpadded(params, self._layouts, "param_spec")
 
     def unpadded_state(self, opt_state: Any) -> Any:
@@ -239,7 +269,7 @@ class Sharded(Replicated):
         stored), its results padded as stored."""
         if not self._padded:
             return updated(self._optimizer, grads, opt_state, trainable)
-        new, opt_state = updated(self._optimizer, self._cut(grads), self._stored_state(opt_state, store=False),
+        new, opt_state = updated(self._optimizer, self._cut(grads), self._cut_state(opt_state),
                                  self._cut(trainable))
         return self._stored(new), self._stored_state(opt_state)
 
@@ -385,10 +415,6 @@ class Sharded(Replicated):
                     self._param_shardings, self.state_shardings(opt_state), split))
             return program(params, opt_state, *rest)
         return call
-
-
-#: An optimizer-state array that belongs to no parameter (a step count, a scalar).
-_NOT_A_PARAM = object()
 
 
 def _bytes(x: Any, spec: P, mesh: Any) -> int:

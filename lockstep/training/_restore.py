@@ -90,7 +90,7 @@ def placed(engine: Any, placement: Any, metrics: Any, current: TrainState, state
 
     Raises:
       TypeError: `state` is not a `TrainState`.
-      ValueError: its weights or optimizer state have another structure than `current`'s.
+      ValueError: its weights or optimizer state have another structure or shapes than `current`'s.
     """
     if not isinstance(state, TrainState):
         raise TypeError(f"`state` must be a lockstep.TrainState, got {type(state).__name__}.")
@@ -99,6 +99,12 @@ def placed(engine: Any, placement: Any, metrics: Any, current: TrainState, state
         if jax.tree.structure(mine) != jax.tree.structure(theirs):
             raise ValueError(f"`state.{name}` has another structure than this trainer's: "
                              f"{jax.tree.structure(theirs)} vs {jax.tree.structure(mine)}.")
+    want = placement.shapes(current.params, current.opt_state)
+    for (path, leaf), shape in zip(jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0], want):
+        if tuple(np.shape(leaf)) != shape:
+            raise ValueError(f"`state` holds an array of shape {tuple(np.shape(leaf))} at "
+                             f"{jax.tree_util.keystr(path[1:])} of its {('params', 'opt_state')[path[0].idx]}, "
+                             f"where this trainer's has shape {shape}.")
     metric_state = None
     if state.step and state.metric_state is not None:  # mid-epoch: the epoch's running metrics go on
         metric_state = _per_replica(engine, metrics, state.metric_state)

@@ -298,7 +298,11 @@ class Trainer(WeightFiles):
 
     @property
     def train_state(self) -> TrainState:
-        """The whole training state (weights, optimizer, metric states, position, callbacks): in `fit`, the last step's."""
+        """The whole training state (weights, optimizer, metric states, position, callbacks): in `fit`, the last step's.
+
+        Its arrays have the variables' own shapes: a sharded strategy's padded variables (splits
+        that do not divide them) are cut on the devices, so with several workers every worker asks
+        for it at the same point (as for `get_weights`)."""
         self._require_built()
         return snapshot(self._unpadded(), self._callbacks, self._stream)
 
