@@ -81,6 +81,10 @@ class Replicated:
         """A stored optimizer state in its own shapes (nothing is padded here)."""
         return opt_state
 
+    def unpadded(self, state: Any) -> Any:
+        """A `TrainState` whose weights and optimizer state have the variables' own shapes."""
+        return state.replace(params=self.unpadded_params(state.params), opt_state=self.unpadded_state(state.opt_state))
+
     def state_shardings(self, opt_state: Any) -> Any:
         """Where each array of an optimizer state (arrays or their shapes) lies."""
         replicated = NamedSharding(self._engine.mesh, P())
@@ -173,25 +177,11 @@ class Sharded(Replicated):
 
     def _stored_state(self, opt_state: Any) -> Any:
         """An optimizer state in its variables' shapes padded as stored (in a program)."""
-        return self._state_to(opt_state, stored=True)
+        return _fit_state(opt_state, self._layouts_of_state(opt_state), True) if self._padded else opt_state
 
     def _cut_state(self, opt_state: Any) -> Any:
         """A stored optimizer state cut to its variables' shapes (in a program)."""
-        return self._state_to(opt_state, stored=False)
-
-    def _state_to(self, opt_state: Any, stored: bool) -> Any:
-        """An optimizer state's parameter arrays fitted to their stored shapes, or to their
-        variables' own; arrays shaped otherwise than either (a factored state) are left alone."""
-        if not self._padded:
-            return opt_state
-
-        def one(x: Any, v: Any) -> Any:
-            if v is _NOT_A_PARAM:
-                return x
-            padded = v.stored_shape(v.state_spec)
-            source, target = (v.shape, padded) if stored else (padded, v.shape)
-            return fit_to(x, target) if tuple(x.shape) == source else x
-        return jax.tree.map(one, opt_state, self._layouts_of_state(opt_state))
+        return _fit_state(opt_state, self._layouts_of_state(opt_state), False) if self._padded else opt_state
 
     def _padded_for(self, tree: Any, layouts: Any, spec: str) -> Any:
         """Arrays in their variables' shapes (host arrays or global ones) padded as stored under
@@ -233,13 +223,10 @@ class Sharded(Replicated):
     def shapes(self, params: Any, opt_state: Any) -> list[tuple[int, ...]]:
         """The shape of each array of stored parameters and optimizer state once unpadded (in the
         order of ``jax.tree.leaves((params, opt_state))``)."""
-        def own(x: Any, v: Any) -> tuple[int, ...]:
-            if isinstance(v, VariableLayout) and tuple(x.shape) in (v.stored_shape(v.param_spec),
-                                                                    v.stored_shape(v.state_spec)):
-                return v.shape
-            return tuple(x.shape)
         layouts = jax.tree.leaves((self._layouts, self._layouts_of_state(opt_state)))
-        return [own(x, v) for x, v in zip(jax.tree.leaves((params, opt_state)), layouts)]
+        return [v.shape if isinstance(v, VariableLayout) and tuple(x.shape) in (
+                    v.stored_shape(v.param_spec), v.stored_shape(v.state_spec)) else tuple(x.shape)
+                for x, v in zip(jax.tree.leaves((params, opt_state)), layouts)]
 
     def unpadded_params(self, params: Any) -> Any:
         """Stored parameters in their own shapes, each laid out as `variable_spec` says (a padded
@@ -417,6 +404,19 @@ class Sharded(Replicated):
         return call
 
 
+def _fit_state(opt_state: Any, layouts: Any, stored: bool) -> Any:
+    """An optimizer state's parameter arrays (`layouts`: each one's variable layout) fitted to
+    their stored shapes, or to their variables' own; arrays shaped otherwise than either (a
+    factored state) are left alone."""
+    def one(x: Any, v: Any) -> Any:
+        if v is _NOT_A_PARAM:
+            return x
+        padded = v.stored_shape(v.state_spec)
+        source, target = (v.shape, padded) if stored else (padded, v.shape)
+        return fit_to(x, target) if tuple(x.shape) == source else x
+    return jax.tree.map(one, opt_state, layouts)
+
+
 def _bytes(x: Any, spec: P, mesh: Any) -> int:
     """Bytes of one device's shard of an array shaped like `x` laid out by `spec` on `mesh`."""
     return shard_bytes(tuple(x.shape), np.dtype(x.dtype).itemsize, spec, dict(zip(mesh.axis_names, mesh.devices.shape)))
@@ -426,7 +426,9 @@ def memory_estimate(model: Any, optimizer: Any = "adam", strategy: Any = None) -
     """Bytes of parameters, gradients (in a step) and optimizer state each device of `strategy`
     (default: the active scope's) will hold for `model` (a built Keras model) trained with
     `optimizer` (a name, a Keras optimizer or an optax transformation), worked out before
-    anything is placed: DeepSpeed's table.
+    anything is placed: DeepSpeed's table. Padded variables (splits that do not divide them)
+    count their padded shards; not counted: the model's own Keras variables, which hold such a
+    variable without the split that does not divide it.
 
     >>> import lockstep as ls, keras
     >>> strategy = ls.ShardedStrategy(mesh=ls.DeviceMesh((8, 1), ("batch", "model")), zero_stage=3,

@@ -259,17 +259,14 @@ class Trainer(WeightFiles):
             self._initial_state(self._adapter.build(x))
         self._inputs.check(self._state.params, x, arg)
         if y is not None and (not self._all.built or self._labels.needs_classes):
-            pred_shape = output_shape(self._adapter, self._state.params, x,  # a tree of shapes for several outputs
-                                      self._placement.on_stored(self._adapter.apply))
+            pred_shape = output_shape(self._adapter, self._state.params, x, self._placement.on_stored(self._adapter.apply))
             self._labels.set_classes(pred_shape)
             self._all.build(shapes_of(y), pred_shape)
         if self._runner is None:
-            apply = self._placement.on_stored(
-                in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel)))
-            self._runner = StepRunner(self._engine, make_steps(apply, self._loss_fn, self._optimizer, self._loss_tracker,
-                                                               self._metrics, self.strategy.num_replicas_in_sync,
-                                                               self._placement.reduce),
-                                      self._accumulation, self._placement)
+            apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
+            self._runner = StepRunner(self._engine, make_steps(
+                self._placement.on_stored(apply), self._loss_fn, self._optimizer, self._loss_tracker, self._metrics,
+                self.strategy.num_replicas_in_sync, self._placement.reduce), self._accumulation, self._placement)
         return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
 
     def _initial_state(self, params: Any) -> None:
@@ -300,23 +297,16 @@ class Trainer(WeightFiles):
     def train_state(self) -> TrainState:
         """The whole training state (weights, optimizer, metric states, position, callbacks): in `fit`, the last step's.
 
-        Its arrays have the variables' own shapes: a sharded strategy's padded variables (splits
-        that do not divide them) are cut on the devices, so with several workers every worker asks
-        for it at the same point (as for `get_weights`)."""
+        In the variables' own shapes: a sharded strategy's padded variables are cut on the devices,
+        so with several workers every worker asks for it at one point (as for `get_weights`)."""
         self._require_built()
-        return snapshot(self._unpadded(), self._callbacks, self._stream)
+        return snapshot(self._placement.unpadded(self._state), self._callbacks, self._stream)
 
     def shared_train_state(self) -> TrainState:
         """`train_state` with every worker's data checksum and iterator state: a collective, which
         every worker calls at the same step (as `BackupAndRestore` does)."""
         self._require_built()
-        return snapshot(self._unpadded(), self._callbacks, self._stream, share=True)
-
-    def _unpadded(self) -> TrainState:
-        """The state with its weights and optimizer state in the variables' own shapes (a sharded
-        strategy stores a variable its splits do not divide padded)."""
-        return self._state.replace(params=self._placement.unpadded_params(self._state.params),
-                                   opt_state=self._placement.unpadded_state(self._state.opt_state))
+        return snapshot(self._placement.unpadded(self._state), self._callbacks, self._stream, share=True)
 
     def restore(self, state: TrainState) -> None:
         """Puts `state` (from `train_state`, or a checkpoint of it) back.
