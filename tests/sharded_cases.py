@@ -56,6 +56,21 @@ def odd_cnn():
                              L.BatchNormalization(name="norm"), L.ReLU(), L.Flatten(), L.Dense(4, name="head")])
 
 
+def functional_mlp(width, classes):
+    """A plain-JAX MLP (`ls.FunctionalModel`): dense_1 of `width` units, tanh, dense_2 of `classes`."""
+    import jax
+    import jax.numpy as jnp
+
+    def init(rng, x):
+        k1, k2 = jax.random.split(rng)
+        return {"dense_1": {"w": jax.random.normal(k1, (x.shape[1], width)) * 0.1, "b": jnp.zeros(width)},
+                "dense_2": {"w": jax.random.normal(k2, (width, classes)) * 0.1, "b": jnp.zeros(classes)}}
+
+    def apply(p, x, training=False):
+        return jnp.tanh(x @ p["dense_1"]["w"] + p["dense_1"]["b"]) @ p["dense_2"]["w"] + p["dense_2"]["b"]
+    return ls.FunctionalModel(init, apply)
+
+
 def case_data(name, n=37, seed=0):
     name = {"odd": "mlp", "odd_cnn": "cnn"}.get(name, name)
     rng = np.random.RandomState(seed)

@@ -7,7 +7,6 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax
-import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
@@ -15,7 +14,8 @@ from keras import layers as L
 
 import lockstep as ls
 from tests.keras_reference import assert_equals_one_device, assert_weights_close
-from tests.sharded_cases import (ALL_MODELS, COMPILE, MESHES, MODELS, Preempted, StopAfterFirstEpoch, case_data, cnn, keras_fit,
+from tests.sharded_cases import (ALL_MODELS, COMPILE, MESHES, MODELS, Preempted, StopAfterFirstEpoch, case_data, cnn,
+                                 functional_mlp, keras_fit,
                                  mlp, sharded_fit, sharded_strategy, transformer, used_rules)
 from tests.suite import variants
 
@@ -158,16 +158,6 @@ def test_backup_and_restore_resumes_on_another_mesh(tmp_path):
     assert_weights_close(resumed.get_weights(), w_whole, atol=5e-6)
 
 
-def _functional():
-    def init(rng, x):
-        k1, k2 = jax.random.split(rng)
-        return {"dense_1": {"w": jax.random.normal(k1, (x.shape[1], 64)) * 0.1, "b": jnp.zeros(64)},
-                "dense_2": {"w": jax.random.normal(k2, (64, 4)) * 0.1, "b": jnp.zeros(4)}}
-
-    def apply(p, x, training=False):
-        return jnp.tanh(x @ p["dense_1"]["w"] + p["dense_1"]["b"]) @ p["dense_2"]["w"] + p["dense_2"]["b"]
-    return ls.FunctionalModel(init, apply)
-
 
 @pytest.mark.parametrize("settings,stage", [
     (dict(gradient_accumulation_steps=2), 3),
@@ -179,7 +169,7 @@ def test_accumulation_and_mixed_precision_on_a_functional_model_equal_one_device
     x, y = case_data("mlp")
     runs = []
     for strategy in (ls.OneDeviceStrategy(), sharded_strategy((2, 4), stage, {"dense_1/w": (None, "model")})):
-        trainer = ls.Trainer(_functional(), optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
+        trainer = ls.Trainer(functional_mlp(64, 4), optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
                              metrics=["accuracy"], strategy=strategy, **settings)
         history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
         runs.append((trainer.get_weights(), history))

@@ -9,7 +9,6 @@ import os
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax
-import jax.numpy as jnp
 import keras
 import numpy as np
 import pytest
@@ -17,7 +16,8 @@ from keras import layers as L
 
 import lockstep as ls
 from tests.keras_reference import assert_equals_one_device, assert_weights_close
-from tests.sharded_cases import (COMPILE, ODD_MODELS, Preempted, StopAfterFirstEpoch, case_data, keras_fit, odd,
+from tests.sharded_cases import (COMPILE, ODD_MODELS, Preempted, StopAfterFirstEpoch, case_data, functional_mlp,
+                                 keras_fit, odd,
                                  sharded_fit, sharded_strategy, used_rules)
 from tests.suite import FULL, variants
 
@@ -174,16 +174,6 @@ def test_state_saved_under_one_padding_restores_under_another_bit_for_bit_and_go
     assert_weights_close(resumed.get_weights(), whole.get_weights(), atol=5e-6)
 
 
-def _functional():
-    def init(rng, x):
-        k1, k2 = jax.random.split(rng)
-        return {"dense_1": {"w": jax.random.normal(k1, (x.shape[1], 30)) * 0.1, "b": jnp.zeros(30)},
-                "dense_2": {"w": jax.random.normal(k2, (30, 5)) * 0.1, "b": jnp.zeros(5)}}
-
-    def apply(p, x, training=False):
-        return jnp.tanh(x @ p["dense_1"]["w"] + p["dense_1"]["b"]) @ p["dense_2"]["w"] + p["dense_2"]["b"]
-    return ls.FunctionalModel(init, apply)
-
 
 @pytest.mark.parametrize("settings,stage", [
     (dict(gradient_accumulation_steps=2), 3), (dict(gradient_accumulation_steps=3), 1),
@@ -194,7 +184,7 @@ def test_uneven_accumulation_and_mixed_precision_on_a_functional_model_equal_one
     runs = []
     rules = {"dense_1/w": (None, "model"), "dense_2/w": ("model", None)}  # 30 over 4 model devices
     for strategy in (ls.OneDeviceStrategy(), sharded_strategy((2, 4), stage, rules, min_shard_size=16)):
-        trainer = ls.Trainer(_functional(), optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
+        trainer = ls.Trainer(functional_mlp(30, 5), optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
                              metrics=["accuracy"], strategy=strategy, **settings)
         history = trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
         runs.append((trainer.get_weights(), history))
