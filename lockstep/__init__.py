@@ -9,11 +9,18 @@ import JAX.
 from __future__ import annotations
 
 import importlib
+import os
+import sys
 from typing import TYPE_CHECKING, Any
 
 from .distribute import _joining, _scope  # standard library only: `import lockstep.launch` stays free of JAX
 
 __version__ = "0.1.0"
+
+# Keras' models train through lockstep only on Keras' JAX backend: importing lockstep first selects it
+# (an explicit KERAS_BACKEND is kept; a Keras on another backend is an error at the first strategy)
+if "keras" not in sys.modules:
+    os.environ.setdefault("KERAS_BACKEND", "jax")
 
 # public name -> module that defines it (relative to this package)
 _EXPORTS: dict[str, str] = {

@@ -274,10 +274,12 @@ def test_datasets_from_generators_dicts_and_functions():
 
     def dataset_fn(ctx):
         seen.append(ctx)
-        return ls.data.batches(data["a"], batch_size=ctx.get_per_replica_batch_size(6) * ctx.num_replicas_in_sync)
+        return ls.data.batches(data["a"], batch_size=ctx.get_per_replica_batch_size(6))  # TF's per-replica batches
 
     ds = s.distribute_datasets_from_function(dataset_fn)
-    assert [b.num_real for b in ds] == [6, 4]
+    assert [b.num_real for b in ds] == [6, 4]  # a step takes one per-replica batch for each of the 3 replicas
+    got = [s.experimental_local_results(b) for b in ds]
+    np.testing.assert_array_equal(np.concatenate([r for step in got for r in step]), data["a"])
     assert (seen[0].num_input_pipelines, seen[0].input_pipeline_id, seen[0].num_replicas_in_sync) == (1, 0, 3)
 
 

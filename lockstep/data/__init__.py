@@ -6,6 +6,7 @@ from ._adapt import adapt as adapt
 from ._adapter import DataAdapter as DataAdapter
 from ._adapter import IterableBatches as IterableBatches
 from ._adapter import Regenerated as Regenerated
+from ._adapter import ReplicaBatches as ReplicaBatches
 from ._accumulation import accumulation_groups as accumulation_groups
 from ._batches import Batches as Batches
 from ._batches import batches as batches
@@ -13,4 +14,4 @@ from ._indexed import IndexedBatches as IndexedBatches
 from ._tf_batches import TFDatasetBatches as TFDatasetBatches
 from ._worker_pipeline import WorkerPipeline as WorkerPipeline
 
-__all__ = ["AccumulationGroup", "Batches", "DataAdapter", "IterableBatches", "Regenerated", "adapt", "IndexedBatches", "TFDatasetBatches", "WorkerPipeline", "accumulation_groups", "batches"]
+__all__ = ["AccumulationGroup", "Batches", "DataAdapter", "IterableBatches", "Regenerated", "ReplicaBatches", "adapt", "IndexedBatches", "TFDatasetBatches", "WorkerPipeline", "accumulation_groups", "batches"]

@@ -111,6 +111,50 @@ class IterableBatches(DataAdapter):
         return out
 
 
+class ReplicaBatches:
+    """Per-replica batches as a worker's batches: TF's `distribute_datasets_from_function`
+    contract, where each element is one replica's batch (batched with
+    ``ctx.get_per_replica_batch_size(GLOBAL_BATCH_SIZE)``) and a worker's step takes one element
+    for each of its `replicas` local replicas, concatenated here; a last step with fewer elements
+    is shorter (its replicas without one hold padding). Elements are read as NumPy (tf.data's
+    tensors too). A one-shot source (an iterator) stays one-shot.
+
+    >>> import numpy as np
+    >>> [b.tolist() for b in ReplicaBatches([np.arange(2), np.arange(2, 4), np.arange(4, 5)], replicas=2)]
+    [[0, 1, 2, 3], [4]]
+    >>> len(ReplicaBatches([np.arange(2)] * 5, replicas=2))
+    3
+    """
+
+    def __new__(cls, data: Iterable[Any], replicas: int) -> Any:
+        if isinstance(data, Iterator):  # one-shot: the groups are a one-shot iterator too
+            return _groups(data, replicas)
+        return super().__new__(cls)
+
+    def __init__(self, data: Iterable[Any], replicas: int):
+        self.data = data
+        self.replicas = replicas
+
+    def __iter__(self) -> Iterator[Any]:
+        source = self.data.as_numpy_iterator() if hasattr(self.data, "as_numpy_iterator") else iter(self.data)
+        return _groups(source, self.replicas)
+
+    def __len__(self) -> int:
+        n = int(self.data.cardinality()) if hasattr(self.data, "cardinality") else len(self.data)  # type: ignore[arg-type]
+        if n < 0:
+            raise TypeError("this dataset's number of batches is unknown or infinite.")
+        return -(-n // self.replicas)
+
+
+def _groups(source: Iterator[Any], k: int) -> Iterator[Any]:
+    """`source`'s elements `k` at a time, each group's leaves (as NumPy) concatenated along rows."""
+    import jax
+    import numpy as np
+
+    while group := list(itertools.islice(source, k)):
+        yield jax.tree.map(lambda *xs: np.concatenate([np.asarray(x) for x in xs]), *group)
+
+
 class Regenerated:
     """A generator function given as data: re-iterable, each pass (epoch) calls it anew (a
     generator object given instead is used up after one pass).

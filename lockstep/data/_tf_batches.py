@@ -51,6 +51,13 @@ class TFDatasetBatches(DataAdapter):
         """Whole batches as NumPy (every row converted: for a look at the data)."""
         return iter(self.dataset.as_numpy_iterator())
 
+    def __len__(self) -> int:
+        """The number of batches, when tf.data knows it (Keras reads `cardinality` the same way)."""
+        n = int(self.dataset.cardinality())
+        if n < 0:
+            raise TypeError("this tf.data dataset's number of batches is unknown or infinite.")
+        return n
+
     host_labels = False  # each worker converts only its rows: the labels are never whole on one host
 
     def first(self) -> Any:

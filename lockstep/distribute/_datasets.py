@@ -123,4 +123,5 @@ class DistributedDataset(DataAdapter):
         yield from self.distributed(self._engine)
 
     def __len__(self) -> int:
+        """The number of batches (a `TypeError` where the source does not know it, as for a generator)."""
         return len(getattr(self._data, "data", self._data))  # type: ignore[arg-type]

@@ -88,18 +88,36 @@ def strategy_of_model(model: Any, by_devices: bool = True) -> "Strategy | None":
     return strategy_of_devices(sharding.device_set) if sharding is not None else None
 
 
+def check_keras_backend() -> None:
+    """Raises when Keras is imported on a backend other than JAX: its models would train outside
+    lockstep (each worker its own model) while the strategy reports its replicas.
+
+    Importing lockstep before Keras selects JAX (``KERAS_BACKEND`` defaults to ``"jax"``); this
+    catches a Keras imported earlier, or told otherwise.
+    """
+    keras = sys.modules.get("keras")
+    backend = getattr(getattr(keras, "backend", None), "backend", None)
+    if backend is not None and backend() != "jax":
+        raise UsageError(
+            f"Keras runs on the {backend()!r} backend, so a Keras model would train outside lockstep's strategy "
+            f"(KERAS_BACKEND={os.environ.get('KERAS_BACKEND')!r}): set the environment variable KERAS_BACKEND=jax, "
+            "or import lockstep before keras (which then selects JAX).")
+
+
 def _enter_keras_distribution(strategy: "Strategy") -> Any:
     """Sets Keras' distribution to data parallelism over `strategy`'s devices (only when Keras, on
     the JAX backend, is imported or asked for); returns the previous one."""
+    check_keras_backend()
     keras = sys.modules.get("keras")
     if keras is None and os.environ.get("KERAS_BACKEND") == "jax":
         import keras  # the user asked for Keras on JAX: models may be built inside this scope
-    if keras is None or keras.backend.backend() != "jax":
+    if keras is None:
         return _NO_KERAS
     previous = keras.distribution.distribution()
     distribution = _keras_data_parallel(keras)(devices=list(strategy.devices))
     distribution.strategy = weakref.ref(strategy)
     keras.distribution.set_distribution(distribution)
+    _values_from_worker_0(keras)
     for hook in KERAS_HOOKS:
         hook(keras)
     return previous
@@ -135,6 +153,49 @@ def _keras_data_parallel(keras: Any) -> type:
                     "`ls.Trainer(model).fit(...)`, which are exact for any batch size, or call it outside the scope.")
         cls = _CLASSES[id(keras)] = LockstepDataParallel
     return cls
+
+
+_PUT: dict[str, Any] = {}
+
+
+def _values_from_worker_0(keras: Any) -> None:
+    """Keras variables created (or assigned from the host) on devices of several workers take
+    worker 0's value, as TF's multi-worker variables do (JAX would otherwise require every worker
+    to hold the same value: an unseeded initialiser fails). Installed once; a no-op in one process."""
+    from keras.src.backend.jax import distribution_lib
+
+    if _PUT:
+        return
+    _PUT["distribute_tensor"] = original = distribution_lib.distribute_tensor
+
+    def distribute_tensor(tensor: Any, layout: Any) -> Any:
+        sharding = getattr(layout, "backend_layout", layout)
+        if _spans_workers(sharding) and _host_value(tensor):
+            import numpy as np
+            from jax.experimental import multihost_utils
+
+            tensor = multihost_utils.broadcast_one_to_all(np.asarray(tensor))
+        return original(tensor, layout)
+    distribution_lib.distribute_tensor = distribute_tensor
+
+
+def _spans_workers(sharding: Any) -> bool:
+    import jax
+
+    devices = getattr(sharding, "device_set", None)
+    return jax.process_count() > 1 and devices is not None and len({d.process_index for d in devices}) > 1
+
+
+def _host_value(tensor: Any) -> bool:
+    """A value each worker holds on its own (NumPy, a scalar, or a JAX array not yet placed)."""
+    import jax
+    import numpy as np
+
+    if isinstance(tensor, jax.core.Tracer):
+        return False
+    if isinstance(tensor, jax.Array):
+        return tensor.is_fully_addressable and not tensor.committed
+    return isinstance(tensor, (np.ndarray, np.generic, int, float, bool))
 
 
 def foreign_keras_distribution() -> Any:

@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from .._errors import UsageError
-from ..data import IterableBatches, adapt
+from ..data import IterableBatches, ReplicaBatches, adapt
 from ..engine._cross_replica import gather_stacked, reduce_replicated, reduce_stacked, split_rows
 from ..engine._engine import BATCH_AXIS
 from ..engine._placement import DistributedBatch
@@ -49,6 +49,7 @@ class Strategy:
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, *, mesh: Mesh | None = None,
                  batch_axis: str = BATCH_AXIS, sharding: ShardingConfig | None = None):
+        _scope.check_keras_backend()
         self._extended = StrategyExtended(None if devices is None else tuple(devices), owner=self, mesh=mesh,
                                           batch_axis=batch_axis, sharding=sharding)
         self._devices = tuple(self._extended.mesh.devices.flat)
@@ -122,14 +123,20 @@ class Strategy:
 
     def distribute_datasets_from_function(self, dataset_fn: Callable[[InputContext], Iterable[Any]]
                                           ) -> DistributedDataset:
-        """Calls `dataset_fn(InputContext)` on each worker; it returns that worker's batches.
+        """Calls `dataset_fn(InputContext)` on each worker; it returns that worker's *per-replica*
+        batches, as in TF: batch with ``ctx.get_per_replica_batch_size(GLOBAL_BATCH_SIZE)``.
+
+        Each step a worker takes one batch for each of its local replicas (so a step of the whole
+        job holds `num_replicas_in_sync` of them); workers whose pipelines run out early send
+        padding, so every row counts once. Any iterable works (a `tf.data.Dataset`, a list, a
+        generator); `fit` / `evaluate` / `predict` take the result.
 
         >>> import lockstep as ls, numpy as np
         >>> s = ls.MirroredStrategy(2)
         >>> ds = s.distribute_datasets_from_function(
-        ...     lambda ctx: ls.data.batches(np.arange(5.0), batch_size=2))
+        ...     lambda ctx: ls.data.batches(np.arange(5.0), batch_size=ctx.get_per_replica_batch_size(4)))
         >>> [b.num_real for b in ds]
-        [2, 2, 1]
+        [4, 1]
         """
         if not callable(dataset_fn):
             raise TypeError(f"`dataset_fn` must be callable, got {type(dataset_fn).__name__}.")
@@ -137,7 +144,8 @@ class Strategy:
         dataset = dataset_fn(ctx)
         if not isinstance(dataset, Iterable):
             raise TypeError(f"`dataset_fn` must return an iterable of batches, got {type(dataset).__name__}.")
-        return DistributedDataset(self._extended, IterableBatches(dataset, per_worker=True))
+        per_worker = ReplicaBatches(dataset, self._extended.num_local_replicas)
+        return DistributedDataset(self._extended, IterableBatches(per_worker, per_worker=True))
 
     def experimental_distribute_values_from_function(self, value_fn: Callable[[ValueContext], Any]) -> Any:
         """A per-replica value made by calling `value_fn(ValueContext)` once per replica.
@@ -301,7 +309,8 @@ class Strategy:
 
         As in `tf.distribute`, each entry is the whole structure of `value` as that replica holds
         it (a `Mirrored` leaf gives its value to every replica), and a plain value that is not
-        distributed comes back as ``(value,)``.
+        distributed comes back as ``(value,)``. A batch's rows (and outputs row for row) are the
+        replica's real rows only, as TF gives them: a replica that holds only padding gives 0 rows.
 
         >>> import lockstep as ls, numpy as np
         >>> s = ls.MirroredStrategy(2)
@@ -309,14 +318,27 @@ class Strategy:
         >>> out = s.run(lambda b: {"x": b, "total": ls.get_replica_context().all_reduce("SUM", b.sum())}, args=(batch,))
         >>> [{k: v.tolist() for k, v in r.items()} for r in s.experimental_local_results(out)]
         [{'total': 6.0, 'x': [0.0, 1.0]}, {'total': 6.0, 'x': [2.0, 3.0]}]
+        >>> short = next(iter(s.experimental_distribute_dataset([np.arange(1.0)])))
+        >>> [r.tolist() for r in s.experimental_local_results(short)]
+        [[0.0], []]
         """
         leaves, treedef = jax.tree.flatten(self._as_leaves(value, "value", "experimental_local_results"),
                                            is_leaf=is_distributed)
         if not any(is_distributed(v) for v in leaves):
             return (value,)
         n_local = self._extended.num_local_replicas
-        columns = [v.values if isinstance(v, (PerReplica, Mirrored)) else (v,) * n_local for v in leaves]
+        columns = [_real_rows(v, self._extended.distributor.local_replica_ids) if isinstance(v, PerReplica)
+                   else v.values if isinstance(v, Mirrored) else (v,) * n_local for v in leaves]
         return tuple(jax.tree.unflatten(treedef, [c[i] for c in columns]) for i in range(n_local))
+
+
+def _real_rows(v: PerReplica, replica_ids: list[int]) -> tuple[jax.Array, ...]:
+    """This worker's entries of `v`; those aligned with a batch's rows keep only the real ones."""
+    step = step_of(v)
+    entries = v.values
+    if step is None or len(entries[0].shape) < 1 or entries[0].shape[0] != step.per_replica:
+        return entries
+    return tuple(e[:int(step.counts[r])] for e, r in zip(entries, replica_ids))
 
 
 # --- concrete strategies ---------------------------------------------------------------

@@ -74,15 +74,22 @@ from ._steps import make_steps, unpack
 
 
 class _LazyLogs(Mapping[str, Any]):
-    """Running logs that are read (one reduction of every state) only when a callback looks."""
+    """Running logs that are read (one reduction of every state) only when a callback looks.
 
-    def __init__(self, read: Callable[[], dict[str, Any]]):
-        self._read = read
+    In a job of several workers the reduction is dispatched at once on every worker (a program
+    over all of them, which no worker may run alone) and only its transfer to the host waits for
+    a callback to look: a callback that reads on one worker alone (the chief's progress bar, a
+    user's ``if is_chief()``) neither stalls nor desynchronises the others."""
+
+    def __init__(self, engine: Any, metrics: MetricCollection, state: Any):
         self._logs: dict[str, Any] | None = None
+        self._values = _reduced(engine, metrics, state) if jax.process_count() > 1 else None
+        self._read = functools.partial(_reduced, engine, metrics, state)
 
     def _get(self) -> dict[str, Any]:
         if self._logs is None:
-            self._logs = self._read()
+            values = self._read() if self._values is None else self._values
+            self._logs = {k: _to_python(v) for k, v in values.items()}
         return self._logs
 
     def __getitem__(self, key: str) -> Any:
@@ -105,10 +112,16 @@ def _to_python(v: Any) -> Any:
     return float(a) if a.ndim == 0 else a
 
 
-def _read(engine: Any, metrics: MetricCollection, state: Any) -> dict[str, Any]:
-    """Loss and metric values of per-replica `state`: one compiled program reduces all states."""
+def _reduced(engine: Any, metrics: MetricCollection, state: Any) -> dict[str, Any]:
+    """Loss and metric values of per-replica `state` as arrays of this worker (one compiled program
+    reduces all states), in Keras' order: loss first."""
     values = engine.run_to_host(synced_result, (metrics, state), ("replicated", "per_replica"))
-    return {k: _to_python(values[k]) for k in metrics.metrics}  # Keras' order: loss first
+    return {k: values[k] for k in metrics.metrics}
+
+
+def _read(engine: Any, metrics: MetricCollection, state: Any) -> dict[str, Any]:
+    """Loss and metric values of per-replica `state`, on the host."""
+    return {k: _to_python(v) for k, v in _reduced(engine, metrics, state).items()}
 
 
 def _strategy_for(model: Any, given: Any) -> Strategy:
@@ -161,7 +174,10 @@ def _fit_callbacks(cbs: list[Callback], verbose: int | str, train: Iterable[Any]
     `params` every callback is given, as Keras gives them: verbose, epochs and steps an epoch, in
     optimizer steps (groups of `accumulation` batches))."""
     verbose = 1 if verbose == "auto" else int(verbose)
-    steps = -(-len(train) // accumulation) if hasattr(train, "__len__") else None  # type: ignore[arg-type]
+    try:
+        steps: int | None = -(-len(train) // accumulation)  # type: ignore[arg-type]
+    except TypeError:  # no length (a generator, a tf.data dataset of unknown cardinality)
+        steps = None
     params = {"verbose": verbose, "epochs": epochs,
               "steps": min(steps, steps_per_epoch) if steps and steps_per_epoch else steps or steps_per_epoch}
     return ([ProgbarLogger(verbose)] if verbose and is_chief() else []) + cbs, params
@@ -389,8 +405,8 @@ class Trainer(WeightFiles):
         for step, execution in executions(train.epoch(epoch, skip), self._accumulation, self.steps_per_execution, skip):
             cblist.on_train_batch_begin(step)
             self._state = self._runner.run(self._state, execution)
-            cblist.on_train_batch_end(step + len(execution) - 1, _LazyLogs(functools.partial(
-                _read, self._engine, self._all, self._state.metric_state)))
+            cblist.on_train_batch_end(step + len(execution) - 1, _LazyLogs(self._engine, self._all,
+                                                                              self._state.metric_state))
             if self.stop_training:
                 break
         self._state = self._state.replace(epoch=epoch + 1, step=0)
@@ -413,7 +429,7 @@ class Trainer(WeightFiles):
         for step, batch in enumerate(itertools.islice(data.distributed(self._engine), steps)):  # steps: None, all
             cblist.on_test_batch_begin(step)
             state = self._runner.evaluate(self._state.params, state, batch)
-            cblist.on_test_batch_end(step, _LazyLogs(lambda s=state: _read(self._engine, self._all, s)))
+            cblist.on_test_batch_end(step, _LazyLogs(self._engine, self._all, state))
         logs = _read(self._engine, self._all, state)
         cblist.on_test_end(logs)
         return logs
