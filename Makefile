@@ -9,6 +9,7 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 
 $(STAMP): $(BIN)/python pyproject.toml
+	@echo "installing lockstep and its dependencies into $(VENV) (JAX, Keras, TensorFlow for the tf.data tests: a few minutes)"
 	$(BIN)/python -m pip install --quiet --upgrade pip
 	$(BIN)/python -m pip install --quiet -e ".[test,demo,tf]"
 	touch $(STAMP)

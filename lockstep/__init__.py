@@ -30,6 +30,10 @@ _EXPORTS: dict[str, str] = {
     "SlurmClusterResolver": ".cluster._multi_worker",
     "TFConfigClusterResolver": ".cluster._multi_worker",
     "resolve_cluster": ".cluster._multi_worker",
+    "CrossDeviceOps": ".distribute._cross_device_ops",
+    "HierarchicalCopyAllReduce": ".distribute._cross_device_ops",
+    "NcclAllReduce": ".distribute._cross_device_ops",
+    "ReductionToOneDevice": ".distribute._cross_device_ops",
     "DistributedDataset": ".distribute._datasets",
     "InputContext": ".distribute._datasets",
     "MirroredStrategy": ".distribute._strategy",
@@ -54,13 +58,14 @@ _EXPORTS: dict[str, str] = {
     "WorkersDisagreeError": "._errors",
     "simulate_cpu_devices": ".engine._devices",
     "compute_average_loss": ".losses",
+    "scale_regularization_loss": ".losses",
     "cross_replica_moments": ".engine._moments",
     "DataPosition": ".training",
     "FunctionalModel": ".training",
     "TrainState": ".training",
     "Trainer": ".training",
 }
-_SUBMODULES = ("callbacks", "checkpoint", "data", "launch", "losses", "metrics", "training")
+_SUBMODULES = ("callbacks", "checkpoint", "data", "experimental", "launch", "losses", "metrics", "training")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
@@ -105,10 +110,15 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from . import callbacks as callbacks
     from . import checkpoint as checkpoint
     from . import data as data
+    from . import experimental as experimental
     from . import launch as launch
     from . import losses as losses
     from . import metrics as metrics
     from . import training as training
+    from .distribute._cross_device_ops import CrossDeviceOps as CrossDeviceOps
+    from .distribute._cross_device_ops import HierarchicalCopyAllReduce as HierarchicalCopyAllReduce
+    from .distribute._cross_device_ops import NcclAllReduce as NcclAllReduce
+    from .distribute._cross_device_ops import ReductionToOneDevice as ReductionToOneDevice
     from .distribute._datasets import DistributedDataset as DistributedDataset
     from .distribute._datasets import InputContext as InputContext
     from .engine._devices import simulate_cpu_devices as simulate_cpu_devices
@@ -139,6 +149,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .engine._replica_context import ReplicaContext as ReplicaContext
     from .engine._replica_context import get_replica_context as get_replica_context
     from .losses import compute_average_loss as compute_average_loss
+    from .losses import scale_regularization_loss as scale_regularization_loss
     from .training import DataPosition as DataPosition
     from .training import FunctionalModel as FunctionalModel
     from .training import TrainState as TrainState

@@ -172,6 +172,23 @@ def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,
     return masked_average_loss(per_example_loss, ctx.mask, ctx.global_count(), sample_weight, global_batch_size)
 
 
+def scale_regularization_loss(regularization_loss: Any) -> jax.Array:
+    """A regularization loss (a value or a list of them, summed) as this replica's share: divided
+    by the number of replicas, as TF's `tf.nn.scale_regularization_loss`, so that added to
+    `compute_average_loss` inside `strategy.run` it counts once in the step's gradient (JAX sums
+    the gradients of the replicated parameters over the replicas). Outside `run` it is the sum.
+
+    >>> import lockstep as ls, numpy as np, jax.numpy as jnp
+    >>> s = ls.MirroredStrategy(4)
+    >>> float(s.reduce("SUM", s.run(lambda: ls.scale_regularization_loss([jnp.float32(1.0), jnp.float32(2.0)]))))
+    3.0
+    """
+    total = sum(jnp.sum(jnp.asarray(r)) for r in regularization_loss) if isinstance(
+        regularization_loss, (list, tuple)) else jnp.sum(jnp.asarray(regularization_loss))
+    ctx = get_replica_context()
+    return total / (1 if ctx is None else ctx.num_replicas_in_sync)
+
+
 def _weighted_loss(per_example_loss: Any, sample_weight: Any, global_batch_size: Any) -> jax.Array:
     loss = jnp.asarray(per_example_loss)
     if loss.ndim == 0:

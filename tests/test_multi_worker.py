@@ -159,7 +159,7 @@ def test_cluster_resolvers_read_env_tf_config_and_slurm():
     assert (r.coordinator_address, r.num_workers, r.task_id, r.is_chief) == ("h:1", 4, 3, False)
     cfg = {"cluster": {"chief": ["c:5"], "worker": ["w0:5", "w1:5"]}, "task": {"type": "worker", "index": 1}}
     r = ls.resolve_cluster({"TF_CONFIG": json.dumps(cfg)})
-    assert (r.coordinator_address, r.num_workers, r.task_id) == ("c:5", 3, 2)
+    assert (r.coordinator_address, r.num_workers, r.task_type, r.task_id, r.process_id) == ("c:5", 3, "worker", 1, 2)
     r = ls.resolve_cluster({"SLURM_NTASKS": "8", "SLURM_PROCID": "0", "SLURM_JOB_NODELIST": "node[12-15],x",
                             "LOCKSTEP_COORDINATOR_PORT": "7000"})
     assert (r.coordinator_address, r.num_workers, r.is_chief) == ("node12:7000", 8, True)

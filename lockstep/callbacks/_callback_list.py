@@ -6,7 +6,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._callback import HOOKS, Callback
-from ._keras_callback import KerasCallback, is_keras_callback
+from ._keras_callback import as_lockstep, is_keras_callback
 from ._trainer_view import TrainerView
 
 
@@ -14,7 +14,7 @@ class CallbackList:
     """Calls every hook on every callback, in order (callbacks marked `runs_last`, the backups, last)."""
 
     def __init__(self, callbacks: Iterable[Callback], trainer: TrainerView, params: dict[str, Any] | None = None):
-        self.callbacks = [KerasCallback(cb) if is_keras_callback(cb) else cb for cb in callbacks]
+        self.callbacks = [as_lockstep(cb) if is_keras_callback(cb) else cb for cb in callbacks]
         # those that back up the training state last, so the backup holds what the others did at that step
         self.callbacks.sort(key=lambda cb: bool(getattr(cb, "runs_last", False)))
         for cb in self.callbacks:

@@ -127,26 +127,38 @@ def _plain(value: Any) -> Any:
     return _NOT_PLAIN
 
 
+def as_lockstep(callback: Any) -> Callback:
+    """A Keras callback as a lockstep one: `keras.callbacks.BackupAndRestore` becomes lockstep's
+    `BackupAndRestore` with its arguments (Keras' saves the weights only; lockstep's also the
+    optimizer, the metrics, the data position and the callbacks' states, on every worker: the
+    resumed run equals the uninterrupted one), kept with the Keras object across `fit` calls;
+    any other is wrapped in a `KerasCallback`."""
+    if "BackupAndRestore" not in [c.__name__ for c in _keras_classes(callback)]:
+        return KerasCallback(callback)
+    ours = callback.__dict__.get("_lockstep_backup")
+    if ours is None:
+        from ._backup_and_restore import BackupAndRestore
+
+        ours = BackupAndRestore(callback.backup_dir, save_freq=callback.save_freq,
+                                delete_checkpoint=callback.delete_checkpoint)
+        callback.__dict__["_lockstep_backup"] = ours
+    return ours
+
+
 class KerasCallback(Callback):
     """A Keras callback object as a lockstep callback: the hooks it overrides are forwarded, its
     `model` is a view of the Keras model whose state is the trainer's (see the module docstring).
 
     `fit`, `evaluate` and `predict` wrap Keras callbacks with it.
 
-    Raises:
-      TypeError: `keras.callbacks.BackupAndRestore` (it saves the weights only; use
-        `lockstep.callbacks.BackupAndRestore`, which restores the optimizer, the metrics and the
-        data position too, on every worker).
+    A `keras.callbacks.BackupAndRestore` is not wrapped: `as_lockstep` gives lockstep's
+    (`lockstep.callbacks.BackupAndRestore`, same arguments), which backs up the whole state.
     """
 
     def __init__(self, callback: Any):
         super().__init__()
         classes = _keras_classes(callback)
         names = [c.__name__ for c in classes]
-        if "BackupAndRestore" in names:
-            raise TypeError("keras.callbacks.BackupAndRestore saves the weights only and cannot resume lockstep's "
-                            "training exactly: use lockstep.callbacks.BackupAndRestore(backup_dir), which also "
-                            "restores the optimizer, the metrics and the data position, on every worker.")
         self.keras_callback = callback
         self.state_name = f"keras.{type(callback).__name__}"  # its bookkeeping's name in backups
         if any(n in _WRITERS for n in names) and not is_chief():

@@ -9,10 +9,18 @@ from ._callback import Callback, is_chief
 
 
 def format_logs(logs: Any) -> str:
+    """`logs` as Keras' progress bar shows them; a vector value (say F1 per class) by its mean, as Keras does.
+
+    >>> import numpy as np
+    >>> format_logs({"loss": 0.5, "f1_score": np.array([0.25, 0.75]), "note": "x"})
+    'loss: 0.5000 - f1_score: 0.5000'
+    """
+    import numpy as np
+
     parts = []
     for k, v in logs.items():
         try:
-            parts.append(f"{k}: {float(v):.4f}")
+            parts.append(f"{k}: {float(np.mean(np.asarray(v, dtype=np.float64))):.4f}")
         except (TypeError, ValueError):
             continue
     return " - ".join(parts)

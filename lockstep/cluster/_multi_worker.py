@@ -42,6 +42,7 @@ from ._agreement import ProgramAgreement
 from ._coordination import Coordination
 from .._errors import UsageError
 from .._exit_codes import LOST_WORKER_EXIT_CODE
+from ..distribute._cross_device_ops import checked_communication_options
 from ..distribute._strategy import Strategy
 
 DEFAULT_FAILURE_TIMEOUT = 20.0
@@ -52,13 +53,20 @@ _BACKSTOP = 2.0
 _BEAT_INTERVAL = 1.0
 
 
+#: the "coordinator" of a job of one process that joins no cluster
+LOCAL = "127.0.0.1:0"
+
+
 class ClusterResolver:
     """Where the coordinator is, how many workers there are, and which one this is.
 
     >>> r = ClusterResolver("127.0.0.1:29500", num_processes=2, process_id=1)
-    >>> r.task_id, r.is_chief, r.num_workers
-    (1, False, 2)
+    >>> r.task_type, r.task_id, r.is_chief, r.num_workers
+    ('worker', 1, False, 2)
     """
+
+    #: what TF calls this task's type ("chief" or "worker"); None in a job of one process without a cluster
+    task_type: str | None = "worker"
 
     def __init__(self, coordinator_address: str, num_processes: int, process_id: int):
         if not isinstance(coordinator_address, str) or ":" not in coordinator_address:
@@ -72,7 +80,9 @@ class ClusterResolver:
         self.process_id = process_id
 
     @property
-    def task_id(self) -> int:
+    def task_id(self) -> int | None:
+        """The task's index among the tasks of its `task_type`, as TF numbers them (the worker's
+        index, unless TF_CONFIG names a chief); `process_id` is its place in the whole job."""
         return self.process_id
 
     @property
@@ -113,18 +123,26 @@ class TFConfigClusterResolver(ClusterResolver):
     """From `TF_CONFIG`, as `tf.distribute` users already write it.
 
     The chief (if the cluster names one) is worker 0 and the coordinator; else ``worker[0]`` is.
+    `task_type` and `task_id` are TF_CONFIG's (``worker`` 0 is process 1 where a chief is listed).
+    Without TF_CONFIG, as in TF, the cluster is this process alone, whose `task_type` and
+    `task_id` are None.
 
     >>> import json
-    >>> cfg = {"cluster": {"worker": ["localhost:12345", "localhost:23456"]}, "task": {"type": "worker", "index": 1}}
+    >>> cfg = {"cluster": {"chief": ["c:1"], "worker": ["w:1", "w:2"]}, "task": {"type": "worker", "index": 1}}
     >>> r = TFConfigClusterResolver(json.dumps(cfg))
-    >>> r.coordinator_address, r.num_processes, r.task_id
-    ('localhost:12345', 2, 1)
+    >>> r.coordinator_address, r.num_processes, r.task_type, r.task_id, r.process_id
+    ('c:1', 3, 'worker', 1, 2)
+    >>> r = TFConfigClusterResolver({})
+    >>> r.num_workers, r.task_type, r.task_id, r.is_chief
+    (1, None, None, True)
     """
 
     def __init__(self, tf_config: str | dict[str, Any] | None = None):
         raw = os.environ.get("TF_CONFIG") if tf_config is None else tf_config
-        if raw is None:
-            raise ValueError("TF_CONFIG is not set.")
+        if raw is None or (isinstance(raw, str) and not raw.strip()) or raw == {}:
+            super().__init__(LOCAL, 1, 0)  # as TF: no TF_CONFIG is an empty cluster, this process alone
+            self.task_type, self._index = None, None
+            return
         try:
             cfg = json.loads(raw) if isinstance(raw, str) else raw
             cluster, task = cfg["cluster"], cfg["task"]
@@ -144,6 +162,11 @@ class TFConfigClusterResolver(ClusterResolver):
                              f"{kind!r} task{'s' if size != 1 else ''}), got {index!r}.")
         pid = index if kind == "chief" else len(chief) + index
         super().__init__(workers[0], len(workers), pid)
+        self.task_type, self._index = kind, index
+
+    @property
+    def task_id(self) -> int | None:
+        return self._index
 
 
 def _first_slurm_host(nodelist: str) -> str:
@@ -419,9 +442,10 @@ def join(cluster_resolver: ClusterResolver | None = None, failure_timeout: float
     """
     single = cluster_resolver is None and not _cluster_configured(os.environ)
     # as TF: no cluster configured is a cluster of one worker (this process, its local devices)
-    resolver = ClusterResolver("127.0.0.1:0", 1, 0) if single else (cluster_resolver or resolve_cluster())
+    resolver = ClusterResolver(LOCAL, 1, 0) if single else (cluster_resolver or resolve_cluster())
     if not isinstance(resolver, ClusterResolver):
         raise TypeError(f"`cluster_resolver` must be a ClusterResolver, got {type(resolver).__name__}.")
+    single = single or (resolver.num_processes == 1 and resolver.coordinator_address == LOCAL)
     if failure_timeout is None:
         failure_timeout = float(os.environ.get("LOCKSTEP_FAILURE_TIMEOUT", DEFAULT_FAILURE_TIMEOUT))
     if failure_timeout <= 0:
@@ -445,6 +469,9 @@ class MultiWorkerMirroredStrategy(Strategy):
     Args:
       cluster_resolver: a `ClusterResolver`; `None` reads the LOCKSTEP_* variables, TF_CONFIG or SLURM,
         and with none of them set is one worker (this process), as in TF.
+      communication_options: TF's `CommunicationOptions`: accepted; its `timeout_seconds` is the
+        `failure_timeout` when that is not given (lockstep's collectives are XLA's whatever its
+        `implementation` says).
       failure_timeout: seconds after which a dead or frozen worker ends the job (the runtime's
         heartbeat and collective time-outs, and lockstep's watchdog). Default:
         `LOCKSTEP_FAILURE_TIMEOUT`, else 20. Workers must all join within `LOCKSTEP_JOIN_TIMEOUT`
@@ -457,7 +484,11 @@ class MultiWorkerMirroredStrategy(Strategy):
     all take the same number of steps. Only the chief (worker 0) writes files.
     """
 
-    def __init__(self, cluster_resolver: ClusterResolver | None = None, failure_timeout: float | None = None):
+    def __init__(self, cluster_resolver: ClusterResolver | None = None, failure_timeout: float | None = None,
+                 communication_options: Any = None):
+        self.communication_options = checked_communication_options(communication_options)
+        if failure_timeout is None and communication_options is not None:
+            failure_timeout = communication_options.timeout_seconds  # TF's collective timeout
         self.cluster_resolver, self.failure_timeout, check = join(cluster_resolver, failure_timeout)
         super().__init__(jax.devices())
         if check is not None:
@@ -469,4 +500,4 @@ class MultiWorkerMirroredStrategy(Strategy):
 
     @property
     def worker_index(self) -> int:
-        return self.cluster_resolver.task_id
+        return self.cluster_resolver.process_id

@@ -119,9 +119,53 @@ class DistributedDataset(DataAdapter):
     def belongs_to(self, engine: Engine) -> bool:
         return engine is self._engine
 
-    def __iter__(self) -> Iterator[DistributedBatch]:
-        yield from self.distributed(self._engine)
+    def __iter__(self) -> "DistributedIterator":
+        return DistributedIterator(self.distributed(self._engine))
 
     def __len__(self) -> int:
         """The number of batches (a `TypeError` where the source does not know it, as for a generator)."""
         return len(getattr(self._data, "data", self._data))  # type: ignore[arg-type]
+
+
+class DistributedIterator(Iterator[DistributedBatch]):
+    """An iterator over a distributed dataset's batches, with TF's `get_next` and
+    `get_next_as_optional` (every worker gets the same answer: the workers agree on each step).
+
+    >>> import lockstep as ls, numpy as np
+    >>> s = ls.MirroredStrategy(2)
+    >>> it = iter(s.experimental_distribute_dataset(ls.data.batches(np.arange(6.0), 4)))
+    >>> seen = []
+    >>> while (optional := it.get_next_as_optional()).has_value():
+    ...     seen.append(optional.get_value().num_real)
+    >>> seen
+    [4, 2]
+    """
+
+    def __init__(self, batches: Iterator[DistributedBatch]):
+        self._batches = batches
+
+    def __next__(self) -> DistributedBatch:
+        return next(self._batches)
+
+    def get_next(self) -> DistributedBatch:
+        """The next batch (`StopIteration` at the end, as TF's `OutOfRangeError`)."""
+        return next(self._batches)
+
+    def get_next_as_optional(self) -> "OptionalBatch":
+        """The next batch, or an empty `OptionalBatch` at the end (TF's `tf.experimental.Optional`)."""
+        return OptionalBatch(next(self._batches, None))
+
+
+class OptionalBatch:
+    """A batch or nothing, as TF's `tf.experimental.Optional`: `has_value()`, `get_value()`."""
+
+    def __init__(self, value: DistributedBatch | None):
+        self._value = value
+
+    def has_value(self) -> bool:
+        return self._value is not None
+
+    def get_value(self) -> DistributedBatch:
+        if self._value is None:
+            raise ValueError("this optional holds no batch (the dataset has ended): check `has_value()` first.")
+        return self._value

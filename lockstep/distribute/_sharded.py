@@ -93,7 +93,7 @@ class ShardedStrategy(Strategy):
     @property
     def worker_index(self) -> int:
         """This worker's number (0: the chief, which writes files)."""
-        return 0 if self.cluster_resolver is None else self.cluster_resolver.task_id
+        return 0 if self.cluster_resolver is None else self.cluster_resolver.process_id
 
     def keras_variable_layout(self, variable: Any) -> Any:
         """Where a Keras variable created in this scope lies from the start (Keras asks)."""

@@ -27,6 +27,7 @@ from ..engine._reduce_op import ReduceOp
 from ..engine._sharding import ShardingConfig
 from ..engine._replica_context import get_replica_context
 from . import _scope
+from ._cross_device_ops import checked_cross_device_ops
 from ._datasets import DistributedDataset, InputContext
 from ._extended import StrategyExtended
 from ._values import Mirrored, PerReplica, engine_of, is_distributed, step_of, unwrap
@@ -199,7 +200,7 @@ class Strategy:
         kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise TypeError(f"`kwargs` must be a dict or None, got {type(kwargs).__name__}.")
-        leaves, treedef = jax.tree.flatten((tuple(args), kwargs))  # distributed values are pytree leaves
+        leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_distributed)
         plain, kinds, batch = self._plain_leaves(leaves)
         call_args = jax.tree.unflatten(treedef, plain)
         call_kinds = jax.tree.unflatten(treedef, kinds)
@@ -283,6 +284,12 @@ class Strategy:
         def one(v: Any) -> jax.Array:
             if isinstance(v, PerReplica):
                 return reduce_stacked(self._extended.replicated_call, op, unwrap(v), step_of(v), axis)
+            if (op is ReduceOp.SUM and axis is None and not isinstance(v, Mirrored) and self.num_replicas_in_sync > 1
+                    and np.any(np.asarray(v) != 0)):  # as TF: what would the sum of one plain value be?
+                raise ValueError(
+                    f"`value` holds a plain value ({np.asarray(v).tolist()!r}), not a distributed one, which cannot be "
+                    f"reduced with ReduceOp.SUM over {self.num_replicas_in_sync} replicas (TF raises here too): "
+                    "reduce what `strategy.run` returns, or multiply by `num_replicas_in_sync` yourself.")
             return reduce_replicated(op, jnp.asarray(unwrap(v)), self.num_replicas_in_sync, axis)
         return jax.tree.map(one, self._as_leaves(value, "value", "reduce"), is_leaf=is_distributed)
 
@@ -380,13 +387,17 @@ class MirroredStrategy(Strategy):
     Args:
       devices: `None` for all local devices, an int `n` for the first `n`, or a list of
         devices (`jax.Device`, index, or names like ``"cpu:0"``).
+      cross_device_ops: TF's choice of all-reduce (``ls.NcclAllReduce()``,
+        ``ls.HierarchicalCopyAllReduce()``, TF's own objects too): accepted and recorded; the steps
+        use XLA's all-reduce whatever it is (see `lockstep.distribute._cross_device_ops`).
 
     >>> import lockstep as ls
     >>> ls.MirroredStrategy(3).num_replicas_in_sync
     3
     """
 
-    def __init__(self, devices: int | Sequence[Any] | None = None):
+    def __init__(self, devices: int | Sequence[Any] | None = None, cross_device_ops: Any = None):
+        self.cross_device_ops = checked_cross_device_ops(cross_device_ops)
         local = jax.local_devices()
         if devices is None:
             chosen = list(local)
@@ -406,6 +417,16 @@ class MirroredStrategy(Strategy):
         else:
             raise TypeError(f"`devices` must be None, an int or a list of devices, got {devices!r}.")
         super().__init__(chosen)
+
+
+class CentralStorageStrategy(MirroredStrategy):
+    """TF's `CentralStorageStrategy` (variables on one device, compute on the others) as
+    `MirroredStrategy` over `compute_devices`: lockstep's steps equal one device's, so where the
+    variables lie changes no number; `parameter_device` is accepted and recorded."""
+
+    def __init__(self, compute_devices: int | Sequence[Any] | None = None, parameter_device: Any = None):
+        super().__init__(compute_devices)
+        self.parameter_device = parameter_device
 
 
 def _tpu_devices() -> list[jax.Device]:

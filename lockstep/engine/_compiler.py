@@ -22,6 +22,7 @@ import contextlib
 import functools
 import os
 import threading
+import weakref
 import zlib
 from collections.abc import Callable
 from typing import Any
@@ -244,6 +245,7 @@ class RunCompiler:
                 return entry
             if self._agree is not None:
                 self._agree(call.description())
+            note_new_function(call.fn)
             entry = self._entries[call.key] = compile_it()
             if len(self._entries) > CACHE_SIZE:
                 self._entries.popitem(last=False)
@@ -334,6 +336,41 @@ class RunCompiler:
                                            in_specs=call.in_specs(self._axis), out_specs=out_specs,
                                            axis_names=self._manual))
         return entry
+
+
+def note_new_function(fn: Callable[..., Any], seen: dict[Any, Any] = {}) -> None:  # noqa: B006 (one record a process)
+    """Warns once when one code object keeps coming as new function objects, each compiled anew:
+    TF's idiom of a `step_fn` defined inside the train step (a `tf.function` traces it once; here
+    each new function object is a new program, as for `jax.jit`).
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     for i in range(5):
+    ...         note_new_function(lambda x: x)
+    >>> len(caught)
+    1
+    """
+    code = getattr(fn, "__code__", None)
+    if code is None:
+        return
+    functions = seen.setdefault(code, weakref.WeakSet())
+    if fn in functions:
+        return
+    functions.add(fn)
+    count = seen[(code, "count")] = seen.get((code, "count"), 0) + 1
+    if count == NEW_FUNCTIONS_WARNING:
+        import warnings
+
+        warnings.warn(
+            f"`{code.co_name}` ({code.co_filename}:{code.co_firstlineno}) came as a new function object "
+            f"{count} times, and each was compiled anew (a function defined inside the training step, as TF code "
+            "defines `step_fn`, costs a compile every step): define it once, outside the loop, and pass what "
+            "changes as arguments.", UserWarning, stacklevel=5)
+
+
+#: how many new function objects of one code compile before `note_new_function` warns
+NEW_FUNCTIONS_WARNING = 4
 
 
 class _Call:

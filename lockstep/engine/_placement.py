@@ -102,6 +102,27 @@ class DistributedBatch:
                 f"replicas={self._step.num_replicas})")
 
 
+#: what to do when a distributed batch meets a JAX transformation, as when TF's `@tf.function` around a
+#: step that calls `strategy.run` is ported as `@jax.jit`
+NOT_A_PYTREE = (
+    "a distributed batch is not a pytree of arrays, so `jax.jit` (or `jax.tree.map`, ...) cannot take it: pass it to "
+    "`strategy.run`. Ported from TF's `@tf.function` around a step that calls `strategy.run`? Drop the `@jax.jit` "
+    "decorator: `strategy.run` compiles the step itself, once, and runs it on every replica (a `jax.jit` inside the "
+    "function given to `run` is fine).")
+
+
+def _refuse_flatten(batch: DistributedBatch) -> Any:
+    from .._errors import UsageError
+
+    raise UsageError(NOT_A_PYTREE)
+
+
+# a pytree node whose flattening is refused, so that `jax.jit(step)(batch)` names what to do (JAX
+# no longer asks an unknown argument type for an array); lockstep's own tree functions treat it as
+# a leaf (`is_leaf`)
+jax.tree_util.register_pytree_node(DistributedBatch, _refuse_flatten, lambda aux, children: None)
+
+
 class BatchDistributor:
     """Places batches on a mesh, split over its `batch_axis` (the mesh's other axes hold copies):
     each worker keeps only its replicas' rows.

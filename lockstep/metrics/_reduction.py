@@ -149,5 +149,12 @@ class MeanMetricWrapper(Mean):
         self._fn_kwargs = kwargs
 
     def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> State:  # type: ignore[override]
-        return super().batch_state(self._fn(jnp.asarray(y_true), jnp.asarray(y_pred), **self._fn_kwargs),
-                                   sample_weight=sample_weight)
+        values = self._fn(jnp.asarray(y_true), jnp.asarray(y_pred), **self._fn_kwargs)
+        if jnp.ndim(values) == 0 and jnp.ndim(y_true) > 0:
+            raise ValueError(
+                f"the metric function `{self.name}` returns one value for a whole batch (shape ()), not one per "
+                "sample: Keras averages such values batch by batch, a number that depends on the batch size and, "
+                "split over replicas, on their number, so no exact equivalent exists. Return one value per sample "
+                "(shape (batch,)): Keras and lockstep then average them exactly; for a statistic of the whole data "
+                "(an RMSE, say) subclass keras.metrics.Metric (or lockstep.metrics.Metric) keeping sums.")
+        return super().batch_state(values, sample_weight=sample_weight)

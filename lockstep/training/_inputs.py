@@ -136,6 +136,27 @@ def _check_same_content_on_every_worker(arrays: dict[str, Any], n: int, arg: str
                 "everywhere), or give per-worker data through `strategy.distribute_datasets_from_function`.")
 
 
+def class_weighted(y: Any, sample_weight: Any, class_weight: dict[int, float] | None) -> Any:
+    """`sample_weight` times each sample's class weight, as Keras applies `class_weight`.
+
+    >>> class_weighted(np.array([0, 1, 1]), None, {0: 1.0, 1: 3.0}).tolist()
+    [1.0, 3.0, 3.0]
+    """
+    if class_weight is None:
+        return sample_weight
+    if isinstance(y, (dict, list, tuple)):
+        raise ValueError("`class_weight` is only supported for Models with a single output.")  # Keras' own words
+    labels = np.asarray(y)
+    if labels.ndim > 1 and labels.shape[-1] > 1:
+        labels = labels.argmax(-1)  # one-hot, as Keras reads it
+    labels = labels.reshape(len(labels), -1)[:, 0].astype(int)
+    missing = sorted(set(np.unique(labels).tolist()) - set(class_weight))
+    if missing:
+        raise ValueError(f"`class_weight` has no weight for the classes {missing} found in `y`.")
+    weights = np.asarray([class_weight[c] for c in labels.tolist()], np.float32)
+    return weights if sample_weight is None else weights * np.asarray(sample_weight, np.float32)
+
+
 def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float, validation_data: Any = None
                      ) -> tuple[Any, Any, Any, Any]:
     """(x, y, sample_weight, validation_data): the last `validation_split` of the arrays held out."""

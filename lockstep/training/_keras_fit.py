@@ -34,6 +34,7 @@ import numpy as np
 
 from ..distribute import _scope
 from ..engine._cross_replica import host_value, spread
+from ._inputs import class_weighted
 from ._trainer import Trainer
 from ._weight_files import whole_on_host
 
@@ -110,27 +111,6 @@ def _unsupported(**given: Any) -> None:
                              f"leave it at {default!r} (the numbers would otherwise differ from Keras').")
 
 
-def class_weighted(y: Any, sample_weight: Any, class_weight: dict[int, float] | None) -> Any:
-    """`sample_weight` times each sample's class weight, as Keras applies `class_weight`.
-
-    >>> class_weighted(np.array([0, 1, 1]), None, {0: 1.0, 1: 3.0}).tolist()
-    [1.0, 3.0, 3.0]
-    """
-    if class_weight is None:
-        return sample_weight
-    if isinstance(y, (dict, list, tuple)):
-        raise ValueError("`class_weight` is only supported for Models with a single output.")  # Keras' own words
-    labels = np.asarray(y)
-    if labels.ndim > 1 and labels.shape[-1] > 1:
-        labels = labels.argmax(-1)  # one-hot, as Keras reads it
-    labels = labels.reshape(len(labels), -1)[:, 0].astype(int)
-    missing = sorted(set(np.unique(labels).tolist()) - set(class_weight))
-    if missing:
-        raise ValueError(f"`class_weight` has no weight for the classes {missing} found in `y`.")
-    weights = np.asarray([class_weight[c] for c in labels.tolist()], np.float32)
-    return weights if sample_weight is None else weights * np.asarray(sample_weight, np.float32)
-
-
 def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs: int = 1, verbose: Any = "auto",
          callbacks: Any = None, validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
          class_weight: Any = None, sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: Any = None,
@@ -142,16 +122,15 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                 class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
                                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                                 validation_batch_size=validation_batch_size, validation_freq=validation_freq)
-    if class_weight is not None and y is None:
-        raise ValueError("`class_weight` needs `y` given as an array (lockstep weighs the samples of arrays).")
     trainer = _trainer(self, strategy)
     try:
-        return trainer.fit(
+        self.history = trainer.fit(
             x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
             validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
-            sample_weight=class_weighted(y, sample_weight, class_weight), initial_epoch=initial_epoch,
+            class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+        return self.history  # Keras keeps the last fit's History on the model
     finally:
         _ran(self)
 

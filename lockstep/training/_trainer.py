@@ -39,6 +39,7 @@ from ..metrics import Mean, Metric, MetricCollection
 from ..metrics import get as get_metric
 from ..metrics._base import synced_result
 from ._inputs import (
+    class_weighted,
     first_batch,
     Validation,
     checked_steps,
@@ -343,23 +344,28 @@ class Trainer(WeightFiles):
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
             verbose: int | str = "auto", callbacks: Iterable[Callback] | None = None,
             validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True, seed: int = 0,
-            sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
+            class_weight: dict[int, float] | None = None, sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
             validation_steps: int | None = None, validation_batch_size: int | None = None,
             validation_freq: int | list[int] = 1) -> History:
         """Trains for `epochs` epochs; returns the `History` (one entry per epoch and log name).
 
         `batch_size` is global (all replicas). `x` may be arrays (with `y`, `sample_weight`) or an
         iterable of batches ``(x, y)`` / ``(x, y, sample_weight)``. Validation runs after the epochs
-        `validation_freq` names (as in Keras), on `validation_steps` batches at most.
+        `validation_freq` names (as in Keras), on `validation_steps` batches at most. `class_weight`
+        (``{class: weight}``, with `y` an array) weighs the training samples only, as in Keras: the
+        validation loss stays unweighted by it.
 
         Raises:
           ValueError: `x` and `y` of different lengths, `validation_split` outside [0, 1), ...
         """
         _check_fit_args(epochs, validation_split, steps_per_epoch, verbose)
         _note_weighted_metrics(sample_weight, self._metrics)
+        if class_weight is not None and y is None:
+            raise ValueError("`class_weight` needs `y` given as an array (lockstep weighs the samples of arrays).")
         if validation_split:
             x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split,
                                                                     validation_data)
+        sample_weight = class_weighted(y, sample_weight, class_weight)  # the training samples only, as Keras
         train = to_batches(self.strategy, x, y, sample_weight, batch_size, shuffle, seed)
         val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size, validation_freq,
                                  validation_steps)
