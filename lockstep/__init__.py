@@ -24,12 +24,12 @@ if "keras" not in sys.modules:
 
 # public name -> module that defines it (relative to this package)
 _EXPORTS: dict[str, str] = {
-    "ClusterResolver": ".cluster._multi_worker",
-    "EnvClusterResolver": ".cluster._multi_worker",
+    "ClusterResolver": ".cluster._resolvers",
+    "EnvClusterResolver": ".cluster._resolvers",
     "MultiWorkerMirroredStrategy": ".cluster._multi_worker",
-    "SlurmClusterResolver": ".cluster._multi_worker",
-    "TFConfigClusterResolver": ".cluster._multi_worker",
-    "resolve_cluster": ".cluster._multi_worker",
+    "SlurmClusterResolver": ".cluster._resolvers",
+    "TFConfigClusterResolver": ".cluster._resolvers",
+    "resolve_cluster": ".cluster._resolvers",
     "CrossDeviceOps": ".distribute._cross_device_ops",
     "HierarchicalCopyAllReduce": ".distribute._cross_device_ops",
     "NcclAllReduce": ".distribute._cross_device_ops",
@@ -39,7 +39,7 @@ _EXPORTS: dict[str, str] = {
     "MirroredStrategy": ".distribute._strategy",
     "OneDeviceStrategy": ".distribute._strategy",
     "Strategy": ".distribute._strategy",
-    "TPUStrategy": ".distribute._strategy",
+    "TPUStrategy": ".distribute._tpu",
     "StrategyExtended": ".distribute._extended",
     "DeviceMesh": ".distribute._mesh",
     "LayoutMap": ".distribute._mesh",
@@ -125,17 +125,17 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from ._errors import UsageError as UsageError
     from ._errors import WorkersDisagreeError as WorkersDisagreeError
     from .engine._moments import cross_replica_moments as cross_replica_moments
-    from .cluster._multi_worker import ClusterResolver as ClusterResolver
-    from .cluster._multi_worker import EnvClusterResolver as EnvClusterResolver
+    from .cluster._resolvers import ClusterResolver as ClusterResolver
+    from .cluster._resolvers import EnvClusterResolver as EnvClusterResolver
     from .cluster._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMirroredStrategy
-    from .cluster._multi_worker import SlurmClusterResolver as SlurmClusterResolver
-    from .cluster._multi_worker import TFConfigClusterResolver as TFConfigClusterResolver
-    from .cluster._multi_worker import resolve_cluster as resolve_cluster
+    from .cluster._resolvers import SlurmClusterResolver as SlurmClusterResolver
+    from .cluster._resolvers import TFConfigClusterResolver as TFConfigClusterResolver
+    from .cluster._resolvers import resolve_cluster as resolve_cluster
     from .engine._reduce_op import ReduceOp as ReduceOp
     from .distribute._strategy import MirroredStrategy as MirroredStrategy
     from .distribute._strategy import OneDeviceStrategy as OneDeviceStrategy
     from .distribute._strategy import Strategy as Strategy
-    from .distribute._strategy import TPUStrategy as TPUStrategy
+    from .distribute._tpu import TPUStrategy as TPUStrategy
     from .distribute._extended import StrategyExtended as StrategyExtended
     from .distribute._mesh import DeviceMesh as DeviceMesh
     from .distribute._mesh import LayoutMap as LayoutMap

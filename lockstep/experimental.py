@@ -14,7 +14,7 @@ from .cluster._multi_worker import MultiWorkerMirroredStrategy as MultiWorkerMir
 from .distribute._cross_device_ops import CommunicationImplementation as CommunicationImplementation
 from .distribute._cross_device_ops import CommunicationOptions as CommunicationOptions
 from .distribute._strategy import CentralStorageStrategy as CentralStorageStrategy
-from .distribute._strategy import TPUStrategy as TPUStrategy
+from .distribute._tpu import TPUStrategy as TPUStrategy
 
 __all__ = ["CentralStorageStrategy", "CommunicationImplementation", "CommunicationOptions",
            "MultiWorkerMirroredStrategy", "TPUStrategy"]

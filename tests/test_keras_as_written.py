@@ -350,13 +350,6 @@ def test_every_batch_hook_is_called_as_keras_calls_it():
     assert got.calls == want.calls and want.calls["test_end"] == 13
 
 
-def test_keras_backup_and_restore_is_refused_naming_lockstep_s(tmp_path):
-    t = ls.Trainer(regressor(), strategy=ls.MirroredStrategy(2))
-    with pytest.raises(TypeError, match=r"keras.callbacks.BackupAndRestore saves the weights only .* use "
-                                        r"lockstep.callbacks.BackupAndRestore\(backup_dir\)"):
-        t.fit(X, Y_VALUE, batch_size=B, verbose=0, callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path))])
-
-
 def test_the_tf_distribute_surface_a_tf_user_reaches_for():
     """Before: AttributeError for each of these."""
     s = ls.MirroredStrategy(4)

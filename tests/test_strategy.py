@@ -404,7 +404,7 @@ def test_tpu_strategy_without_a_tpu_names_mirrored_strategy():
 def test_tpu_strategy_is_the_mirrored_engine_on_the_devices_it_finds(monkeypatch):
     """CPU devices stand in for TPU cores (no TPU here): TPUStrategy then trains exactly as
     MirroredStrategy does on the same devices."""
-    import lockstep.distribute._strategy as strategy_module
+    import lockstep.distribute._tpu as strategy_module
 
     monkeypatch.setattr(strategy_module, "_tpu_devices", lambda: list(jax.devices()[:4]))
     x = np.random.default_rng(0).normal(size=(103, 5)).astype(np.float32)

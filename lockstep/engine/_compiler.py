@@ -245,7 +245,6 @@ class RunCompiler:
                 return entry
             if self._agree is not None:
                 self._agree(call.description())
-            note_new_function(call.fn)
             entry = self._entries[call.key] = compile_it()
             if len(self._entries) > CACHE_SIZE:
                 self._entries.popitem(last=False)

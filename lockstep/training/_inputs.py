@@ -144,6 +144,8 @@ def class_weighted(y: Any, sample_weight: Any, class_weight: dict[int, float] | 
     """
     if class_weight is None:
         return sample_weight
+    if y is None:
+        raise ValueError("`class_weight` needs `y` given as an array (lockstep weighs the samples of arrays).")
     if isinstance(y, (dict, list, tuple)):
         raise ValueError("`class_weight` is only supported for Models with a single output.")  # Keras' own words
     labels = np.asarray(y)

@@ -19,7 +19,7 @@ import functools
 import inspect
 import itertools
 import warnings
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import jax
@@ -37,7 +37,6 @@ from ..callbacks._progbar import format_logs
 from ..data import DataAdapter, IterableBatches
 from ..metrics import Mean, Metric, MetricCollection
 from ..metrics import get as get_metric
-from ..metrics._base import synced_result
 from ._inputs import (
     class_weighted,
     first_batch,
@@ -67,6 +66,7 @@ from ._optimizers import (
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
 from ._placement import Replicated, placement_of
 from ._restore import fit_start, initial_state, placed, snapshot, take_up
+from ._logs import LazyLogs, read_logs
 from ._train_state import TrainState
 from ._state_names import state_names
 from ._step_runner import StepRunner, checked_accumulation
@@ -74,55 +74,9 @@ from ._weight_files import WeightFiles
 from ._steps import make_steps, unpack
 
 
-class _LazyLogs(Mapping[str, Any]):
-    """Running logs that are read (one reduction of every state) only when a callback looks.
-
-    In a job of several workers the reduction is dispatched at once on every worker (a program
-    over all of them, which no worker may run alone) and only its transfer to the host waits for
-    a callback to look: a callback that reads on one worker alone (the chief's progress bar, a
-    user's ``if is_chief()``) neither stalls nor desynchronises the others."""
-
-    def __init__(self, engine: Any, metrics: MetricCollection, state: Any):
-        self._logs: dict[str, Any] | None = None
-        self._values = _reduced(engine, metrics, state) if jax.process_count() > 1 else None
-        self._read = functools.partial(_reduced, engine, metrics, state)
-
-    def _get(self) -> dict[str, Any]:
-        if self._logs is None:
-            values = self._read() if self._values is None else self._values
-            self._logs = {k: _to_python(v) for k, v in values.items()}
-        return self._logs
-
-    def __getitem__(self, key: str) -> Any:
-        return self._get()[key]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._get())
-
-    def __len__(self) -> int:
-        return len(self._get())
-
-
 def _host(tree: Any) -> Any:
     """`tree` on the host, but for arrays whose shards other workers hold (see `held`)."""
     return jax.tree.map(held, tree)
-
-
-def _to_python(v: Any) -> Any:
-    a = np.asarray(v)
-    return float(a) if a.ndim == 0 else a
-
-
-def _reduced(engine: Any, metrics: MetricCollection, state: Any) -> dict[str, Any]:
-    """Loss and metric values of per-replica `state` as arrays of this worker (one compiled program
-    reduces all states), in Keras' order: loss first."""
-    values = engine.run_to_host(synced_result, (metrics, state), ("replicated", "per_replica"))
-    return {k: values[k] for k in metrics.metrics}
-
-
-def _read(engine: Any, metrics: MetricCollection, state: Any) -> dict[str, Any]:
-    """Loss and metric values of per-replica `state`, on the host."""
-    return {k: _to_python(v) for k, v in _reduced(engine, metrics, state).items()}
 
 
 def _strategy_for(model: Any, given: Any) -> Strategy:
@@ -351,22 +305,18 @@ class Trainer(WeightFiles):
 
         `batch_size` is global (all replicas). `x` may be arrays (with `y`, `sample_weight`) or an
         iterable of batches ``(x, y)`` / ``(x, y, sample_weight)``. Validation runs after the epochs
-        `validation_freq` names (as in Keras), on `validation_steps` batches at most. `class_weight`
-        (``{class: weight}``, with `y` an array) weighs the training samples only, as in Keras: the
-        validation loss stays unweighted by it.
+        `validation_freq` names (as in Keras), on `validation_steps` batches at most; `class_weight`
+        weighs the training samples only (Keras' validation loss does not see it).
 
         Raises:
           ValueError: `x` and `y` of different lengths, `validation_split` outside [0, 1), ...
         """
         _check_fit_args(epochs, validation_split, steps_per_epoch, verbose)
         _note_weighted_metrics(sample_weight, self._metrics)
-        if class_weight is not None and y is None:
-            raise ValueError("`class_weight` needs `y` given as an array (lockstep weighs the samples of arrays).")
         if validation_split:
             x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split,
                                                                     validation_data)
-        sample_weight = class_weighted(y, sample_weight, class_weight)  # the training samples only, as Keras
-        train = to_batches(self.strategy, x, y, sample_weight, batch_size, shuffle, seed)
+        train = to_batches(self.strategy, x, y, class_weighted(y, sample_weight, class_weight), batch_size, shuffle, seed)
         val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size, validation_freq,
                                  validation_steps)
         first = first_batch(train)
@@ -411,12 +361,12 @@ class Trainer(WeightFiles):
         for step, execution in executions(train.epoch(epoch, skip), self._accumulation, self.steps_per_execution, skip):
             cblist.on_train_batch_begin(step)
             self._state = self._runner.run(self._state, execution)
-            cblist.on_train_batch_end(step + len(execution) - 1, _LazyLogs(self._engine, self._all,
-                                                                              self._state.metric_state))
+            logs = LazyLogs(self._engine, self._all, self._state.metric_state)
+            cblist.on_train_batch_end(step + len(execution) - 1, logs)
             if self.stop_training:
                 break
         self._state = self._state.replace(epoch=epoch + 1, step=0)
-        logs = _read(self._engine, self._all, self._state.metric_state)
+        logs = read_logs(self._engine, self._all, self._state.metric_state)
         if (skipped := skipped_steps(self._state.opt_state)) is not None:
             logs["skipped_steps"] = skipped  # mixed_float16: steps skipped for non-finite gradients so far
         if val is not None and val.due(epoch):
@@ -435,8 +385,8 @@ class Trainer(WeightFiles):
         for step, batch in enumerate(itertools.islice(data.distributed(self._engine), steps)):  # steps: None, all
             cblist.on_test_batch_begin(step)
             state = self._runner.evaluate(self._state.params, state, batch)
-            cblist.on_test_batch_end(step, _LazyLogs(self._engine, self._all, state))
-        logs = _read(self._engine, self._all, state)
+            cblist.on_test_batch_end(step, LazyLogs(self._engine, self._all, state))
+        logs = read_logs(self._engine, self._all, state)
         cblist.on_test_end(logs)
         return logs
 

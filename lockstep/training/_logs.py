@@ -1,0 +1,61 @@
+"""The logs callbacks see: loss and metric values of the per-replica metric state, read as one
+compiled reduction of every state (`read_logs`), and per-batch logs read only when a callback looks
+(`LazyLogs`)."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..metrics import MetricCollection
+from ..metrics._base import synced_result
+
+
+class LazyLogs(Mapping[str, Any]):
+    """Running logs that are read (one reduction of every state) only when a callback looks.
+
+    In a job of several workers the reduction is dispatched at once on every worker (a program
+    over all of them, which no worker may run alone) and only its transfer to the host waits for
+    a callback to look: a callback that reads on one worker alone (the chief's progress bar, a
+    user's ``if is_chief()``) neither stalls nor desynchronises the others."""
+
+    def __init__(self, engine: Any, metrics: MetricCollection, state: Any):
+        self._logs: dict[str, Any] | None = None
+        self._values = _reduced(engine, metrics, state) if jax.process_count() > 1 else None
+        self._read = functools.partial(_reduced, engine, metrics, state)
+
+    def _get(self) -> dict[str, Any]:
+        if self._logs is None:
+            values = self._read() if self._values is None else self._values
+            self._logs = {k: _to_python(v) for k, v in values.items()}
+        return self._logs
+
+    def __getitem__(self, key: str) -> Any:
+        return self._get()[key]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+
+def _to_python(v: Any) -> Any:
+    a = np.asarray(v)
+    return float(a) if a.ndim == 0 else a
+
+
+def _reduced(engine: Any, metrics: MetricCollection, state: Any) -> dict[str, Any]:
+    """Loss and metric values of per-replica `state` as arrays of this worker (one compiled program
+    reduces all states), in Keras' order: loss first."""
+    values = engine.run_to_host(synced_result, (metrics, state), ("replicated", "per_replica"))
+    return {k: values[k] for k in metrics.metrics}
+
+
+def read_logs(engine: Any, metrics: MetricCollection, state: Any) -> dict[str, Any]:
+    """Loss and metric values of per-replica `state`, on the host."""
+    return {k: _to_python(v) for k, v in _reduced(engine, metrics, state).items()}

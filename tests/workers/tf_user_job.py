@@ -1,0 +1,46 @@
+"""A TF user's multi-worker Keras job as written: KERAS_BACKEND unset, no seed, Keras' default
+`verbose`; then the same model fit on `experimental_distribute_dataset(tf.data)` and on
+`distribute_datasets_from_function` with TF's per-replica batches. Each worker prints its result."""
+import json
+import os
+import sys
+
+os.environ.pop("KERAS_BACKEND", None)  # as a TF user's shell has it: lockstep, imported first, selects JAX
+import lockstep as ls  # noqa: E402
+
+strategy = ls.MultiWorkerMirroredStrategy()
+import keras  # noqa: E402  (after lockstep, as the tutorials import: lockstep selects the JAX backend)
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+N, B = int(sys.argv[1]), 16
+rng = np.random.default_rng(0)  # the data only: the model's initial values are left unseeded
+x = rng.normal(size=(N, 8)).astype("float32")
+y = ((x[:, 0] > 0).astype("int32") + (x[:, 1] > 0.5).astype("int32"))
+
+
+def build():
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                  keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"])
+    return model
+
+
+model = build()
+init = [w.tolist() for w in model.get_weights()]
+history = model.fit(x, y, batch_size=B, epochs=2, shuffle=False)  # verbose: Keras' default, 1
+result = {"backend": keras.backend.backend(), "init": init, "history": history.history,
+          "model_history": model.history.history, "weights": [w.tolist() for w in model.get_weights()],
+          "evaluate": model.evaluate(x, y, batch_size=B)}
+
+# the same start, fit on TF's two distributed-dataset forms (global batches; per-replica batches)
+ds = strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((x, y)).batch(B))
+for name, data in [("distributed", ds), ("from_function", strategy.distribute_datasets_from_function(
+        lambda ctx: tf.data.Dataset.from_tensor_slices((x, y)).shard(ctx.num_input_pipelines, ctx.input_pipeline_id)
+        .batch(ctx.get_per_replica_batch_size(B))))]:
+    other = build()
+    other.set_weights([np.asarray(w) for w in init])
+    h = other.fit(data, epochs=2, verbose=2)
+    result[name] = {"history": h.history, "weights": [w.tolist() for w in other.get_weights()]}
+print("RESULT", json.dumps(result), flush=True)
