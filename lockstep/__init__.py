@@ -85,9 +85,17 @@ def _join_cluster(cluster_resolver: Any, failure_timeout: float | None) -> Any:
     return join(cluster_resolver, failure_timeout)
 
 
+def _keras_metrics_in_run(keras: Any) -> None:
+    """Keras metrics made in a lockstep scope update exactly inside `strategy.run` (`lockstep.metrics`)."""
+    from .metrics._keras_in_run import install
+
+    install(keras)
+
+
 # the composition root connects the scopes (`distribute`) to training, and sharded strategies to
 # the cluster, which build on them
 _scope.KERAS_HOOKS.append(_keras_fit_through_lockstep)
+_scope.KERAS_HOOKS.append(_keras_metrics_in_run)
 _joining.JOIN_HOOKS.append(_join_cluster)
 
 

@@ -253,8 +253,10 @@ def test_collection_reads_all_states_in_one_reduction_and_matches_each_metric():
     c.build(y.shape, p.shape)
     s = ls.MirroredStrategy(3)
     state = c.init()
+    def update(st, b):
+        return c.update(st, b[0], b[1])
     for batch in s.experimental_distribute_dataset(ls.data.batches((y, p), 256)):  # a short last batch of 5
-        state = s.run(lambda st, b: c.update(st, b[0], b[1]), args=(state, batch))
+        state = s.run(update, args=(state, batch))
     reads = []
     run = s.extended.run_to_host
     s.extended.run_to_host = lambda fn, *a, **k: (reads.append(fn), run(fn, *a, **k))[1]

@@ -364,6 +364,10 @@ def test_combinations_are_swept():
     assert len(list(itertools.product(REPLICAS, SIZES))) == 30
 
 
+def _identity(b):
+    return b
+
+
 def test_prefetching_keeps_order_stops_early_and_surfaces_errors(monkeypatch):
     from lockstep.engine import _prefetch
 
@@ -375,7 +379,7 @@ def test_prefetching_keeps_order_stops_early_and_surfaces_errors(monkeypatch):
     got, threads = [], set()
     for b in s.experimental_distribute_dataset(ls.data.batches(x, 6)):
         threads.update(t.name for t in threading.enumerate())
-        got.append(np.asarray(s.gather(s.run(lambda b: b, args=(b,)))))
+        got.append(np.asarray(s.gather(s.run(_identity, args=(b,)))))
     assert "lockstep-prefetch" in threads
     np.testing.assert_array_equal(np.concatenate(got), x)
     it = iter(s.experimental_distribute_dataset(ls.data.batches(x, 4)))

@@ -244,7 +244,9 @@ def test_a_used_up_generator_in_a_distributed_dataset_is_an_error_on_the_next_pa
     again = s.experimental_distribute_dataset([np.arange(4.0)] * 3)  # re-iterable: every pass
     assert len(list(again)) == len(list(again)) == 3
     shuffled = ls.data.batches(np.arange(8.0), 4, shuffle=True, seed=3)  # each pass is the next epoch
-    passes = [np.concatenate([np.asarray(s.gather(s.run(lambda b: b, args=(b,)))) for b in
+    def identity(b):
+        return b
+    passes = [np.concatenate([np.asarray(s.gather(s.run(identity, args=(b,)))) for b in
                               s.experimental_distribute_dataset(shuffled)]) for _ in range(2)]
     for epoch, seen in enumerate(passes):
         np.testing.assert_array_equal(seen, shuffled.order(epoch))

@@ -277,3 +277,45 @@ def test_keras_backup_and_restore_resumes_exactly(tmp_path):
     assert history.epoch == [0, 1, 2]  # lockstep's backups keep the History of the epochs before
     assert_logs_close(history.history, want_h, rtol=2e-5)
     assert_weights_close(resumed.get_weights(), want_w, atol=5e-6)
+
+
+@pytest.mark.parametrize("replicas", [1, 4, 8])
+def test_keras_metrics_updated_inside_run_count_real_rows_once(replicas):
+    """TF's custom-training tutorial: Keras metrics made in the scope, `update_state` inside the
+    replica function (stateful and stateless), `result()` outside: Keras' own value on the whole data."""
+    strategy = ls.MirroredStrategy(replicas)
+    with strategy.scope():
+        accuracy = keras.metrics.SparseCategoricalAccuracy(name="train_accuracy")
+        test_loss = keras.metrics.Mean(name="test_loss")
+        auc = keras.metrics.AUC()
+    loss_object = keras.losses.SparseCategoricalCrossentropy(from_logits=True, reduction=None)
+    logits = jnp.asarray(_rng.normal(size=(N, 3)).astype("float32"))
+    data = strategy.experimental_distribute_dataset(ls.data.batches((Y, logits), 24))  # last batch: 1 row
+
+    def step(inputs):
+        labels, predictions = inputs
+        accuracy.update_state(labels, predictions)
+        test_loss.update_state(loss_object(labels, predictions))
+        auc.update_state(labels == 1, jax.nn.softmax(predictions)[:, 1])
+
+    stateless = keras.metrics.SparseCategoricalAccuracy()
+    variables = [v.value for v in stateless.variables]
+
+    def stateless_step(variables, inputs):
+        return stateless.stateless_update_state(variables, inputs[0], inputs[1])
+
+    for epoch in range(2):  # a reset between epochs, as the tutorial's loop does
+        for batch in data:
+            strategy.run(step, args=(batch,))
+            variables = strategy.run(stateless_step, args=(variables, batch))
+        want_acc = keras.metrics.SparseCategoricalAccuracy()
+        want_acc.update_state(Y, logits)
+        want_auc = keras.metrics.AUC()
+        want_auc.update_state(Y == 1, jax.nn.softmax(logits)[:, 1])
+        assert float(accuracy.result()) == pytest.approx(float(want_acc.result()), abs=1e-7)
+        assert float(test_loss.result()) == pytest.approx(float(np.mean(loss_object(Y, logits))), rel=1e-6)
+        assert float(auc.result()) == pytest.approx(float(want_auc.result()), rel=1e-6)
+        got = stateless.stateless_result([np.asarray(strategy.experimental_local_results(v)[0]) for v in variables])
+        assert float(got) == pytest.approx(float(want_acc.result()), abs=1e-7)
+        accuracy.reset_state(), test_loss.reset_state(), auc.reset_state()
+        variables = [jnp.zeros_like(v.value) for v in stateless.variables]

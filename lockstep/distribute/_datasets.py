@@ -147,6 +147,12 @@ class DistributedIterator(Iterator[DistributedBatch]):
     def __next__(self) -> DistributedBatch:
         return next(self._batches)
 
+    def close(self) -> None:
+        """Stops the pass early (its prefetching thread too)."""
+        close = getattr(self._batches, "close", None)
+        if close is not None:
+            close()
+
     def get_next(self) -> DistributedBatch:
         """The next batch (`StopIteration` at the end, as TF's `OutOfRangeError`)."""
         return next(self._batches)

@@ -23,6 +23,7 @@ from ..data import IterableBatches, ReplicaBatches, adapt
 from ..engine._cross_replica import gather_stacked, reduce_replicated, reduce_stacked, split_rows
 from ..engine._compiler import note_new_function
 from ..engine._engine import BATCH_AXIS
+from ..engine._state_updates import RecordingFunction
 from ..engine._placement import DistributedBatch
 from ..engine._reduce_op import ReduceOp
 from ..engine._sharding import ShardingConfig
@@ -201,14 +202,17 @@ class Strategy:
         kwargs = {} if kwargs is None else kwargs
         if not isinstance(kwargs, dict):
             raise TypeError(f"`kwargs` must be a dict or None, got {type(kwargs).__name__}.")
-        note_new_function(fn)  # a new function object compiles anew: warned when one code keeps coming so
+        note_new_function(fn, self)  # a new function object compiles anew: warned when one code keeps coming so
         leaves, treedef = jax.tree.flatten((tuple(args), kwargs), is_leaf=is_distributed)
         plain, kinds, batch = self._plain_leaves(leaves)
         call_args = jax.tree.unflatten(treedef, plain)
         call_kinds = jax.tree.unflatten(treedef, kinds)
-        out, flags = self._extended.run_inferred(
-            fn, call_args, call_kinds, None if batch is None else batch.mask, None if batch is None else batch.count,
-            with_kwargs=True)
+        recording = RecordingFunction.of(fn)  # what `fn` updates (Keras metrics) comes back beside its outputs
+        (out, updates), flags = self._extended.run_inferred(
+            recording, call_args, call_kinds, None if batch is None else batch.mask,
+            None if batch is None else batch.count, with_kwargs=True)
+        for target, arrays in zip(recording.targets, updates):
+            target(arrays)
         out_leaves, out_tree = jax.tree.flatten(out)
         step = None if batch is None else batch.step
         wrapped = [Mirrored(o, self._extended) if m else PerReplica(o, self._extended, step) for o, m in zip(out_leaves, flags)]

@@ -275,7 +275,7 @@ class RunCompiler:
     def compile_counts(self, fn: Callable[..., Any] | None = None) -> list[int]:
         """For each cached program of `fn` (every function if None), how often it compiled."""
         return [e.call._cache_size() for k, e in self._entries.items()
-                if (fn is None or k[0] is fn) and e.call is not None]
+                if (fn is None or k[0] is fn or getattr(k[0], "fn", None) is fn) and e.call is not None]
 
     def _traced(self, call: "_Call", check_vma: bool, with_kwargs: bool = False) -> Callable[..., Any]:
         """`call`'s function on one replica's view of the arguments, in its replica context."""
@@ -337,16 +337,20 @@ class RunCompiler:
         return entry
 
 
-def note_new_function(fn: Callable[..., Any], seen: dict[Any, Any] = {}) -> None:  # noqa: B006 (one record a process)
-    """Warns once when one code object keeps coming as new function objects, each compiled anew:
-    TF's idiom of a `step_fn` defined inside the train step (a `tf.function` traces it once; here
-    each new function object is a new program, as for `jax.jit`).
+def note_new_function(fn: Callable[..., Any], where: Any = None, seen: dict[Any, Any] = {}) -> None:  # noqa: B006
+    """Warns once when new function objects of one code over the same objects (closure, defaults)
+    keep coming to one strategy (`where`), each compiled anew: TF's idiom of a `step_fn` defined inside the train step (a
+    `tf.function` traces it once; here each new function object is a new program, as for
+    `jax.jit`). New objects over other values (a loop over models or metrics) are not counted.
 
     >>> import warnings
+    >>> scale = 2.0
     >>> with warnings.catch_warnings(record=True) as caught:
     ...     warnings.simplefilter("always")
     ...     for i in range(5):
-    ...         note_new_function(lambda x: x)
+    ...         note_new_function(lambda x: x * scale)
+    ...     for i in range(5):
+    ...         note_new_function(lambda x, i=i: x * i)   # other values each time: no warning
     >>> len(caught)
     1
     """
@@ -357,15 +361,25 @@ def note_new_function(fn: Callable[..., Any], seen: dict[Any, Any] = {}) -> None
     if fn in functions:
         return
     functions.add(fn)
-    count = seen[(code, "count")] = seen.get((code, "count"), 0) + 1
+    cells = tuple(id(c.cell_contents) if _filled(c) else None for c in (getattr(fn, "__closure__", None) or ()))
+    over = (id(where), code, cells, tuple(map(id, getattr(fn, "__defaults__", None) or ())))
+    count = seen[over] = seen.get(over, 0) + 1
     if count == NEW_FUNCTIONS_WARNING:
         import warnings
 
         warnings.warn(
-            f"`{code.co_name}` ({code.co_filename}:{code.co_firstlineno}) came as a new function object "
-            f"{count} times, and each was compiled anew (a function defined inside the training step, as TF code "
-            "defines `step_fn`, costs a compile every step): define it once, outside the loop, and pass what "
+            f"`{code.co_name}` ({code.co_filename}:{code.co_firstlineno}) came as a new function object over the same "
+            f"values {count} times, and each was compiled anew (a function defined inside the training step, as TF "
+            "code defines `step_fn`, costs a compile every step): define it once, outside the loop, and pass what "
             "changes as arguments.", UserWarning, stacklevel=5)
+
+
+def _filled(cell: Any) -> bool:
+    try:
+        cell.cell_contents
+    except ValueError:
+        return False
+    return True
 
 
 #: how many new function objects of one code compile before `note_new_function` warns
