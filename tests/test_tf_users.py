@@ -76,6 +76,10 @@ def test_two_workers_at_keras_defaults_start_from_worker_0_and_equal_keras_own_f
         for name in ("distributed", "from_function"):  # TF's global and per-replica batches: the same steps
             assert_logs_close(res[name]["history"], want_h, rtol=2e-5)
             assert_weights_close(res[name]["weights"], want_w, atol=5e-6)
+        # a Keras metric updated inside `run` on both workers: each real row once (Keras' own on the whole data)
+        want = keras.metrics.SparseCategoricalAccuracy()
+        want.update_state(Y, np.asarray(res["predictions"]))
+        assert res["accuracy_in_run"] == pytest.approx(float(want.result()), abs=1e-7)
     # the progress bar (verbose=1) is worker 0's alone, and it ran to the end of both epochs
     lines = proc.stdout.splitlines() + proc.stderr.splitlines()
     assert any(line.startswith("[rank 0]") and "Epoch 2/2" in line for line in lines), output_of(proc)

@@ -9,7 +9,10 @@ sum over batches and replicas is what one Keras object sees on the whole data.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -17,6 +20,27 @@ import jax.numpy as jnp
 import numpy as np
 
 from ._base import Metric, State
+
+
+class _OwnUpdate(threading.local):
+    """Set while lockstep itself runs a Keras metric's update (with its own masks): the wrappers of
+    `_keras_in_run` then step aside."""
+
+    def __init__(self) -> None:
+        self.on = False
+
+
+OWN_UPDATE = _OwnUpdate()
+
+
+@contextlib.contextmanager
+def own_update() -> Iterator[None]:
+    """Keras metrics' methods run as Keras' own inside the block (see `_keras_in_run`)."""
+    before, OWN_UPDATE.on = OWN_UPDATE.on, True
+    try:
+        yield
+    finally:
+        OWN_UPDATE.on = before
 
 
 def _from_keras(cls: type) -> bool:
@@ -162,7 +186,7 @@ class KerasMetric(Metric):
         return dict(zip(self._names, new))
 
     def _update(self, state: list[Any], y_true: Any, y_pred: Any, sample_weight: Any) -> list[Any]:
-        with warnings.catch_warnings():  # the padding mask is a float weight; Keras' int counters warn
+        with warnings.catch_warnings(), own_update():  # the padding mask is a float weight; Keras' int counters warn
             warnings.filterwarnings("ignore", message="You are passing weight as `float`")
             weight = {} if sample_weight is None else {"sample_weight": sample_weight}
             return list(self.keras_metric.stateless_update_state(state, y_true, y_pred, **weight))

@@ -27,7 +27,6 @@ sum, the same on every replica. Outside `run` the metric is Keras' own.
 from __future__ import annotations
 
 import functools
-import threading
 import warnings
 from typing import Any
 
@@ -37,19 +36,9 @@ import numpy as np
 from .._errors import UsageError
 from ..engine._replica_context import get_replica_context
 from ..engine._state_updates import is_recording, record
-from ._keras import KerasMetric
+from ._keras import OWN_UPDATE, KerasMetric, own_update
 
 _ORIGINAL: dict[str, Any] = {}
-
-
-class _Inside(threading.local):
-    """Set while this module runs a metric's own update (its wrappers then step aside)."""
-
-    def __init__(self) -> None:
-        self.on = False
-
-
-_INSIDE = _Inside()
 
 
 def install(keras: Any) -> None:
@@ -71,14 +60,14 @@ def install(keras: Any) -> None:
 
 
 def _update_state(metric: Any, own: Any, *args: Any, **kwargs: Any) -> Any:
-    if _INSIDE.on or get_replica_context() is None or not is_recording():
+    if OWN_UPDATE.on or get_replica_context() is None or not is_recording():
         return own(*args, **kwargs)
     record(functools.partial(_add, metric), _summed_update(metric, args, kwargs))
     return None
 
 
 def _stateless_update_state(metric: Any, own: Any, metric_variables: Any, *args: Any, **kwargs: Any) -> Any:
-    if _INSIDE.on or get_replica_context() is None or not is_recording():
+    if OWN_UPDATE.on or get_replica_context() is None or not is_recording():
         return own(metric_variables, *args, **kwargs)
     return [v + d for v, d in zip(metric_variables, _summed_update(metric, args, kwargs))]
 
@@ -100,19 +89,15 @@ def _summed_update(metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
                 "variables that accumulate sums. Write it as a lockstep.metrics.Metric (add_state's reduction says "
                 "how it combines).")
     weight = _row_weight(metric, ctx, args, kwargs.pop("sample_weight", None))
-    _INSIDE.on = True
-    try:
-        with warnings.catch_warnings():  # the padding mask is a float weight; Keras' int counters warn
-            warnings.filterwarnings("ignore", message="You are passing weight as `float`")
-            if len(args) == 2 and not kwargs:  # (y_true, y_pred): the Trainer's own wrapper, probes included
-                wrapper = _wrapper(metric, args)
-                state = wrapper.batch_state(*args, sample_weight=weight)
-                deltas = [state[k] for k in wrapper._names]
-            else:
-                zeros = [jnp.zeros(v.shape, v.dtype) for v in metric.variables]
-                deltas = list(metric.stateless_update_state(zeros, *args, sample_weight=weight, **kwargs))
-    finally:
-        _INSIDE.on = False
+    with own_update(), warnings.catch_warnings():  # the padding mask is a float weight; Keras' int counters warn
+        warnings.filterwarnings("ignore", message="You are passing weight as `float`")
+        if len(args) == 2 and not kwargs:  # (y_true, y_pred): the Trainer's own wrapper, probes included
+            wrapper = _wrapper(metric, args)
+            state = wrapper.batch_state(*args, sample_weight=weight)
+            deltas = [state[k] for k in wrapper._names]
+        else:
+            zeros = [jnp.zeros(v.shape, v.dtype) for v in metric.variables]
+            deltas = list(metric.stateless_update_state(zeros, *args, sample_weight=weight, **kwargs))
     return [ctx.all_reduce("SUM", d) for d in deltas]
 
 

@@ -43,4 +43,18 @@ for name, data in [("distributed", ds), ("from_function", strategy.distribute_da
     other.set_weights([np.asarray(w) for w in init])
     h = other.fit(data, epochs=2, verbose=2)
     result[name] = {"history": h.history, "weights": [w.tolist() for w in other.get_weights()]}
+# TF's custom loop: a Keras metric made in the scope, updated inside `strategy.run`
+with strategy.scope():
+    accuracy = keras.metrics.SparseCategoricalAccuracy()
+predictions = model.predict(x, batch_size=B, verbose=0)
+
+
+def update(batch):
+    accuracy.update_state(batch[0], batch[1])
+
+
+for batch in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tensor_slices((y, predictions)).batch(B)):
+    strategy.run(update, args=(batch,))
+result["accuracy_in_run"] = float(accuracy.result())
+result["predictions"] = predictions.tolist()
 print("RESULT", json.dumps(result), flush=True)

@@ -1,0 +1,119 @@
+"""TensorFlow's distributed-training tutorials, ported (examples/tf_tutorials/), run on 4 replicas
+(the multi-worker one on 2 workers) and held to the same code on one device; the lines changed
+beyond the mechanical ones are counted in docs/from-tf-distribute.md's table, which this file checks."""
+
+import json
+import os
+import pathlib
+import re
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from launching import output_of
+
+pytest.importorskip("tensorflow")
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+TUTORIALS = ROOT / "examples" / "tf_tutorials"
+TIMEOUT = 420
+
+# these tests start processes: with `make test`'s two pytest workers, they run one after another
+pytestmark = pytest.mark.xdist_group("processes")
+
+
+def _env(devices, **extra):
+    """A TF user's environment (no KERAS_BACKEND: lockstep, imported first, selects JAX) with
+    `devices` simulated CPU devices."""
+    env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "TF_CONFIG")}
+    return {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+
+
+def run_tutorial(name, devices, cwd, *args, **env):
+    """Runs the ported tutorial `name` on `devices` devices in `cwd`; returns what it wrote."""
+    out = pathlib.Path(cwd) / "result.json"
+    proc = subprocess.run([sys.executable, str(TUTORIALS / f"{name}.py"), str(out), *map(str, args)], cwd=cwd,
+                          capture_output=True, text=True, timeout=TIMEOUT, env=_env(devices, **env))
+    assert proc.returncode == 0, output_of(proc)
+    return json.loads(out.read_text()), proc
+
+
+def free_ports(n):
+    """`n` TCP ports on 127.0.0.1 that nothing listens on right now."""
+    sockets = [socket.socket(socket.AF_INET, socket.SOCK_STREAM) for _ in range(n)]
+    for s in sockets:
+        s.bind(("127.0.0.1", 0))
+    ports = [int(s.getsockname()[1]) for s in sockets]
+    for s in sockets:
+        s.close()
+    return ports
+
+
+def marked_lines(name, mark):
+    """The lines of a ported tutorial marked `# {mark}` (changed beyond the mechanical changes)."""
+    return sum(bool(re.search(rf"(?<!`)# {mark}", line)) for line in (TUTORIALS / f"{name}.py").read_text().splitlines())
+
+
+def test_the_docs_table_counts_the_lines_each_port_changed():
+    table = (ROOT / "docs" / "from-tf-distribute.md").read_text()
+    for name in ("keras_tutorial", "custom_training", "multi_worker_with_keras"):
+        row = re.search(rf"\| `{name}\.py` \| \d+ \| \d+ \| (\d+) \| (\d+) \|", table)
+        assert row is not None, name
+        marks = (marked_lines(name, "jax-step"), marked_lines(name, "other:"))
+        assert (int(row.group(1)), int(row.group(2))) == marks, name
+
+
+@pytest.mark.full_suite
+def test_the_keras_tutorial_on_4_replicas_equals_one_device(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    four, proc = run_tutorial("keras_tutorial", 4, tmp_path / "a")
+    assert "Number of devices: 4" in proc.stdout
+    one, _ = run_tutorial("keras_tutorial", 1, tmp_path / "b")
+    for k in one["history"]:
+        np.testing.assert_allclose(four["history"][k], one["history"][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    np.testing.assert_allclose(four["evaluate"], one["evaluate"], rtol=1e-5)
+    np.testing.assert_allclose(four["replicated"], one["evaluate"], rtol=1e-5)
+    assert four["checkpoints"] == one["checkpoints"] == 12
+
+
+def test_the_custom_training_tutorial_on_4_replicas_equals_one_device(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    four, proc = run_tutorial("custom_training", 4, tmp_path / "a")
+    assert "Number of devices: 4" in proc.stdout
+    one, _ = run_tutorial("custom_training", 1, tmp_path / "b")
+    # per epoch: train loss (the tutorial's mean of batch losses), train accuracy, test loss, test accuracy
+    np.testing.assert_allclose(four["epochs"], one["epochs"], rtol=1e-5, atol=1e-6)
+    assert four["restored_accuracy"] == one["restored_accuracy"]
+
+
+@pytest.mark.full_suite
+def test_the_multi_worker_keras_tutorial_on_2_workers_equals_one_worker(tmp_path):
+    def job(workers, where):
+        ports = free_ports(workers)
+        cluster = {"worker": [f"localhost:{p}" for p in ports]}
+        procs = [subprocess.Popen(
+            [sys.executable, str(TUTORIALS / "multi_worker_with_keras.py"), str(where / "result.json"),
+             str(where / "keras-model.keras")], cwd=where, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=_env(1, TUTORIAL_STEPS="8", LOCKSTEP_FAILURE_TIMEOUT="20",
+                     TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})))
+            for i in range(workers)]
+        try:
+            outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+        return [json.loads((where / f"result.json.{i}").read_text()) for i in range(workers)]
+
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    two = job(2, tmp_path / "a")
+    one = job(1, tmp_path / "b")[0]
+    assert [r["task"] for r in two] == [["worker", 0], ["worker", 1]]
+    for r in two:
+        assert r["loaded_equal"]
+        for k in one["history"]:
+            np.testing.assert_allclose(r["history"][k], one["history"][k], rtol=1e-5, atol=1e-6, err_msg=k)
+            np.testing.assert_allclose(r["backed_up"][k], one["backed_up"][k], rtol=1e-5, atol=1e-6, err_msg=k)
+    assert not (tmp_path / "a" / "workertemp_1").exists()  # the tutorial's own clean-up of worker 1's copy
