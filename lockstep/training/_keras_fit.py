@@ -73,13 +73,18 @@ def _get_weights(self: Any) -> list[Any]:
 
 
 def _written(name: str) -> Any:
-    """Keras' writing method `name` (`save`, `save_weights`), called by every worker of a job:
-    worker 0 alone writes the file (variables whose shards other workers hold are gathered by all
-    first)."""
+    """Keras' writing method `name` (`save`, `save_weights`), called by every worker of a job, as
+    in TF: worker 0 alone writes the file (variables whose shards other workers hold are gathered
+    by all first), and every worker returns once it is written (a worker that loads it next, as
+    TF's multi-worker tutorial does, finds it whole)."""
     def write(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> None:
         with whole_on_host(self) as writes:
             if writes:
                 _ORIGINAL[name](self, filepath, *args, **kwargs)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            multihost_utils.sync_global_devices(f"lockstep: keras {name}")
     return write
 
 
