@@ -61,7 +61,7 @@ def test_importing_lockstep_first_selects_keras_jax_backend_and_another_backend_
 # --- two workers at Keras' defaults ---------------------------------------------------------------
 @pytest.mark.xdist_group("processes")
 def test_two_workers_at_keras_defaults_start_from_worker_0_and_equal_keras_own_fit(tmp_path):
-    proc = launch_workers(WORKERS / "tf_user_job.py", N, nproc=2, devices=1, timeout=240)
+    proc = launch_workers(WORKERS / "tf_user_job.py", N, tmp_path, nproc=2, devices=1, timeout=240)
     assert proc.returncode == 0, output_of(proc)
     results = rank_results(proc, 2)
     assert [r["backend"] for r in results] == ["jax", "jax"]
@@ -76,6 +76,8 @@ def test_two_workers_at_keras_defaults_start_from_worker_0_and_equal_keras_own_f
         for name in ("distributed", "from_function"):  # TF's global and per-replica batches: the same steps
             assert_logs_close(res[name]["history"], want_h, rtol=2e-5)
             assert_weights_close(res[name]["weights"], want_w, atol=5e-6)
+            # Keras' ModelCheckpoint on every worker: worker 0 wrote the last epoch's model
+            assert_weights_close(keras.saving.load_model(tmp_path / f"{name}.keras").get_weights(), want_w, atol=5e-6)
         # a Keras metric updated inside `run` on both workers: each real row once (Keras' own on the whole data)
         want = keras.metrics.SparseCategoricalAccuracy()
         want.update_state(Y, np.asarray(res["predictions"]))
@@ -323,3 +325,42 @@ def test_keras_metrics_updated_inside_run_count_real_rows_once(replicas):
         assert float(got) == pytest.approx(float(want_acc.result()), abs=1e-7)
         accuracy.reset_state(), test_loss.reset_state(), auc.reset_state()
         variables = [jnp.zeros_like(v.value) for v in stateless.variables]
+
+
+def test_keras_metrics_in_run_keep_to_their_own_program_and_name_what_run_cannot_do():
+    """Each compiled program of a step adds its own metrics' updates (a `training` flag picks
+    which); a bound method compiles once; positional sample weights and metrics that shape their
+    variables on a first update (F1Score) work; `result()` inside `run` is a clear error."""
+    strategy = ls.MirroredStrategy(4)
+    with strategy.scope():
+        train_acc, test_acc = keras.metrics.SparseCategoricalAccuracy(), keras.metrics.SparseCategoricalAccuracy()
+        weighted = keras.metrics.Mean()
+        f1 = keras.metrics.F1Score(average="macro")
+    logits = _rng.normal(size=(N, 3)).astype("float32")
+    weights = _rng.uniform(0.5, 2.0, size=N).astype("float32")
+    data = strategy.experimental_distribute_dataset(ls.data.batches((Y, logits, weights), 24))
+
+    class Loop:
+        def step(self, batch, training):
+            labels, predictions, w = batch
+            (train_acc if training else test_acc).update_state(labels, predictions)
+            if training:
+                weighted.update_state(labels.astype("float32"), w)  # positional sample_weight
+                f1.update_state(jax.nn.one_hot(labels, 3), jax.nn.softmax(predictions))
+
+    loop = Loop()
+    for batch in data:
+        for training in (True, False, True):  # train_acc sees each batch twice, test_acc once
+            strategy.run(loop.step, args=(batch, training))
+    want = keras.metrics.SparseCategoricalAccuracy()
+    want.update_state(Y, logits)
+    assert float(train_acc.result()) == pytest.approx(float(want.result()), abs=1e-7)
+    assert float(test_acc.result()) == pytest.approx(float(want.result()), abs=1e-7)
+    assert float(train_acc.count) == 2 * N and float(test_acc.count) == N
+    assert float(weighted.result()) == pytest.approx(float(np.sum(Y * weights) / np.sum(weights)), rel=1e-6)
+    want_f1 = keras.metrics.F1Score(average="macro")
+    want_f1.update_state(np.eye(3)[Y], jax.nn.softmax(logits))
+    assert float(f1.result()) == pytest.approx(float(want_f1.result()), rel=1e-6)
+    assert strategy.extended.compile_counts(loop.step) == [1, 1]  # one program per training flag, compiled once
+    with pytest.raises(ls.UsageError, match=r"`result\(\)` .* was read inside `strategy.run`"):
+        strategy.run(lambda b: train_acc(b[0], b[1]), args=(next(iter(data)),))

@@ -6,14 +6,22 @@ from collections.abc import Iterable
 from typing import Any
 
 from ._callback import HOOKS, Callback
-from ._keras_callback import as_lockstep, is_keras_callback
+from ._keras_callback import as_lockstep, is_keras_callback, overrides
+from ._progbar import ProgbarLogger
 from ._trainer_view import TrainerView
 
 
 class CallbackList:
-    """Calls every hook on every callback, in order (callbacks marked `runs_last`, the backups, last)."""
+    """Calls every hook on every callback, in order (callbacks marked `runs_last`, the backups, last).
+
+    `reads[hook]` says, alike on every worker, whether anything reads the batch logs at `hook`."""
 
     def __init__(self, callbacks: Iterable[Callback], trainer: TrainerView, params: dict[str, Any] | None = None):
+        callbacks = list(callbacks)
+        # the progress bar is worker 0's alone: `verbose` stands for it on every worker
+        given = [cb for cb in callbacks if not isinstance(cb, ProgbarLogger)]
+        self.reads = {hook: reads_batch_logs(given, hook, (params or {}).get("verbose", 0))
+                      for hook in ("on_train_batch_end", "on_test_batch_end")}
         self.callbacks = [as_lockstep(cb) if is_keras_callback(cb) else cb for cb in callbacks]
         # those that back up the training state last, so the backup holds what the others did at that step
         self.callbacks.sort(key=lambda cb: bool(getattr(cb, "runs_last", False)))
@@ -36,3 +44,14 @@ class CallbackList:
                 hook(*args, **kwargs)
         setattr(self, name, call)  # later lookups find the attribute and skip __getattr__
         return call
+
+
+def reads_batch_logs(callbacks: Iterable[Any], hook: str, verbose: Any = 0) -> bool:
+    """Whether a progress bar (`verbose` 1) or any of `callbacks`, as given (the same on every
+    worker, before those that write files are left to worker 0), reads the logs at `hook`.
+
+    >>> import lockstep as ls
+    >>> reads_batch_logs([ls.callbacks.EarlyStopping()], "on_train_batch_end"), reads_batch_logs([], "on_train_batch_end", 1)
+    (False, True)
+    """
+    return (verbose in (1, "auto") and hook == "on_train_batch_end") or any(overrides(cb, hook) for cb in callbacks)

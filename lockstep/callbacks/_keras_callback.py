@@ -33,6 +33,14 @@ def _keras_classes(obj: Any) -> list[type]:
     return [c for c in type(obj).__mro__ if c.__module__.startswith("keras")]
 
 
+def overrides(callback: Any, hook: str) -> bool:
+    """Whether `callback` (lockstep's or Keras', as given) overrides `hook` (or Keras' alias of it)."""
+    classes = _keras_classes(callback)
+    base = next((c for c in classes if c.__name__ == "Callback"), None) if classes else Callback
+    own = [hook] + ([_ALIASES[hook]] if hook in _ALIASES else [])
+    return any(getattr(type(callback), h, None) is not getattr(base, h, None) for h in own)
+
+
 def is_keras_callback(obj: Any) -> bool:
     """Whether `obj` is a Keras 3 callback, a user's subclass included (Keras need not be imported)."""
     return any(c.__name__ == "Callback" for c in _keras_classes(obj)) and hasattr(obj, "set_model")
@@ -77,12 +85,9 @@ class _ModelView:
 
     def _write(self, how: str, *args: Any, **kwargs: Any) -> None:
         self._trainer.sync_model()
-        model = self._trainer.model
-        # variables whose shards other workers hold are gathered by every worker (Keras' save and
-        # save_weights, as lockstep routes them: worker 0 writes); else the chief alone writes
-        optimizer = getattr(model, "optimizer", None)
-        if is_chief() or any(spread(v.value) for v in [*model.variables, *(getattr(optimizer, "variables", None) or [])]):
-            getattr(model, how)(*args, **kwargs)
+        # every worker calls Keras' save and save_weights, as lockstep routes them: worker 0 writes
+        # (variables whose shards other workers hold gathered by all first), and all return once written
+        getattr(self._trainer.model, how)(*args, **kwargs)
 
     def jax_state_sync(self) -> None:
         """Keras' `Callback.model` calls it on every access: the weights are read only when asked for."""
@@ -139,7 +144,7 @@ def as_lockstep(callback: Any) -> Callback:
     if ours is None:
         from ._backup_and_restore import BackupAndRestore
 
-        ours = BackupAndRestore(callback.backup_dir, save_freq=callback.save_freq,
+        ours = BackupAndRestore(callback.backup_dir, save_freq=callback.save_freq or "epoch",  # False: Keras' on interrupt
                                 delete_checkpoint=callback.delete_checkpoint)
         callback.__dict__["_lockstep_backup"] = ours
     return ours
@@ -163,10 +168,8 @@ class KerasCallback(Callback):
         self.state_name = f"keras.{type(callback).__name__}"  # its bookkeeping's name in backups
         if any(n in _WRITERS for n in names) and not is_chief():
             return  # a callback that only writes files or prints: worker 0's job
-        base = next(c for c in classes if c.__name__ == "Callback")
         for hook in _HOOKS:  # only the hooks it overrides: the others would cost a read of the logs a step
-            own = [hook] + ([_ALIASES[hook]] if hook in _ALIASES else [])
-            if any(getattr(type(callback), h, None) is not getattr(base, h, None) for h in own):
+            if overrides(callback, hook):
                 setattr(self, hook, functools.partial(getattr(callback, hook)))
 
     def set_trainer(self, trainer: TrainerView) -> None:

@@ -162,11 +162,18 @@ def _values_from_worker_0(keras: Any) -> None:
     """Keras variables created (or assigned from the host) on devices of several workers take
     worker 0's value, as TF's multi-worker variables do (JAX would otherwise require every worker
     to hold the same value: an unseeded initialiser fails). Installed once; a no-op in one process."""
-    from keras.src.backend.jax import distribution_lib
-
     if _PUT:
         return
+    try:
+        from keras.src.backend.jax import core, distribution_lib
+    except ImportError:  # another Keras layout: JAX's own check (the same value on every worker) stays
+        return
     _PUT["distribute_tensor"] = original = distribution_lib.distribute_tensor
+    _PUT["should_shard_at_init"] = at_init = core.should_shard_at_init
+
+    def should_shard_at_init(layout: Any, shape: Any) -> bool:  # a large variable: made by a sharded program,
+        return False if _spans_workers(layout) else at_init(layout, shape)  # which would skip worker 0's value
+    core.should_shard_at_init = should_shard_at_init
 
     def distribute_tensor(tensor: Any, layout: Any) -> Any:
         sharding = getattr(layout, "backend_layout", layout)

@@ -207,12 +207,11 @@ class Strategy:
         plain, kinds, batch = self._plain_leaves(leaves)
         call_args = jax.tree.unflatten(treedef, plain)
         call_kinds = jax.tree.unflatten(treedef, kinds)
-        recording = RecordingFunction.of(fn)  # what `fn` updates (Keras metrics) comes back beside its outputs
-        (out, updates), flags = self._extended.run_inferred(
-            recording, call_args, call_kinds, None if batch is None else batch.mask,
+        # what `fn` updates (Keras metrics) comes back beside its outputs, and is applied after the call
+        (out, recorded), flags = self._extended.run_inferred(
+            RecordingFunction(fn), call_args, call_kinds, None if batch is None else batch.mask,
             None if batch is None else batch.count, with_kwargs=True)
-        for target, arrays in zip(recording.targets, updates):
-            target(arrays)
+        recorded.apply()
         out_leaves, out_tree = jax.tree.flatten(out)
         step = None if batch is None else batch.step
         wrapped = [Mirrored(o, self._extended) if m else PerReplica(o, self._extended, step) for o, m in zip(out_leaves, flags)]

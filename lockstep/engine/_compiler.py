@@ -275,7 +275,7 @@ class RunCompiler:
     def compile_counts(self, fn: Callable[..., Any] | None = None) -> list[int]:
         """For each cached program of `fn` (every function if None), how often it compiled."""
         return [e.call._cache_size() for k, e in self._entries.items()
-                if (fn is None or k[0] is fn or getattr(k[0], "fn", None) is fn) and e.call is not None]
+                if (fn is None or k[0] is fn or getattr(k[0], "fn", None) == fn) and e.call is not None]
 
     def _traced(self, call: "_Call", check_vma: bool, with_kwargs: bool = False) -> Callable[..., Any]:
         """`call`'s function on one replica's view of the arguments, in its replica context."""
@@ -363,6 +363,8 @@ def note_new_function(fn: Callable[..., Any], where: Any = None, seen: dict[Any,
     functions.add(fn)
     cells = tuple(id(c.cell_contents) if _filled(c) else None for c in (getattr(fn, "__closure__", None) or ()))
     over = (id(where), code, cells, tuple(map(id, getattr(fn, "__defaults__", None) or ())))
+    if len(seen) > 10_000:  # a record of a long run with new values each step: start it anew
+        seen.clear()
     count = seen[over] = seen.get(over, 0) + 1
     if count == NEW_FUNCTIONS_WARNING:
         import warnings
@@ -371,7 +373,7 @@ def note_new_function(fn: Callable[..., Any], where: Any = None, seen: dict[Any,
             f"`{code.co_name}` ({code.co_filename}:{code.co_firstlineno}) came as a new function object over the same "
             f"values {count} times, and each was compiled anew (a function defined inside the training step, as TF "
             "code defines `step_fn`, costs a compile every step): define it once, outside the loop, and pass what "
-            "changes as arguments.", UserWarning, stacklevel=5)
+            "changes as arguments.", UserWarning, stacklevel=3)
 
 
 def _filled(cell: Any) -> bool:

@@ -5,9 +5,9 @@ labels, predictions)``). Under JAX that function is traced once and compiled, so
 write a variable nor read one (a value read would be compiled in as a constant). What a replica
 contributes is recorded here instead while the function is traced: a target (a callable, say
 adding to a Keras metric's variables) and arrays that are the same on every replica (its update,
-already reduced over them). `run` returns them beside the function's outputs, and after each call
-hands each target its arrays. A function compiled once records once: the targets are kept with it
-(`RecordingFunction`) for every later call.
+already reduced over them). `RecordingFunction` returns them beside the function's outputs as a
+`Recorded` value, a pytree whose structure holds the targets, so each compiled program of the
+function hands its own targets its own arrays after every call (`Recorded.apply`).
 
 >>> with recording() as updates:
 ...     record("target", [1.0])
@@ -21,6 +21,8 @@ import contextlib
 import threading
 from collections.abc import Callable, Iterator
 from typing import Any
+
+import jax
 
 
 class StateUpdates:
@@ -55,7 +57,7 @@ def is_recording() -> bool:
     return bool(_ACTIVE.stack)
 
 
-def record(target: Any, values: list[Any]) -> None:
+def record(target: Callable[[list[Any]], None], values: list[Any]) -> None:
     """Records that `target(values)` is called after the call (`values`: arrays the same on every replica)."""
     if not _ACTIVE.stack:
         raise RuntimeError("`record` outside a recorded replica function.")
@@ -63,33 +65,42 @@ def record(target: Any, values: list[Any]) -> None:
     _ACTIVE.stack[-1].values.append(list(values))
 
 
+class Recorded:
+    """The arrays a traced call recorded, with their targets as the pytree's static part: the
+    compiled program's output structure keeps the targets of its own trace."""
+
+    def __init__(self, targets: tuple[Any, ...], values: list[list[Any]]):
+        self.targets = targets
+        self.values = values
+
+    def apply(self) -> None:
+        """Hands each target its arrays (after a call)."""
+        for target, arrays in zip(self.targets, self.values):
+            target(arrays)
+
+
+jax.tree_util.register_pytree_node(Recorded, lambda r: (r.values, r.targets), lambda targets, values: Recorded(
+    targets, values))
+
+
 class RecordingFunction:
-    """`fn` (a replica function) returning ``(outputs, recorded arrays)``; the targets recorded
-    when it was traced are kept on it (`targets`), for `apply` after each call.
-
-    One object per function (`of`), so that the compiled program of `fn` is found again."""
-
-    _made: "dict[int, tuple[Callable[..., Any], RecordingFunction]]" = {}
+    """`fn` (a replica function) returning ``(outputs, Recorded)``. Equal to another made of an
+    equal function (a bound method accessed anew, say), so the compiled program of `fn` is found
+    again."""
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
-        self.targets: list[Any] = []
         self.__name__ = getattr(fn, "__name__", type(fn).__name__)
         self.__qualname__ = getattr(fn, "__qualname__", self.__name__)
         self.__module__ = getattr(fn, "__module__", None)  # type: ignore[assignment]
 
-    @classmethod
-    def of(cls, fn: Callable[..., Any]) -> "RecordingFunction":
-        held = cls._made.get(id(fn))
-        if held is None or held[0] is not fn:
-            held = cls._made[id(fn)] = (fn, cls(fn))
-            if len(cls._made) > 512:  # the oldest go (a function made anew each step)
-                del cls._made[next(iter(cls._made))]
-        return held[1]
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, RecordingFunction) and self.fn == other.fn
 
-    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, list[list[Any]]]:
+    def __hash__(self) -> int:
+        return hash(self.fn)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> tuple[Any, Recorded]:
         with recording() as updates:
             out = self.fn(*args, **kwargs)
-        self.targets = updates.targets
-        return out, updates.values
-
+        return out, Recorded(tuple(updates.targets), updates.values)

@@ -27,9 +27,11 @@ sum, the same on every replica. Outside `run` the metric is Keras' own.
 from __future__ import annotations
 
 import functools
+import inspect
 import warnings
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -56,30 +58,45 @@ def install(keras: Any) -> None:
             object.__setattr__(self, "update_state", functools.partial(_update_state, self, self.update_state))
             object.__setattr__(self, "stateless_update_state",
                                functools.partial(_stateless_update_state, self, self.stateless_update_state))
+            object.__setattr__(self, "result", functools.partial(_result, self, self.result))
     keras.metrics.Metric.__init__ = __init__
 
 
 def _update_state(metric: Any, own: Any, *args: Any, **kwargs: Any) -> Any:
     if OWN_UPDATE.on or get_replica_context() is None or not is_recording():
         return own(*args, **kwargs)
-    record(functools.partial(_add, metric), _summed_update(metric, args, kwargs))
+    record(functools.partial(_add, metric), _summed_update(metric, own, args, kwargs))
     return None
 
 
 def _stateless_update_state(metric: Any, own: Any, metric_variables: Any, *args: Any, **kwargs: Any) -> Any:
     if OWN_UPDATE.on or get_replica_context() is None or not is_recording():
         return own(metric_variables, *args, **kwargs)
-    return [v + d for v, d in zip(metric_variables, _summed_update(metric, args, kwargs))]
+    update_state = metric.__dict__["update_state"].args[1]  # the metric's own, which `_update_state` wraps
+    return [v + d for v, d in zip(metric_variables, _summed_update(metric, update_state, args, kwargs))]
+
+
+def _result(metric: Any, own: Any) -> Any:
+    if OWN_UPDATE.on or get_replica_context() is None or not is_recording():
+        return own()
+    raise UsageError(
+        f"Keras metric `{metric.name}`'s `result()` (or `metric(...)`, which calls it) was read inside `strategy.run`: "
+        "there it would be the value when the step was compiled. Update it inside `run` (`update_state`) and read "
+        "`result()` outside, after the call.")
 
 
 def _add(metric: Any, deltas: list[Any]) -> None:
     """After a call of `run`: the replicas' summed update added to the metric's variables."""
     for v, d in zip(metric.variables, deltas):
-        v.assign(v.value + jnp.asarray(d, v.dtype))
+        try:
+            v.assign(v.value + jnp.asarray(d, v.dtype))
+        except ValueError:  # variables the metric shaped on its first update, inside the traced step (an
+            v.assign(np.asarray(v.value) + np.asarray(d, v.dtype))  # F1Score's): laid out anew from the host
 
 
-def _summed_update(metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
-    """What the replicas' real rows add to `metric`'s variables, summed over the replicas."""
+def _summed_update(metric: Any, update_state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> list[Any]:
+    """What the replicas' real rows add to `metric`'s variables (`update_state(*args, **kwargs)`),
+    summed over the replicas."""
     ctx = get_replica_context()
     for v in metric.variables:
         if v.aggregation != "sum":
@@ -88,7 +105,8 @@ def _summed_update(metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
                 f"aggregation={v.aggregation!r}: lockstep adds up the replicas' updates, which is exact only for "
                 "variables that accumulate sums. Write it as a lockstep.metrics.Metric (add_state's reduction says "
                 "how it combines).")
-    weight = _row_weight(metric, ctx, args, kwargs.pop("sample_weight", None))
+    args, sample_weight = _without_weight(update_state, args, kwargs)
+    weight = _row_weight(metric, ctx, args, sample_weight)
     with own_update(), warnings.catch_warnings():  # the padding mask is a float weight; Keras' int counters warn
         warnings.filterwarnings("ignore", message="You are passing weight as `float`")
         if len(args) == 2 and not kwargs:  # (y_true, y_pred): the Trainer's own wrapper, probes included
@@ -101,6 +119,19 @@ def _summed_update(metric: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -
     return [ctx.all_reduce("SUM", d) for d in deltas]
 
 
+def _without_weight(update_state: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[tuple[Any, ...], Any]:
+    """`args` without the sample weight, wherever it was given (by name, or by its place in the
+    metric's `update_state`), and the weight."""
+    if "sample_weight" in kwargs:
+        return args, kwargs.pop("sample_weight")
+    try:
+        names = list(inspect.signature(update_state).parameters)
+    except (TypeError, ValueError):
+        return args, None
+    at = names.index("sample_weight") if "sample_weight" in names else len(args)
+    return (args[:at] + args[at + 1:], args[at]) if at < len(args) else (args, None)
+
+
 def _wrapper(metric: Any, args: tuple[Any, ...]) -> KerasMetric:
     """The metric as lockstep's `KerasMetric` (built and probed once, on the rows' shapes)."""
     wrapper = metric.__dict__.get("_lockstep_wrapper")
@@ -108,7 +139,8 @@ def _wrapper(metric: Any, args: tuple[Any, ...]) -> KerasMetric:
         wrapper = KerasMetric(metric)
         object.__setattr__(metric, "_lockstep_wrapper", wrapper)
     if not wrapper.built:
-        wrapper.build(*(tuple(np.shape(a)) for a in args))
+        with jax.ensure_compile_time_eval():  # its variables shaped and probed on made-up rows, not in the trace
+            wrapper.build(*(tuple(np.shape(a)) for a in args))
     return wrapper
 
 

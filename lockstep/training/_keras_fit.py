@@ -36,7 +36,7 @@ from ..distribute import _scope
 from ..engine._cross_replica import host_value, spread
 from ._inputs import class_weighted
 from ._trainer import Trainer
-from ._weight_files import whole_on_host
+from ._weight_files import whole_on_host, writing
 
 _ORIGINAL: dict[str, Any] = {}
 _HELD = "_lockstep_trainer"  # the model's attribute holding (key, Trainer): they live and die together
@@ -78,6 +78,8 @@ def _written(name: str) -> Any:
     by all first), and every worker returns once it is written (a worker that loads it next, as
     TF's multi-worker tutorial does, finds it whole)."""
     def write(self: Any, filepath: Any, *args: Any, **kwargs: Any) -> None:
+        if writing():  # inside lockstep's own write (`Trainer.save`), which decided who writes
+            return _ORIGINAL[name](self, filepath, *args, **kwargs)
         with whole_on_host(self) as writes:
             if writes:
                 _ORIGINAL[name](self, filepath, *args, **kwargs)

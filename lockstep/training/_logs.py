@@ -18,14 +18,15 @@ from ..metrics._base import synced_result
 class LazyLogs(Mapping[str, Any]):
     """Running logs that are read (one reduction of every state) only when a callback looks.
 
-    In a job of several workers the reduction is dispatched at once on every worker (a program
-    over all of them, which no worker may run alone) and only its transfer to the host waits for
-    a callback to look: a callback that reads on one worker alone (the chief's progress bar, a
-    user's ``if is_chief()``) neither stalls nor desynchronises the others."""
+    In a job of several workers, where a callback reads them (`read`: the same on every worker),
+    the reduction is dispatched at once on every worker (a program over all of them, which no
+    worker may run alone) and only its transfer to the host waits for a callback to look: a
+    callback that reads on one worker alone (the chief's progress bar, a user's ``if is_chief()``)
+    neither stalls nor desynchronises the others."""
 
-    def __init__(self, engine: Any, metrics: MetricCollection, state: Any):
+    def __init__(self, engine: Any, metrics: MetricCollection, state: Any, read: bool = True):
         self._logs: dict[str, Any] | None = None
-        self._values = _reduced(engine, metrics, state) if jax.process_count() > 1 else None
+        self._values = _reduced(engine, metrics, state) if read and jax.process_count() > 1 else None
         self._read = functools.partial(_reduced, engine, metrics, state)
 
     def _get(self) -> dict[str, Any]:

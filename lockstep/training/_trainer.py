@@ -361,7 +361,7 @@ class Trainer(WeightFiles):
         for step, execution in executions(train.epoch(epoch, skip), self._accumulation, self.steps_per_execution, skip):
             cblist.on_train_batch_begin(step)
             self._state = self._runner.run(self._state, execution)
-            logs = LazyLogs(self._engine, self._all, self._state.metric_state)
+            logs = LazyLogs(self._engine, self._all, self._state.metric_state, cblist.reads["on_train_batch_end"])
             cblist.on_train_batch_end(step + len(execution) - 1, logs)
             if self.stop_training:
                 break
@@ -385,7 +385,7 @@ class Trainer(WeightFiles):
         for step, batch in enumerate(itertools.islice(data.distributed(self._engine), steps)):  # steps: None, all
             cblist.on_test_batch_begin(step)
             state = self._runner.evaluate(self._state.params, state, batch)
-            cblist.on_test_batch_end(step, LazyLogs(self._engine, self._all, state))
+            cblist.on_test_batch_end(step, LazyLogs(self._engine, self._all, state, cblist.reads["on_test_batch_end"]))
         logs = read_logs(self._engine, self._all, state)
         cblist.on_test_end(logs)
         return logs

@@ -7,6 +7,7 @@ the workers that hold them) and worker 0 alone writes the file.
 from __future__ import annotations
 
 import contextlib
+import threading
 from collections.abc import Iterator
 from typing import Any, Protocol
 
@@ -71,6 +72,20 @@ def save(trainer: HasWeights, path: str, epoch: int | None = None) -> None:
         save_tree(path, state, **extra)
 
 
+class _Writing(threading.local):
+    def __init__(self) -> None:
+        self.depth = 0
+
+
+_WRITING = _Writing()
+
+
+def writing() -> bool:
+    """Whether a `whole_on_host` block is in progress: the Keras method called there writes as
+    its caller decided (worker 0 only), without the workers' barrier of a user's own call."""
+    return _WRITING.depth > 0
+
+
 @contextlib.contextmanager
 def whole_on_host(model: Any) -> Iterator[bool]:
     """A Keras model (and its optimizer) whose variables other workers hold shards of keeps each
@@ -80,11 +95,13 @@ def whole_on_host(model: Any) -> Iterator[bool]:
     variables = [*model.variables, *(getattr(optimizer, "variables", None) or [])]
     kept = [(v, v._value) for v in variables if spread(getattr(v, "_value", None))]
     whole = [host_value(value) for _, value in kept]  # every worker takes part in gathering them
+    _WRITING.depth += 1
     try:
         for (v, _), value in zip(kept, whole):
             v._value = value  # Keras' own slot: `assign` would lay it out over the workers again
         yield jax.process_index() == 0
     finally:
+        _WRITING.depth -= 1
         for v, value in kept:
             v._value = value
 

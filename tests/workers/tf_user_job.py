@@ -41,7 +41,8 @@ for name, data in [("distributed", ds), ("from_function", strategy.distribute_da
         .batch(ctx.get_per_replica_batch_size(B))))]:
     other = build()
     other.set_weights([np.asarray(w) for w in init])
-    h = other.fit(data, epochs=2, verbose=2)
+    checkpoint = keras.callbacks.ModelCheckpoint(os.path.join(sys.argv[2], f"{name}.keras"))  # every worker, as in TF
+    h = other.fit(data, epochs=2, verbose=2, callbacks=[checkpoint])
     result[name] = {"history": h.history, "weights": [w.tolist() for w in other.get_weights()]}
 # TF's custom loop: a Keras metric made in the scope, updated inside `strategy.run`
 with strategy.scope():
