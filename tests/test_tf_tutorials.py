@@ -58,7 +58,7 @@ def marked_lines(name, mark):
 
 def test_the_docs_table_counts_the_lines_each_port_changed():
     table = (ROOT / "docs" / "from-tf-distribute.md").read_text()
-    for name in ("keras_tutorial", "custom_training", "multi_worker_with_keras"):
+    for name in ("keras_tutorial", "custom_training", "multi_worker_with_keras", "input_tutorial"):
         row = re.search(rf"\| `{name}\.py` \| \d+ \| \d+ \| (\d+) \| (\d+) \|", table)
         assert row is not None, name
         marks = (marked_lines(name, "jax-step"), marked_lines(name, "other:"))
@@ -117,3 +117,20 @@ def test_the_multi_worker_keras_tutorial_on_2_workers_equals_one_worker(tmp_path
             np.testing.assert_allclose(r["history"][k], one["history"][k], rtol=1e-5, atol=1e-6, err_msg=k)
             np.testing.assert_allclose(r["backed_up"][k], one["backed_up"][k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert not (tmp_path / "a" / "workertemp_1").exists()  # the tutorial's own clean-up of worker 1's copy
+
+
+def test_the_input_tutorial_gives_tf_s_values(tmp_path):
+    """The input tutorial on its 2 devices: what its cells print is what TF documents (NumPy here)."""
+    printed, _ = run_tutorial("input_tutorial", 2, tmp_path)
+    plain = printed[:7]  # `train_step` on the undistributed batches: 6 of 16 rows, then 4
+    assert [np.shape(p[0]) for p in plain] == [(16, 1)] * 6 + [(4, 1)]
+    np.testing.assert_allclose(np.concatenate([p[0] for p in plain]), np.full((100, 1), 0.7), rtol=1e-6)
+    losses = [p for p in printed if p and p[0] == "Loss is "]
+    assert len(losses) == 7 + 10 * 5  # one pass over the dataset, then 10 epochs of 5 steps
+    assert sum(len(r) for r in losses[6][1]) == 4  # the short last batch: its 4 real rows only
+    at = printed.index([[[0, 1], [2, 3]]])  # `get_next_as_optional` over range(9) in batches of 4
+    assert printed[at:at + 3] == [[[[0, 1], [2, 3]]], [[[4, 5], [6, 7]]], [[[8], []]]]
+    lookups = printed[at + 3 + 25:at + 3 + 25 + 3]  # StringLookup of "a", "c", "e", ... per replica (batches of 2)
+    assert lookups == [[[[1, 3], [0, 1]]], [[[3, 0], [1, 3]]], [[[0, 1], [3, 0]]]]
+    assert printed[at + 31] == [[[i, 2 * i] for i in range(24)]]  # predict's outputs by index
+    assert printed[at + 32:] == [[[0, 1]]] * 4  # experimental_distribute_values_from_function

@@ -16,6 +16,7 @@ import pytest
 import lockstep as ls
 from keras_reference import assert_logs_close, assert_weights_close
 from launching import WORKERS, launch_workers, output_of, rank_results
+from suite import variants
 
 tf = pytest.importorskip("tensorflow")
 
@@ -285,7 +286,7 @@ def test_keras_backup_and_restore_resumes_exactly(tmp_path):
     assert_weights_close(resumed.get_weights(), want_w, atol=5e-6)
 
 
-@pytest.mark.parametrize("replicas", [1, 4, 8])
+@pytest.mark.parametrize("replicas", variants([1, 4, 8], {4}))  # make test-full: 1 and 8 too
 def test_keras_metrics_updated_inside_run_count_real_rows_once(replicas):
     """TF's custom-training tutorial: Keras metrics made in the scope, `update_state` inside the
     replica function (stateful and stateless), `result()` outside: Keras' own value on the whole data."""
