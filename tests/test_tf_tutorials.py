@@ -58,7 +58,8 @@ def marked_lines(name, mark):
 
 def test_the_docs_table_counts_the_lines_each_port_changed():
     table = (ROOT / "docs" / "from-tf-distribute.md").read_text()
-    for name in ("keras_tutorial", "custom_training", "multi_worker_with_keras", "input_tutorial"):
+    for name in ("keras_tutorial", "custom_training", "multi_worker_with_keras", "input_tutorial",
+                 "distributed_training_guide"):
         row = re.search(rf"\| `{name}\.py` \| \d+ \| \d+ \| (\d+) \| (\d+) \|", table)
         assert row is not None, name
         marks = (marked_lines(name, "jax-step"), marked_lines(name, "other:"))
@@ -134,3 +135,16 @@ def test_the_input_tutorial_gives_tf_s_values(tmp_path):
     assert lookups == [[[[1, 3], [0, 1]]], [[[3, 0], [1, 3]]], [[[0, 1], [3, 0]]]]
     assert printed[at + 31] == [[[i, 2 * i] for i in range(24)]]  # predict's outputs by index
     assert printed[at + 32:] == [[[0, 1]]] * 4  # experimental_distribute_values_from_function
+
+
+@pytest.mark.full_suite
+def test_the_distributed_training_guide_on_4_replicas_equals_one_device(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    four, _ = run_tutorial("distributed_training_guide", 4, tmp_path / "a")
+    one, _ = run_tutorial("distributed_training_guide", 1, tmp_path / "b")
+    assert (four["replicas"], one["replicas"], four["reduce"]) == (4, 1, 1.0)
+    for k in ("fit_dataset", "fit_arrays"):
+        for name in one[k]:
+            np.testing.assert_allclose(four[k][name], one[k][name], rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(four["evaluate"], one["evaluate"], rtol=1e-5)
+    np.testing.assert_allclose(four["custom_loop"], one["custom_loop"], rtol=1e-5)  # 60 steps of the custom loop
