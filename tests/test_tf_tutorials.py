@@ -59,7 +59,7 @@ def marked_lines(name, mark):
 def test_the_docs_table_counts_the_lines_each_port_changed():
     table = (ROOT / "docs" / "from-tf-distribute.md").read_text()
     for name in ("keras_tutorial", "custom_training", "multi_worker_with_keras", "input_tutorial",
-                 "distributed_training_guide"):
+                 "distributed_training_guide", "multi_worker_with_ctl"):
         row = re.search(rf"\| `{name}\.py` \| \d+ \| \d+ \| (\d+) \| (\d+) \|", table)
         assert row is not None, name
         marks = (marked_lines(name, "jax-step"), marked_lines(name, "other:"))
@@ -89,28 +89,31 @@ def test_the_custom_training_tutorial_on_4_replicas_equals_one_device(tmp_path):
     assert four["restored_accuracy"] == one["restored_accuracy"]
 
 
+def _tf_config_job(script, workers, where, *args, **env):
+    """`script` run by `workers` processes, each with its TF_CONFIG (as TF's tutorials start them);
+    what each wrote to ``where/result.json.<worker>``."""
+    ports = free_ports(workers)
+    cluster = {"worker": [f"localhost:{p}" for p in ports]}
+    procs = [subprocess.Popen(
+        [sys.executable, str(TUTORIALS / f"{script}.py"), str(where / "result.json"), *map(str, args)], cwd=where,
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        env=_env(1, TUTORIAL_STEPS="8", LOCKSTEP_FAILURE_TIMEOUT="20", **env,
+                 TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})))
+        for i in range(workers)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
+    return [json.loads((where / f"result.json.{i}").read_text()) for i in range(workers)]
+
+
 @pytest.mark.full_suite
 def test_the_multi_worker_keras_tutorial_on_2_workers_equals_one_worker(tmp_path):
-    def job(workers, where):
-        ports = free_ports(workers)
-        cluster = {"worker": [f"localhost:{p}" for p in ports]}
-        procs = [subprocess.Popen(
-            [sys.executable, str(TUTORIALS / "multi_worker_with_keras.py"), str(where / "result.json"),
-             str(where / "keras-model.keras")], cwd=where, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=_env(1, TUTORIAL_STEPS="8", LOCKSTEP_FAILURE_TIMEOUT="20",
-                     TF_CONFIG=json.dumps({"cluster": cluster, "task": {"type": "worker", "index": i}})))
-            for i in range(workers)]
-        try:
-            outs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
-        finally:
-            for p in procs:
-                p.kill()
-        assert all(p.returncode == 0 for p in procs), "\n".join(o[-3000:] for o in outs)
-        return [json.loads((where / f"result.json.{i}").read_text()) for i in range(workers)]
-
     (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
-    two = job(2, tmp_path / "a")
-    one = job(1, tmp_path / "b")[0]
+    two = _tf_config_job("multi_worker_with_keras", 2, tmp_path / "a", tmp_path / "a" / "keras-model.keras")
+    one = _tf_config_job("multi_worker_with_keras", 1, tmp_path / "b", tmp_path / "b" / "keras-model.keras")[0]
     assert [r["task"] for r in two] == [["worker", 0], ["worker", 1]]
     for r in two:
         assert r["loaded_equal"]
@@ -118,6 +121,17 @@ def test_the_multi_worker_keras_tutorial_on_2_workers_equals_one_worker(tmp_path
             np.testing.assert_allclose(r["history"][k], one["history"][k], rtol=1e-5, atol=1e-6, err_msg=k)
             np.testing.assert_allclose(r["backed_up"][k], one["backed_up"][k], rtol=1e-5, atol=1e-6, err_msg=k)
     assert not (tmp_path / "a" / "workertemp_1").exists()  # the tutorial's own clean-up of worker 1's copy
+
+
+@pytest.mark.full_suite
+def test_the_multi_worker_custom_loop_tutorial_on_2_workers_equals_one_worker(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    two = _tf_config_job("multi_worker_with_ctl", 2, tmp_path / "a")
+    one = _tf_config_job("multi_worker_with_ctl", 1, tmp_path / "b")[0]
+    for r in two:  # per epoch: the Keras metric updated inside `run`, the mean of the step losses
+        np.testing.assert_allclose(r, one, rtol=1e-5, atol=1e-6)
+    assert (tmp_path / "a" / "ckpt" / "ckpt.npz").exists()  # worker 0's; worker 1 removed its own copy
+    assert not (tmp_path / "a" / "workertemp_1" / "ckpt").exists()
 
 
 def test_the_input_tutorial_gives_tf_s_values(tmp_path):

@@ -76,6 +76,27 @@ class EnvClusterResolver(ClusterResolver):
                          _int_env(env, "LOCKSTEP_PROCESS_ID"))
 
 
+class ClusterSpec:
+    """TF's `tf.train.ClusterSpec` as multi-worker code reads it: `as_dict()`, `jobs`, `num_tasks`.
+
+    >>> ClusterSpec({"worker": ["a:1", "b:1"]}).num_tasks("worker")
+    2
+    """
+
+    def __init__(self, cluster: dict[str, list[str]]):
+        self._cluster = {job: list(tasks) for job, tasks in cluster.items()}
+
+    def as_dict(self) -> dict[str, list[str]]:
+        return {job: list(tasks) for job, tasks in self._cluster.items()}
+
+    @property
+    def jobs(self) -> list[str]:
+        return list(self._cluster)
+
+    def num_tasks(self, job_name: str) -> int:
+        return len(self._cluster.get(job_name, []))
+
+
 class TFConfigClusterResolver(ClusterResolver):
     """From `TF_CONFIG`, as `tf.distribute` users already write it.
 
@@ -119,7 +140,11 @@ class TFConfigClusterResolver(ClusterResolver):
                              f"{kind!r} task{'s' if size != 1 else ''}), got {index!r}.")
         pid = index if kind == "chief" else len(chief) + index
         super().__init__(workers[0], len(workers), pid)
-        self.task_type, self._index = kind, index
+        self.task_type, self._index, self._cluster = kind, index, dict(cluster)
+
+    def cluster_spec(self) -> "ClusterSpec":
+        """TF_CONFIG's cluster (empty without TF_CONFIG), as TF's `ClusterSpec` shows it."""
+        return ClusterSpec(getattr(self, "_cluster", {}))
 
     @property
     def task_id(self) -> int | None:
