@@ -59,7 +59,7 @@ def marked_lines(name, mark):
 def test_the_docs_table_counts_the_lines_each_port_changed():
     table = (ROOT / "docs" / "from-tf-distribute.md").read_text()
     for name in ("keras_tutorial", "custom_training", "multi_worker_with_keras", "input_tutorial",
-                 "distributed_training_guide", "multi_worker_with_ctl"):
+                 "distributed_training_guide", "multi_worker_with_ctl", "save_and_load"):
         row = re.search(rf"\| `{name}\.py` \| \d+ \| \d+ \| (\d+) \| (\d+) \|", table)
         assert row is not None, name
         marks = (marked_lines(name, "jax-step"), marked_lines(name, "other:"))
@@ -162,3 +162,14 @@ def test_the_distributed_training_guide_on_4_replicas_equals_one_device(tmp_path
             np.testing.assert_allclose(four[k][name], one[k][name], rtol=1e-5, err_msg=k)
     np.testing.assert_allclose(four["evaluate"], one["evaluate"], rtol=1e-5)
     np.testing.assert_allclose(four["custom_loop"], one["custom_loop"], rtol=1e-5)  # 60 steps of the custom loop
+
+
+@pytest.mark.full_suite
+def test_the_save_and_load_tutorial_on_4_replicas_equals_one_device(tmp_path):
+    (tmp_path / "a").mkdir(), (tmp_path / "b").mkdir()
+    four, _ = run_tutorial("save_and_load", 4, tmp_path / "a")
+    one, _ = run_tutorial("save_and_load", 1, tmp_path / "b")
+    assert (four["replicas"], one["replicas"]) == (4, 1)
+    for k in ("fit", "restored", "restored_ds"):  # the reloaded model outside any scope, and in a OneDeviceStrategy's
+        for name in one[k]:
+            np.testing.assert_allclose(four[k][name], one[k][name], rtol=1e-5, err_msg=f"{k} {name}")

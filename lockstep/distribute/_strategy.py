@@ -370,7 +370,9 @@ def _resolve_device(d: Any, arg: str) -> jax.Device:
             devs = jax.local_devices(backend=kind)
             return devs[int(idx or 0)]
         except (RuntimeError, ValueError, IndexError):
-            raise ValueError(f"`{arg}` names no local device: got {d!r}.") from None
+            have = ", ".join(f"{x.platform}:{i}" for i, x in enumerate(jax.local_devices()))
+            raise ValueError(f"`{arg}` names no local device: got {d!r}; this machine has {have}. Pass None for "
+                             "every local device (TF's GPU names port as they are where JAX sees those GPUs).") from None
     raise TypeError(f"`{arg}` must be a jax.Device, an int index or a string like 'cpu:0', got {d!r}.")
 
 
