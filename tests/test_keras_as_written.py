@@ -485,3 +485,20 @@ def test_what_lockstep_cannot_run_as_keras_does_is_refused_and_the_model_left_wh
     assert model.predict(X[:5], verbose=0).shape == (5, 3)
     plain = classifier()  # built outside any lockstep scope: Keras' own methods, untouched
     assert isinstance(plain.train_on_batch(X[:8], Y_CLASS[:8]), list)
+
+
+def test_a_metric_given_both_plain_and_weighted_is_named_as_keras_names_it():
+    """`metrics=["accuracy"], weighted_metrics=["accuracy"]`: Keras logs `weighted_accuracy` (it was
+    `accuracy_1` here, so `EarlyStopping(monitor="weighted_accuracy")` never found it)."""
+    def build():
+        model = classifier()
+        model.compile(optimizer="adam", loss="sparse_categorical_crossentropy", metrics=["accuracy"],
+                      weighted_metrics=["accuracy"])
+        return model
+
+    want = build().fit(X, Y_CLASS, sample_weight=WEIGHTS, batch_size=B, epochs=2, shuffle=False, verbose=0).history
+    with ls.MirroredStrategy(4).scope():
+        model = build()
+    got = model.fit(X, Y_CLASS, sample_weight=WEIGHTS, batch_size=B, epochs=2, shuffle=False, verbose=0).history
+    assert sorted(got) == sorted(want) == ["accuracy", "loss", "weighted_accuracy"]
+    assert_logs_close(got, want, rtol=2e-5)

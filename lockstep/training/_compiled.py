@@ -75,11 +75,14 @@ def settings(model: Any, optimizer: Any, loss: Any, metrics: Any) -> tuple[Any, 
     if loss_weights is not None and loss_weights != 1:
         loss = _scaled(_losses.get(loss), loss_weights, loss)
     if metrics is None and compiled:
-        metrics = []
+        metrics, taken = [], {"loss"}
         for group, weighted in zip(_given_metrics(model), (False, True)):
             for entry in group:
                 metric = get_metric(entry)
                 metric.weighted = weighted  # Keras weighs only `weighted_metrics` by sample_weight
+                if weighted and metric.name in taken:  # Keras' name for the weighted twin of a metric
+                    metric.name = f"weighted_{metric.name}"
+                taken.add(metric.name)
                 metrics.append(metric)
     return optimizer, loss, metrics
 
