@@ -502,3 +502,35 @@ def test_a_metric_given_both_plain_and_weighted_is_named_as_keras_names_it():
     got = model.fit(X, Y_CLASS, sample_weight=WEIGHTS, batch_size=B, epochs=2, shuffle=False, verbose=0).history
     assert sorted(got) == sorted(want) == ["accuracy", "loss", "weighted_accuracy"]
     assert_logs_close(got, want, rtol=2e-5)
+
+
+def test_callbacks_read_and_assign_the_optimizer_as_in_keras():
+    """`self.model.optimizer.iterations` counts the steps so far (it read 0), and `learning_rate`
+    answers `.numpy()` and `.assign(...)` (it was a float: `'float' object has no attribute`)."""
+    class Halve(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen.append(int(self.model.optimizer.iterations))
+
+        def on_epoch_end(self, epoch, logs=None):
+            lr = self.model.optimizer.learning_rate
+            self.seen.append(round(float(lr.numpy()), 7))
+            lr.assign(lr * 0.5)
+
+    runs = []
+    for strategy in (None, ls.MirroredStrategy(4)):
+        if strategy is None:
+            model = classifier()
+        else:
+            with strategy.scope():
+                model = classifier()
+        halve = Halve()
+        history = model.fit(X, Y_CLASS, batch_size=B, epochs=3, shuffle=False, verbose=0, callbacks=[halve]).history
+        runs.append((history, halve.seen, model.get_weights()))
+    (want_h, want_seen, want_w), (got_h, got_seen, got_w) = runs
+    assert got_seen == want_seen and want_seen[:2] == [1, 2] and want_seen[13] == 0.001
+    assert_logs_close(got_h, want_h, rtol=2e-5)
+    assert_weights_close(got_w, want_w, atol=5e-6)

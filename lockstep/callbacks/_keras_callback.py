@@ -46,16 +46,76 @@ def is_keras_callback(obj: Any) -> bool:
     return any(c.__name__ == "Callback" for c in _keras_classes(obj)) and hasattr(obj, "set_model")
 
 
+class LiveValue:
+    """A value of the trainer read as a Keras variable is (`.numpy()`, `float`, `int`, arithmetic,
+    comparisons), and set with `.assign` where it may be: the optimizer's `learning_rate` and
+    `iterations` as Keras' callbacks see them during lockstep's `fit`.
+
+    >>> lr = LiveValue(lambda: 0.5, print)
+    >>> float(lr * 2), lr.numpy().item(), bool(lr > 0.1)
+    (1.0, 0.5, True)
+    >>> lr.assign(0.25)
+    0.25
+    """
+
+    def __init__(self, read: Any, write: Any = None, name: str = "value"):
+        self._read, self._write, self.name = read, write, name
+
+    def numpy(self) -> np.ndarray:
+        return np.asarray(self._read())
+
+    @property
+    def value(self) -> np.ndarray:
+        return self.numpy()
+
+    def assign(self, value: Any) -> None:
+        if self._write is None:
+            raise AttributeError(f"a Keras callback may not assign the optimizer's `{self.name}` during lockstep's fit.")
+        self._write(float(np.asarray(value)))
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return self.numpy() if dtype is None else self.numpy().astype(dtype)
+
+    def __float__(self) -> float:
+        return float(self._read())
+
+    def __int__(self) -> int:
+        return int(self._read())
+
+    def __index__(self) -> int:
+        return int(self._read())
+
+    def __repr__(self) -> str:
+        return f"<LiveValue {self.name}={self._read()!r}>"
+
+
+def _delegated(op: str) -> Any:
+    def apply(self: LiveValue, *others: Any) -> Any:
+        return getattr(self.numpy(), op)(*(np.asarray(o) if isinstance(o, LiveValue) else o for o in others))
+    return apply
+
+
+for _op in ("__add__", "__radd__", "__sub__", "__rsub__", "__mul__", "__rmul__", "__truediv__", "__rtruediv__",
+            "__pow__", "__neg__", "__lt__", "__le__", "__gt__", "__ge__", "__eq__", "__ne__"):
+    setattr(LiveValue, _op, _delegated(_op))
+
+
 class _OptimizerView:
-    """`model.optimizer` as Keras' callbacks use it: `learning_rate` is the trainer's."""
+    """`model.optimizer` as Keras' callbacks use it: `learning_rate` (readable and assignable) and
+    `iterations` are the trainer's, as they stand at this step."""
 
     def __init__(self, trainer: TrainerView):
         object.__setattr__(self, "_trainer", trainer)
 
     def __getattr__(self, name: str) -> Any:
         if name == "learning_rate":
-            return self._trainer.learning_rate
+            return LiveValue(lambda: self._trainer.learning_rate, self._set_learning_rate, name)
+        if name == "iterations":  # Keras counts optimizer steps; lockstep's global step is that count
+            return LiveValue(lambda: np.int64(self._trainer.global_step), name=name)
         return getattr(getattr(self._trainer.model, "optimizer", None), name)
+
+    def _set_learning_rate(self, value: float) -> None:
+        self._trainer.learning_rate = value
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name != "learning_rate":
