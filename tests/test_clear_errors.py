@@ -111,3 +111,12 @@ def test_a_tf_config_task_index_is_checked(index, ok):
         with pytest.raises(ValueError, match=rf"TF_CONFIG's task index must be an integer in \[0, 2\) \(the cluster "
                                              rf"lists 2 'worker' tasks\), got {index!r}"):
             ls.TFConfigClusterResolver(cfg)
+
+
+def test_a_layout_map_key_that_is_no_regular_expression_is_named():
+    layout = ls.LayoutMap(ls.DeviceMesh((2, 2), ("batch", "model")))
+    with pytest.raises(ValueError, match=r"the LayoutMap key '\.\*dense\[/kernel' is not a regular expression: "
+                                         r"unterminated character set"):
+        layout[".*dense[/kernel"] = (None, "model")
+    layout[".*dense.*/kernel"] = (None, "model")  # a good one is taken
+    assert layout[".*dense.*/kernel"] == (None, "model")

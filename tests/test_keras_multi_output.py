@@ -124,12 +124,13 @@ def test_one_loss_for_every_output_and_metrics_as_a_list_per_output():
     assert {"first_loss", "second_loss", "first_mae", "second_mae", "second_mse"} <= set(want)
 
 
-def test_a_single_output_s_loss_weight_scales_its_loss_as_in_keras():
+@pytest.mark.parametrize("loss_weights", [0.5, [3.0]])  # a list of one: refused before, Keras takes it
+def test_a_single_output_s_loss_weight_scales_its_loss_as_in_keras(loss_weights):
     """Before: `loss_weights` of a one-output model was silently ignored (the loss and its gradients 2x off here)."""
     def model_():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
-        model.compile(optimizer="sgd", loss="mse", loss_weights=0.5, metrics=["mae"])
+        model.compile(optimizer="sgd", loss="mse", loss_weights=loss_weights, metrics=["mae"])
         return model
 
     keras_model = model_()

@@ -16,6 +16,8 @@ Keras' own `keras.distribution.DeviceMesh` and `LayoutMap` objects are accepted 
 
 from __future__ import annotations
 
+import re
+
 from collections.abc import Iterator, MutableMapping, Sequence
 from typing import Any
 
@@ -125,6 +127,11 @@ class LayoutMap(MutableMapping):
     def __setitem__(self, key: str, value: Any) -> None:
         if not isinstance(key, str):
             raise UsageError(f"a LayoutMap key must be a regular expression (str), got {key!r}.")
+        try:
+            re.compile(key)
+        except re.error as e:
+            raise ValueError(f"the LayoutMap key {key!r} is not a regular expression: {e} (keys fully match Keras "
+                             "variable paths, say '.*dense.*/kernel').") from None
         axes = getattr(value, "axes", value)  # a Keras TensorLayout gives its axes
         if isinstance(axes, str) or not isinstance(axes, (tuple, list)):
             raise UsageError(f"the layout of {key!r} must be a tuple of mesh axis names or None (one per "

@@ -72,6 +72,8 @@ def settings(model: Any, optimizer: Any, loss: Any, metrics: Any) -> tuple[Any, 
             return (optimizer, *output_settings(outputs, loss, loss_weights, groups))
         loss = next(iter(_per_output(loss, outputs).values()))  # one output: its loss (and weight)
         loss_weights = None if loss_weights is None else next(iter(_per_output(loss_weights, outputs).values()))
+    if isinstance(loss_weights, (list, tuple, dict)) and len(loss_weights) == 1:  # one output's, as Keras takes it
+        loss_weights = next(iter(loss_weights.values() if isinstance(loss_weights, dict) else loss_weights))
     if loss_weights is not None and loss_weights != 1:
         loss = _scaled(_losses.get(loss), loss_weights, loss)
     if metrics is None and compiled:
