@@ -179,9 +179,10 @@ def _values_from_worker_0(keras: Any) -> None:
         sharding = getattr(layout, "backend_layout", layout)
         if _spans_workers(sharding) and _host_value(tensor):
             import numpy as np
-            from jax.experimental import multihost_utils
 
-            tensor = multihost_utils.broadcast_one_to_all(np.asarray(tensor))
+            from ..engine._cross_replica import broadcast_from_chief
+
+            tensor = broadcast_from_chief(np.asarray(tensor))
         return original(tensor, layout)
     distribution_lib.distribute_tensor = distribute_tensor
 
