@@ -58,7 +58,7 @@ class WeightedMAE(keras.metrics.Metric):
 
 
 class RunningMax(keras.metrics.Metric):
-    """The largest prediction seen: a maximum, which lockstep's sum of updates cannot combine."""
+    """The largest prediction seen: a maximum, not a sum over rows."""
 
     def __init__(self, name="running_max", **kwargs):
         super().__init__(name=name, **kwargs)
@@ -68,7 +68,7 @@ class RunningMax(keras.metrics.Metric):
         self.top.assign(ops.maximum(self.top, ops.max(y_pred)))
 
     def result(self):
-        return self.top
+        return self.top + 0
 
 
 def regressor(metrics=(), weighted_metrics=None, optimizer=None):
@@ -110,12 +110,84 @@ def test_custom_keras_metrics_equal_keras_own_fit_and_evaluate(replicas, n, weig
     assert_weights_close(t.get_weights(), keras_model.get_weights())
 
 
+class Count(keras.metrics.Metric):
+    """Counts the samples it sees, ignoring `sample_weight` (in the `dtype` asked: an int32 counter too)."""
+
+    def __init__(self, name="count", dtype="float32", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.kind = dtype
+        self.n = self.add_variable(shape=(), initializer="zeros", name="n", dtype=dtype)
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.n.assign_add(ops.cast(ops.shape(y_true)[0], self.kind))
+
+    def result(self):
+        return ops.cast(self.n, "float32")
+
+
+class LowestError(keras.metrics.Metric):
+    """The smallest absolute error seen, from +inf: a minimum that starts elsewhere than zero."""
+
+    def __init__(self, name="lowest_error", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.low = self.add_variable(shape=(), initializer=keras.initializers.Constant(np.inf), name="low")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        err = ops.abs(ops.cast(y_true, "float32") - ops.squeeze(y_pred, -1))
+        self.low.assign(ops.minimum(self.low, ops.min(err)))
+
+    def reset_state(self):  # Keras' own would zero it
+        self.low.assign(np.inf)
+
+    def result(self):
+        return self.low + 0
+
+
+class LastBatchSize(keras.metrics.Metric):
+    """The size of the last batch seen: no sum, maximum or minimum of the rows."""
+
+    def __init__(self, name="last_batch_size", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.last = self.add_variable(shape=(), initializer="zeros", name="last")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.last.assign(ops.cast(ops.shape(y_true)[0], "float32"))
+
+    def result(self):
+        return self.last + 0
+
+
+def counting_metrics():
+    return [Count(), Count("int_count", dtype="int32"), RunningMax(), LowestError()]
+
+
+# the issue's 50 samples at batch 5 (its 4 replicas counted 80), N prime, a last batch shorter than the replicas
+@pytest.mark.parametrize("replicas, n, batch", [(4, 50, 5), (3, 31, 4), (8, 18, 5), pytest.param(2, 1, 3, marks=FULL)])
+def test_counts_maxima_and_integer_states_see_only_real_rows_in_fit_evaluate_and_validation(replicas, n, batch):
+    """Before: a count over samples counted the padding rows in evaluate and validation (50 rows at
+    batch 5 on 4 replicas: 80); a running maximum or minimum was refused."""
+    x, y = X[:n], Y_VALUE[:n]
+    val = (X[-n - 7:], Y_VALUE[-n - 7:])
+    keras_model = regressor(counting_metrics())
+    want_eval = keras_model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
+    want = keras_model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, validation_data=val).history
+    strategy = ls.MirroredStrategy(replicas)
+    with strategy.scope():
+        model = regressor(counting_metrics())
+    got_eval = model.evaluate(x, y, batch_size=batch, verbose=0, return_dict=True)
+    got = model.fit(x, y, batch_size=batch, epochs=2, shuffle=False, verbose=0, validation_data=val).history
+    assert got_eval["count"] == got_eval["int_count"] == n
+    assert got["val_count"] == got["val_int_count"] == [n + 7] * 2
+    assert_logs_close(got_eval, want_eval)
+    assert_logs_close(got, want)
+
+
 def test_a_custom_metric_that_cannot_be_combined_is_refused_naming_its_variable():
-    model = regressor([RunningMax()])
+    model = regressor([LastBatchSize()])
     t = ls.Trainer(model, strategy=ls.MirroredStrategy(4))
-    with pytest.raises(ValueError, match=r"Keras metric `running_max` \(RunningMax\) cannot be combined exactly across "
-                                         r"batches, replicas and workers: its variable `top` after .* is .*, not the "
-                                         r"sum of what each row alone gives"):
+    with pytest.raises(ValueError, match=r"Keras metric `last_batch_size` \(LastBatchSize\) cannot be combined exactly "
+                                         r"across batches, replicas and workers: its variable `last` after one batch "
+                                         r"of both rows is 2.0 .* neither the sum .* nor the maximum or minimum"):
         t.fit(X, Y_VALUE, batch_size=B, epochs=1, verbose=0)
     assert model(X[:3]).shape == (3, 1)  # the Keras model is left as it was
     assert model.get_weights()[0].shape == (5, 8)
@@ -194,18 +266,21 @@ def test_the_loss_scale_of_mixed_float16_round_trips_through_the_keras_optimizer
     assert_weights_close(resumed.get_weights(), model.get_weights(), atol=0)
 
 
-@pytest.mark.full_suite  # a 2-worker launch (about 20 s); the single-process tests above run in make test
-@pytest.mark.xdist_group("processes")
+@pytest.mark.xdist_group("processes")  # a 2-worker launch (about 16 s)
 def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_fit(tmp_path):
     script = WORKERS / "keras_custom_metrics_job.py"
     proc = launch_workers(script, devices=2)
     assert proc.returncode == 0, output_of(proc)
     results = rank_results(proc, 2)
-    keras_model = regressor([RMSE()], weighted_metrics=[WeightedMAE()], optimizer=keras.optimizers.Adam(0.01))
+    keras_model = regressor([RMSE(), *counting_metrics()], weighted_metrics=[WeightedMAE()],
+                            optimizer=keras.optimizers.Adam(0.01))
     want = keras_model.fit(X[:194], Y_VALUE[:194], batch_size=16, epochs=2, shuffle=False, verbose=0,
-                           sample_weight=WEIGHTS[:194])
+                           sample_weight=WEIGHTS[:194], validation_data=(X[194:], Y_VALUE[194:]))
+    want_eval = keras_model.evaluate(X[:194], Y_VALUE[:194], batch_size=16, verbose=0, return_dict=True)
     for got in results:
+        assert got["history"]["val_count"] == [N - 194] * 2 and got["evaluate"]["int_count"] == 194
         assert_logs_close(got["history"], want.history)
+        assert_logs_close(got["evaluate"], want_eval)
         assert got["iterations"] == int(keras_model.optimizer.iterations) == 26
         assert_weights_close([np.asarray(v) for v in got["optimizer"]],
                              [np.asarray(v) for v in keras_model.optimizer.variables], atol=1e-5)

@@ -77,15 +77,16 @@ class KerasMetric(Metric):
     >>> bool(abs(float(m.compute(state)) - float(k.result())) < 1e-6)
     True
 
-    A user's subclass is probed once, when its shapes are known, on two made-up rows: its update
-    must add to its variables what the rows alone give (an RMSE's sums of squares and counts do;
-    a running maximum does not, and is refused naming the variable). One that ignores
-    `sample_weight` is updated row by row with the padding rows left out (vectorised), as Keras
-    would see the real rows only; its user weights are then ignored, as in Keras.
+    A user's subclass is probed once, when its shapes are known, on two made-up rows: each of its
+    variables must combine what the rows alone give by a sum (an RMSE's sums of squares and
+    counts), a maximum or a minimum (a running maximum); anything else (a last value) is refused
+    naming the variable. One that ignores `sample_weight`, or keeps a maximum or minimum, is
+    updated row by row with the padding rows left out (vectorised), as Keras would see the real
+    rows only; a metric that ignores `sample_weight` ignores the user's weights, as in Keras.
 
     Raises:
-      ValueError: a variable of the metric does not combine by addition (another `aggregation`,
-        or an update that is not a sum over rows), or does not start at zero.
+      ValueError: a variable of the metric combines rows by no sum, maximum or minimum, or a
+        Keras metric's own sum does not start at zero.
     """
 
     def __init__(self, metric: Any):
@@ -95,7 +96,9 @@ class KerasMetric(Metric):
         self.keras_metric = metric
         self._names: list[str] = []
         self._probed = _from_keras(type(metric))  # Keras' own metrics all accumulate sums
-        self._per_row = False  # the metric ignores sample_weight: rows are masked one by one
+        self._per_row = False  # rows are updated one by one, the padding rows left out
+        self._ignores_weight = False  # its update does not read sample_weight (a count over samples)
+        self._inits: list[Any] = []  # the variables' values before any update
         if _shaped(metric):
             self._declare()
 
@@ -122,68 +125,90 @@ class KerasMetric(Metric):
             self._probed = True
 
     def _probe(self, true_row: tuple[int, ...], pred_row: tuple[int, ...]) -> None:
-        """Checks on two made-up rows that an update adds to the variables what each row alone
-        gives (whatever the state it starts from), and whether it honours `sample_weight`."""
+        """Finds on two made-up rows how each variable combines what each row alone gives (whatever
+        the state it starts from): a sum, a maximum or a minimum; and whether the update honours
+        `sample_weight`."""
         rng = np.random.default_rng(0)
         y_true = rng.integers(0, 2, size=(2, *true_row)).astype(np.float32)  # labels, 0/1 targets or values
         y_pred = rng.uniform(0.1, 0.9, size=(2, *pred_row)).astype(np.float32)
-        zeros = [jnp.zeros(self._specs[k].shape, self._specs[k].dtype) for k in self._names]
         k = self.keras_metric
 
         def up(state: list[Any], rows: slice, weight: Any = None) -> list[Any]:
-            return self._update(state, y_true[rows], y_pred[rows], weight)
+            return [np.asarray(v, np.float64) for v in self._update(state, y_true[rows], y_pred[rows], weight)]
 
-        first, second = up(zeros, slice(0, 1)), up(zeros, slice(1, 2))
-        both, then = up(zeros, slice(0, 2)), up(first, slice(1, 2))
-        for name, v, a, b, ab, seq in zip(self._names, k.variables, first, second, both, then):
-            total = np.asarray(a, np.float64) + np.asarray(b, np.float64)
-            for how, got in (("one batch of both rows", ab), ("one row after the other", seq)):
-                if not np.allclose(np.asarray(got, np.float64), total, rtol=1e-5, atol=1e-6):
-                    raise ValueError(
-                        f"Keras metric `{self.name}` ({type(k).__name__}) cannot be combined exactly across batches, "
-                        f"replicas and workers: its variable `{v.name}` after {how} is {np.asarray(got).tolist()}, "
-                        f"not the sum of what each row alone gives ({total.tolist()}). lockstep adds up the updates "
-                        "of zeroed variables, which is exact for metrics that accumulate sums over samples (as "
-                        "Keras' own do); a maximum, a minimum or a last value is not. Write it as a "
-                        "lockstep.metrics.Metric, whose add_state(..., reduction='max' / 'min' / 'cat') says how "
-                        "its state combines.")
+        first, second = up(self._inits, slice(0, 1)), up(self._inits, slice(1, 2))
+        both, then = up(self._inits, slice(0, 2)), up(first, slice(1, 2))
+        reductions = []
+        for v, init, a, b, ab, seq in zip(k.variables, self._inits, first, second, both, then):
+            init = np.asarray(init, np.float64)
+            combined = {"sum": a + b - init, "max": np.maximum(a, b), "min": np.minimum(a, b)}
+            fits = [r for r, want in combined.items()
+                    if all(np.allclose(got, want, rtol=1e-5, atol=1e-6) for got in (ab, seq))
+                    and (r != "sum" or not np.any(init != 0))]
+            if not fits:
+                raise ValueError(
+                    f"Keras metric `{self.name}` ({type(k).__name__}) cannot be combined exactly across batches, "
+                    f"replicas and workers: its variable `{v.name}` after one batch of both rows is {ab.tolist()} "
+                    f"and after one row after the other {seq.tolist()}, neither the sum ({combined['sum'].tolist()}) "
+                    f"nor the maximum or minimum of what each row alone gives. lockstep combines the updates of "
+                    "each batch's real rows, which is exact for variables that accumulate sums (starting at zero), "
+                    "maxima or minima; a last value or a mean of means is not. Write it as a "
+                    "lockstep.metrics.Metric, whose add_state(..., reduction='cat') keeps every row.")
+            reductions.append(fits[0])
         try:
-            weighed = up(zeros, slice(0, 1), np.zeros(1, np.float32))
+            weighed = up(self._inits, slice(0, 1), np.zeros(1, np.float32))
         except TypeError:  # update_state(self, y_true, y_pred): no sample_weight at all
             weighed = first
-        self._per_row = any(np.any(np.asarray(v) != 0) for v in weighed)
+        self._ignores_weight = any(np.any(w != np.asarray(i)) for w, i in zip(weighed, self._inits))
+        self._per_row = self._ignores_weight or any(r != "sum" for r in reductions)
+        for name, init, reduction in zip(self._names, self._inits, reductions):
+            spec = self._specs[name]
+            self._specs[name] = spec._replace(reduction=reduction, fill=np.asarray(init, spec.dtype))
 
     def update(self, state: State, *args: Any, sample_weight: Any = None, mask: Any = None) -> State:
         if not self.built:
             self.build(*(jnp.shape(a) for a in args[:2]))
-        if self._per_row:  # it ignores sample_weight (so would Keras): only the padding mask counts
+        if self._ignores_weight:  # so would Keras: only the padding mask counts
             sample_weight = None
         return super().update(state, *args, sample_weight=sample_weight, mask=mask)
 
     def _declare(self) -> None:
         if self._names:
             return
-        for i, v in enumerate(self.keras_metric.variables):
-            if v.aggregation != "sum":
-                raise ValueError(
-                    f"Keras metric `{self.name}` has variable `{v.name}` with aggregation={v.aggregation!r}: "
-                    "lockstep combines Keras metrics across batches and replicas by addition, so every "
-                    "variable must declare aggregation='sum'. Write it as a lockstep.metrics.Metric instead.")
-            if np.any(np.asarray(v.value) != 0):
+        with jax.ensure_compile_time_eval():  # also when first wrapped inside a traced step
+            reset = self.keras_metric.stateless_reset_state()  # the values Keras starts each epoch from
+        for i, (v, value) in enumerate(zip(self.keras_metric.variables, reset)):
+            init = np.asarray(value)
+            if self._probed and np.any(init != 0):  # Keras' own metrics: sums, from zero
                 raise ValueError(f"Keras metric `{self.name}` has variable `{v.name}` that does not start at zero.")
             name = f"{i}_{v.name}"
             self.add_state(name, tuple(v.shape), reduction="sum", dtype=v.dtype)
             self._names.append(name)
+            self._inits.append(jnp.asarray(init, v.dtype))
 
     def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> State:
-        zeros = [jnp.zeros(self._specs[k].shape, self._specs[k].dtype) for k in self._names]
-        if self._per_row:
-            rows = jax.vmap(lambda t, p: self._update(zeros, t[None], p[None], None))(y_true, y_pred)
-            weight = jnp.ones(jnp.shape(y_true)[:1]) if sample_weight is None else sample_weight
-            new = [jnp.tensordot(weight, r, axes=1).astype(r.dtype) for r in rows]  # padding rows: weight 0
-        else:
-            new = self._update(zeros, y_true, y_pred, sample_weight)
-        return dict(zip(self._names, new))
+        if not self._per_row:
+            zeros = [jnp.zeros(self._specs[k].shape, self._specs[k].dtype) for k in self._names]
+            return dict(zip(self._names, self._update(zeros, y_true, y_pred, sample_weight)))
+        n = jnp.shape(y_true)[0]
+        weight = jnp.ones((n,), jnp.float32) if sample_weight is None else jnp.asarray(sample_weight, jnp.float32)
+        row_weight = weight if self._ignores_weight else None
+
+        def one(t: Any, p: Any, w: Any) -> list[Any]:
+            return self._update(self._inits, t[None], p[None], None if self._ignores_weight else w[None])
+
+        rows = jax.vmap(one)(y_true, y_pred, weight)
+        real = weight.reshape(n, -1)[:, 0] > 0  # padding rows: weight 0
+        out = {}
+        for name, r in zip(self._names, rows):
+            spec = self._specs[name]
+            if spec.reduction == "sum":
+                out[name] = (jnp.tensordot(row_weight, r, axes=1) if row_weight is not None
+                             else jnp.sum(r, axis=0)).astype(r.dtype)
+            else:
+                kept = jnp.where(real.reshape((n,) + (1,) * (r.ndim - 1)), r, jnp.asarray(spec.fill, r.dtype))
+                out[name] = (jnp.max if spec.reduction == "max" else jnp.min)(kept, axis=0)
+        return out
 
     def _update(self, state: list[Any], y_true: Any, y_pred: Any, sample_weight: Any) -> list[Any]:
         with warnings.catch_warnings(), own_update():  # the padding mask is a float weight; Keras' int counters warn

@@ -111,6 +111,12 @@ def _summed_update(metric: Any, update_state: Any, args: tuple[Any, ...], kwargs
         warnings.filterwarnings("ignore", message="You are passing weight as `float`")
         if len(args) == 2 and not kwargs:  # (y_true, y_pred): the Trainer's own wrapper, probes included
             wrapper = _wrapper(metric, args)
+            kept = [k for k, spec in wrapper.state_specs.items() if spec.reduction != "sum"]
+            if kept:
+                raise UsageError(
+                    f"Keras metric `{metric.name}` was updated inside `strategy.run`, but its variables {kept} keep "
+                    "a maximum or minimum, which lockstep's sum over the replicas would not give. Update it in "
+                    "`fit` / `evaluate`, or write it as a lockstep.metrics.Metric (add_state(..., reduction='max')).")
             state = wrapper.batch_state(*args, sample_weight=weight)
             deltas = [state[k] for k in wrapper._names]
         else:

@@ -5,12 +5,13 @@ import lockstep as ls
 strategy = ls.MultiWorkerMirroredStrategy()
 import keras, numpy as np
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the tests
-from test_keras_as_written import RMSE, WeightedMAE, X, Y_VALUE, WEIGHTS, regressor
+from test_keras_as_written import RMSE, WeightedMAE, X, Y_VALUE, WEIGHTS, counting_metrics, regressor
 with strategy.scope():
-    model = regressor([RMSE()], weighted_metrics=[WeightedMAE()], optimizer=keras.optimizers.Adam(0.01))
+    model = regressor([RMSE(), *counting_metrics()], weighted_metrics=[WeightedMAE()], optimizer=keras.optimizers.Adam(0.01))
 n = 194  # the last batch of 2 rows: worker 1's two replicas hold no real row
 history = ls.Trainer(model).fit(X[:n], Y_VALUE[:n], batch_size=16, epochs=2, shuffle=False, verbose=0,
-                                sample_weight=WEIGHTS[:n]).history
-print("RESULT", json.dumps({"history": history, "iterations": int(model.optimizer.iterations),
+                                sample_weight=WEIGHTS[:n], validation_data=(X[n:], Y_VALUE[n:])).history
+evaluated = model.evaluate(X[:n], Y_VALUE[:n], batch_size=16, verbose=0, return_dict=True)
+print("RESULT", json.dumps({"history": history, "evaluate": evaluated, "iterations": int(model.optimizer.iterations),
                             "optimizer": [np.asarray(v).tolist() for v in model.optimizer.variables],
                             "weights": [w.tolist() for w in model.get_weights()]}), flush=True)
