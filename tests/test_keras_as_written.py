@@ -11,6 +11,7 @@ from keras import ops
 import lockstep as ls
 from keras_reference import assert_logs_close, assert_weights_close
 from launching import WORKERS, launch_workers, output_of, rank_results
+from sharded_cases import sharded_strategy
 
 FULL = pytest.mark.full_suite  # variants `make test-full` adds (CI time)
 N, B = 203, 16  # 13 batches, the last of 11 rows: on 4 replicas 3, 3, 3, 2; on 3 replicas 4, 4, 3
@@ -609,3 +610,43 @@ def test_callbacks_read_and_assign_the_optimizer_as_in_keras():
     assert got_seen == want_seen and want_seen[:2] == [1, 2] and want_seen[13] == 0.001
     assert_logs_close(got_h, want_h, rtol=2e-5)
     assert_weights_close(got_w, want_w, atol=5e-6)
+
+
+class WritesWeights(keras.callbacks.Callback):
+    """A user's callback that reads and writes the model's variables during `fit`, as Keras users
+    do (weight clipping, re-initialising a layer, nudging a bias): assign, assign_add and a read."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == 2:
+            kernel = self.model.layers[0].kernel
+            kernel.assign(ops.clip(kernel, -0.3, 0.3))
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.read.append(np.asarray(self.model.layers[1].kernel.numpy()).copy())
+        self.model.layers[0].bias.assign(np.full((8,), 0.05 * (epoch + 1), np.float32))
+        self.model.layers[1].kernel.assign_add(np.full((8, 1), 0.01, np.float32))
+
+
+def _zero3():
+    return sharded_strategy((2, 4), 3, {".*dense.*/kernel": (None, "model")}, max_replicated_fraction=0.9,
+                            min_shard_size=1)
+
+
+@pytest.mark.parametrize("strategy", [lambda: ls.MirroredStrategy(1), lambda: ls.MirroredStrategy(4),
+                                      pytest.param(_zero3, id="zero3")])
+def test_what_a_callback_assigns_to_keras_variables_is_the_next_steps_weights(strategy):
+    """Before: `layer.bias.assign(...)` from a callback was discarded, and a read gave the weights
+    as they were before `fit`."""
+    keras_model, keras_writer = regressor(), WritesWeights()
+    want = keras_model.fit(X, Y_VALUE, batch_size=B, epochs=3, shuffle=False, verbose=0, callbacks=[keras_writer])
+    with (s := strategy()).scope():
+        model = regressor()
+    writer = WritesWeights()
+    got = model.fit(X, Y_VALUE, batch_size=B, epochs=3, shuffle=False, verbose=0, callbacks=[writer])
+    assert_logs_close(got.history, want.history)
+    assert_weights_close(writer.read, keras_writer.read)
+    assert_weights_close(model.get_weights(), keras_model.get_weights())

@@ -29,6 +29,10 @@ _HOOKS = [name for name in HOOKS if name != "on_train_exit"]
 _ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}  # Keras' own
 
 
+def _from_keras(cls: type) -> bool:
+    return cls.__module__.split(".")[0] == "keras"
+
+
 def _keras_classes(obj: Any) -> list[type]:
     return [c for c in type(obj).__mro__ if c.__module__.startswith("keras")]
 
@@ -228,9 +232,17 @@ class KerasCallback(Callback):
         self.state_name = f"keras.{type(callback).__name__}"  # its bookkeeping's name in backups
         if any(n in _WRITERS for n in names) and not is_chief():
             return  # a callback that only writes files or prints: worker 0's job
+        users = not all(_from_keras(c) for c in type(callback).__mro__[:-1]) or "LambdaCallback" in names
         for hook in _HOOKS:  # only the hooks it overrides: the others would cost a read of the logs a step
             if overrides(callback, hook):
-                setattr(self, hook, functools.partial(getattr(callback, hook)))
+                call = getattr(callback, hook)
+                setattr(self, hook, functools.partial(self._with_variables, call) if users else call)
+
+    def _with_variables(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
+        """A user's hook, which reads and assigns the Keras model's variables as in Keras' `fit`:
+        they hold the current weights, and what it assigns is the next step's."""
+        with self.trainer.keras_variables_current():
+            return hook(*args, **kwargs)
 
     def set_trainer(self, trainer: TrainerView) -> None:
         super().set_trainer(trainer)

@@ -122,6 +122,12 @@ class _FunctionalAdapter:
     def sync_to_model(self, params: Params) -> None:
         self._params = params
 
+    def lend(self, params: Params) -> None:
+        """No Keras variables to lend (see `_KerasAdapter.lend`)."""
+
+    def taken(self, lent: Any) -> Params | None:
+        return None
+
 
 class _KerasAdapter:
     """Drives a Keras 3 model through `stateless_call`; the Keras variables are kept in sync.
@@ -217,6 +223,26 @@ class _KerasAdapter:
             v.assign(held(value))
         for v, value in zip(self.model.non_trainable_variables, params["non_trainable"]):
             v.assign(held(value))
+
+    def _variables(self) -> list[Any]:
+        return [*self.model.trainable_variables, *self.model.non_trainable_variables]
+
+    def lend(self, params: Params) -> list[Any]:
+        """The Keras variables made to hold `params` as they lie on the devices (no copy), for a
+        user's code that reads or assigns them; returns what each holds, for `taken`."""
+        variables = self._variables()
+        for v, value in zip(variables, [*params["trainable"], *params["non_trainable"]]):
+            v.assign(value)
+        return [v.value for v in variables]
+
+    def taken(self, lent: list[Any]) -> Params | None:
+        """The variables' values when any was assigned since `lend` gave `lent` (else None)."""
+        variables = self._variables()
+        if len(variables) == len(lent) and all(v.value is x for v, x in zip(variables, lent)):
+            return None
+        values = [v.value for v in variables]
+        n = len(self.model.trainable_variables)
+        return {"trainable": values[:n], "non_trainable": values[n:]}
 
 
 def keras_paths(model: Any) -> dict[str, list[str]]:

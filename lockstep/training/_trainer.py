@@ -28,7 +28,7 @@ import optax
 
 from ..distribute import _scope
 from .. import losses as _losses
-from ..engine._cross_replica import broadcast_from_chief, held
+from ..engine._cross_replica import broadcast_from_chief
 from ..distribute._strategy import Strategy, get_strategy
 from ..callbacks import Callback, History, ProgbarLogger
 from ..callbacks._callback import is_chief
@@ -55,14 +55,7 @@ from ._input_shapes import InputCheck
 from ._labels import LabelCheck, checked
 from ._model import FunctionalModel, adapt, output_shape
 from ._outputs import shapes_of
-from ._optimizers import (
-    get_optimizer,
-    is_keras_optimizer,
-    learning_rate_of,
-    loss_scale_settings,
-    set_learning_rate,
-    to_keras,
-)
+from ._optimizers import get_optimizer, is_keras_optimizer, loss_scale_settings
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
 from ._placement import Replicated, placement_of
 from ._restore import fit_start, initial_state, placed, snapshot, take_up
@@ -71,12 +64,8 @@ from ._train_state import TrainState
 from ._state_names import state_names
 from ._step_runner import StepRunner, checked_accumulation
 from ._weight_files import WeightFiles
+from ._weights import TrainerWeights
 from ._steps import make_steps, unpack
-
-
-def _host(tree: Any) -> Any:
-    """`tree` on the host, but for arrays whose shards other workers hold (see `held`)."""
-    return jax.tree.map(held, tree)
 
 
 def _strategy_for(model: Any, given: Any) -> Strategy:
@@ -158,7 +147,7 @@ def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> Non
             "are weighted here.", UserWarning, stacklevel=3)
 
 
-class Trainer(WeightFiles):
+class Trainer(TrainerWeights, WeightFiles):
     """Trains, evaluates and predicts with a model on a strategy, Keras style.
 
     Every number it reports — losses, metrics, evaluation results, predictions, callback
@@ -422,39 +411,3 @@ class Trainer(WeightFiles):
         cblist.on_predict_end()
         return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 
-    # --- weights -----------------------------------------------------------------------------
-    def _require_built(self) -> None:
-        if self._state is None:
-            raise ValueError("the model has no weights yet: call `fit`, `evaluate` or `predict` first, or build "
-                             "the Keras model.")
-
-    def sync_model(self) -> None:
-        """Writes the trained weights (and a Keras optimizer's state) into the model object, as
-        Keras' `fit` leaves it; `fit` does it on every exit."""
-        self._adapter.sync_to_model(_host(self._placement.unpadded_params(self._state.params)))
-        to_keras(self._keras_optimizer, self._placement.unpadded_state(self._state.opt_state))
-
-    def get_weights(self) -> Any:
-        """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
-        if self._state is None and self._adapter.ready():
-            self._initial_state(self._adapter.build(None))
-        self._require_built()
-        return self._adapter.get_weights(_host(self._placement.unpadded_params(self._state.params)))
-
-    def set_weights(self, weights: Any) -> None:
-        """Replaces the weights (same structure as `get_weights`); a Keras model is kept in sync."""
-        self.get_weights()
-        params = self._adapter.set_weights(_host(self._placement.unpadded_params(self._state.params)), weights)
-        self._state = self._state.replace(params=self._placement.params(params))
-        self._adapter.sync_to_model(params)
-
-    @property
-    def learning_rate(self) -> float:
-        """The optimizer's current learning rate (named optimizers, or optax.inject_hyperparams)."""
-        self._require_built()
-        return float(np.asarray(learning_rate_of(self._state.opt_state)))
-
-    @learning_rate.setter
-    def learning_rate(self, value: float) -> None:
-        self._require_built()
-        set_learning_rate(self._state.opt_state, value, self._engine.put_replicated)

@@ -1,0 +1,80 @@
+"""`TrainerWeights`: the model's weights as a `Trainer` keeps them — read and written as NumPy
+(`get_weights` / `set_weights`), written back into the model object (`sync_model`), lent to the
+Keras variables while a user's callback runs (`keras_variables_current`), and the optimizer's
+learning rate. A part of `Trainer`, on the state it holds.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..engine._cross_replica import held
+from ._optimizers import learning_rate_of, set_learning_rate, to_keras
+
+
+def host_tree(tree: Any) -> Any:
+    """`tree` on the host, but for arrays whose shards other workers hold (see `held`)."""
+    return jax.tree.map(held, tree)
+
+
+class TrainerWeights:
+    """The weights' methods of `Trainer` (which sets the attributes below)."""
+
+    _state: Any
+    _adapter: Any
+    _placement: Any
+    _engine: Any
+    _keras_optimizer: Any
+
+    def _initial_state(self, params: Any) -> None:
+        raise NotImplementedError
+
+    def _require_built(self) -> None:
+        if self._state is None:
+            raise ValueError("the model has no weights yet: call `fit`, `evaluate` or `predict` first, or build "
+                             "the Keras model.")
+
+    def sync_model(self) -> None:
+        """Writes the trained weights (and a Keras optimizer's state) into the model object, as
+        Keras' `fit` leaves it; `fit` does it on every exit."""
+        self._adapter.sync_to_model(host_tree(self._placement.unpadded_params(self._state.params)))
+        to_keras(self._keras_optimizer, self._placement.unpadded_state(self._state.opt_state))
+
+    @contextlib.contextmanager
+    def keras_variables_current(self) -> Iterator[None]:
+        """Inside: the Keras model's variables hold the current weights (as they lie on the devices),
+        and what user code assigns to them (`layer.kernel.assign(...)`) is the next step's."""
+        lent = None if self._state is None else self._adapter.lend(self._placement.unpadded_params(self._state.params))
+        yield
+        if lent is not None and (params := self._adapter.taken(lent)) is not None:
+            self._state = self._state.replace(params=self._placement.params(params))
+
+    def get_weights(self) -> Any:
+        """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
+        if self._state is None and self._adapter.ready():
+            self._initial_state(self._adapter.build(None))
+        self._require_built()
+        return self._adapter.get_weights(host_tree(self._placement.unpadded_params(self._state.params)))
+
+    def set_weights(self, weights: Any) -> None:
+        """Replaces the weights (same structure as `get_weights`); a Keras model is kept in sync."""
+        self.get_weights()
+        params = self._adapter.set_weights(host_tree(self._placement.unpadded_params(self._state.params)), weights)
+        self._state = self._state.replace(params=self._placement.params(params))
+        self._adapter.sync_to_model(params)
+
+    @property
+    def learning_rate(self) -> float:
+        """The optimizer's current learning rate (named optimizers, or optax.inject_hyperparams)."""
+        self._require_built()
+        return float(np.asarray(learning_rate_of(self._state.opt_state)))
+
+    @learning_rate.setter
+    def learning_rate(self, value: float) -> None:
+        self._require_built()
+        set_learning_rate(self._state.opt_state, value, self._engine.put_replicated)
