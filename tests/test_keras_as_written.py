@@ -650,3 +650,56 @@ def test_what_a_callback_assigns_to_keras_variables_is_the_next_steps_weights(st
     assert_logs_close(got.history, want.history)
     assert_weights_close(writer.read, keras_writer.read)
     assert_weights_close(model.get_weights(), keras_model.get_weights())
+
+
+class WithL2(keras.Sequential):
+    """A model overriding `compute_loss` (JAX signature) to add an L2 penalty, as Keras users write."""
+
+    def compute_loss(self, x=None, y=None, y_pred=None, sample_weight=None, training=True):
+        loss = super().compute_loss(x, y, y_pred, sample_weight, training)
+        return loss + 0.1 * ops.sum(ops.square(self.layers[0].kernel))
+
+
+class TimesTen(keras.Sequential):
+    """A model overriding `predict_step` (JAX signature)."""
+
+    def predict_step(self, state, data):
+        outputs, non_trainable = super().predict_step(state, data)
+        return outputs * 10, non_trainable
+
+
+class OwnTrainStep(keras.Sequential):
+    def train_step(self, state, data):
+        return super().train_step(state, data)
+
+
+class OwnTestStep(keras.Sequential):
+    def test_step(self, state, data):
+        return super().test_step(state, data)
+
+
+class OwnMetrics(keras.Sequential):
+    def compute_metrics(self, x, y, y_pred, sample_weight=None):
+        return super().compute_metrics(x, y, y_pred, sample_weight)
+
+
+@pytest.mark.parametrize("cls, method", [(WithL2, "compute_loss"), (TimesTen, "predict_step"),
+                                         (OwnTrainStep, "train_step"), (OwnTestStep, "test_step"),
+                                         (OwnMetrics, "compute_metrics")])
+def test_an_overridden_keras_step_is_refused_naming_it_before_any_step(cls, method):
+    """Before: the override was never called and the numbers were the standard step's (compute_loss
+    with an L2 term: loss 1.3886 vs Keras 2.3592; predict_step x10: 5.0 vs 50.0)."""
+    with ls.MirroredStrategy(2).scope():
+        keras.utils.set_random_seed(0)
+        model = cls([keras.Input((5,)), keras.layers.Dense(1)])
+        model.compile(optimizer="sgd", loss="mse")
+    before = [w.copy() for w in model.get_weights()]
+    for call in (lambda: model.fit(X, Y_VALUE, verbose=0), lambda: model.evaluate(X, Y_VALUE, verbose=0),
+                 lambda: model.predict(X, verbose=0)):
+        with pytest.raises(ValueError, match=rf"the model overrides `{cls.__name__}.{method}`: lockstep's fit / "
+                                             rf"evaluate / predict run their own distributed step"):
+            call()
+    assert_weights_close(model.get_weights(), before)
+    reference = cls([keras.Input((5,)), keras.layers.Dense(1)])  # Keras' own fit still runs it off the strategy
+    reference.compile(optimizer="sgd", loss="mse")
+    reference.fit(X[:8], Y_VALUE[:8], verbose=0)

@@ -66,9 +66,39 @@ def _masked_penalty(layer: Any, regularizer: Any, x: Any) -> jax.Array:
     return regularizer(real) * scale.astype(jnp.result_type(real.dtype, jnp.float32))
 
 
+#: Keras' step methods a model may override, and where what the override does belongs in lockstep
+_STEPS = {
+    "train_step": "a loss function in compile(loss=...), a layer's add_loss, or a custom loop with strategy.run",
+    "test_step": "metrics in compile(metrics=...) (a keras.metrics.Metric subclass for your own)",
+    "predict_step": "post-processing of model.predict's outputs, or a layer at the model's end",
+    "compute_loss": "a loss function of (y_true, y_pred) in compile(loss=...), or a layer's add_loss / a "
+                    "kernel_regularizer for terms on the weights",
+    "compute_metrics": "metrics in compile(metrics=...) (a keras.metrics.Metric subclass for your own)",
+}
+
+
+def overridden_steps(model: Any) -> list[str]:
+    """The Keras step methods `model`'s class (or a base of it outside Keras) overrides."""
+    out = []
+    for name in _STEPS:
+        owner = next((c for c in type(model).__mro__ if name in vars(c)), None)
+        if owner is not None and owner.__module__.split(".")[0] != "keras":
+            out.append(f"{owner.__name__}.{name}")
+    return out
+
+
 def check_supported(model: Any) -> None:
-    """Raises for a layer lockstep cannot run exactly: a stateful recurrent layer carries each
-    row's state to the same row of the next batch, but rows move between replicas."""
+    """Raises for what lockstep cannot run as Keras does: an overridden `train_step`, `test_step`,
+    `predict_step`, `compute_loss` or `compute_metrics` (lockstep's distributed step would not call
+    it), or a stateful recurrent layer (it carries each row's state to the same row of the next
+    batch, but rows move between replicas)."""
+    overridden = overridden_steps(model)
+    if overridden:
+        where = "; ".join(f"for {name.split('.')[1]}: {_STEPS[name.split('.')[1]]}" for name in overridden)
+        raise ValueError(
+            f"the model overrides {', '.join(f'`{n}`' for n in overridden)}: lockstep's fit / evaluate / predict run "
+            "their own distributed step, exact on any number of replicas, which would not call it, so the numbers "
+            f"would differ from Keras'. Say the same another way: {where}.")
     for layer in _layers(model):
         if getattr(layer, "stateful", False):
             raise ValueError(f"layer {layer.name!r} ({type(layer).__name__}) is stateful: its state carries each row "
