@@ -703,3 +703,79 @@ def test_an_overridden_keras_step_is_refused_naming_it_before_any_step(cls, meth
     reference = cls([keras.Input((5,)), keras.layers.Dense(1)])  # Keras' own fit still runs it off the strategy
     reference.compile(optimizer="sgd", loss="mse")
     reference.fit(X[:8], Y_VALUE[:8], verbose=0)
+
+
+class Batches(keras.utils.PyDataset):
+    """A user's PyDataset of `B`-row batches of X; it records the batches read and its epoch ends.
+    `order` replays a given order of batches."""
+
+    def __init__(self, order=None):
+        super().__init__()
+        self.order, self.read, self.epochs_ended = order, [], 0
+
+    def __len__(self):
+        return -(-N // B)
+
+    def __getitem__(self, i):
+        self.read.append(i)
+        j = i if self.order is None else self.order[i]
+        return X[j * B:(j + 1) * B], Y_VALUE[j * B:(j + 1) * B]
+
+    def on_epoch_end(self):
+        self.epochs_ended += 1
+
+
+@pytest.mark.parametrize("replicas", [1, 4])
+def test_a_py_dataset_is_shuffled_by_batch_as_keras_shuffles_it(replicas):
+    """Before: `fit(py_dataset)` ignored its default shuffle=True (Keras shuffles the order of the
+    batches each epoch) and never called the dataset's on_epoch_end."""
+    with ls.MirroredStrategy(replicas).scope():
+        model = regressor()
+    data, epochs, n = Batches(), 3, -(-N // B)
+    history = model.fit(data, epochs=epochs, verbose=0).history
+    orders = [data.read[-n * (epochs - e):][:n] for e in range(epochs)]
+    assert all(sorted(o) == list(range(n)) for o in orders) and len({tuple(o) for o in orders}) == epochs
+    assert data.epochs_ended == epochs
+    keras_model = regressor()  # Keras' own fit on the same orders of batches
+    replay = Batches(order=[i for o in orders for i in o])
+    want = {k: [] for k in history}
+    for e in range(epochs):
+        replay.order = orders[e]
+        for k, v in keras_model.fit(replay, epochs=1, shuffle=False, verbose=0).history.items():
+            want[k] += v
+    assert_logs_close(history, want)
+    assert_weights_close(model.get_weights(), keras_model.get_weights())
+    unshuffled = Batches()
+    model.fit(unshuffled, epochs=1, shuffle=False, verbose=0)
+    assert unshuffled.read[-n:] == list(range(n))
+
+
+def two_inputs():
+    keras.utils.set_random_seed(0)
+    a, b = keras.Input((3,), name="a"), keras.Input((2,), name="b")
+    model = keras.Model({"a": a, "b": b}, keras.layers.Dense(1)(keras.layers.Concatenate()([a, b])))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("x, message", [
+    ({"a": X[:, :3], "B": X[:, 3:]}, r'Missing data for input "b". You passed a data dictionary with keys'),
+    ({"a": X[:, :3]}, r'Missing data for input "b"'),
+    ([X[:, 3:], X[:, :3]], r"Input 0 with name 'a' of layer .* is incompatible with the layer: expected shape=\(None, "
+                           r"3\), found shape=\(16, 2\)")])
+def test_inputs_are_checked_by_name_and_structure_as_keras_checks_them_before_any_step(x, message):
+    """Before: a misspelled key ("B" for "b") or a list [xb, xa] for a dict-input model trained on
+    misassigned inputs."""
+    with pytest.raises(ValueError, match=message):
+        two_inputs().fit(x, Y_VALUE, batch_size=B, verbose=0)  # Keras' own
+    with ls.MirroredStrategy(4).scope():
+        model = two_inputs()
+    before = model.get_weights()
+    with pytest.raises(ValueError, match=r"`x` does not fit the model's inputs: " + message):
+        model.fit(x, Y_VALUE, batch_size=B, verbose=0)
+    assert_weights_close(model.get_weights(), before)
+    extra = {"a": X[:, :3], "b": X[:, 3:], "c": X}  # a key the model does not name is left out, as by Keras
+    with pytest.warns(UserWarning, match="structure of `inputs` doesn't match"):  # Keras' warning, in both
+        got = model.fit(extra, Y_VALUE, batch_size=B, shuffle=False, verbose=0).history
+        want = two_inputs().fit(extra, Y_VALUE, batch_size=B, shuffle=False, verbose=0).history
+    assert_logs_close(got, want)

@@ -16,6 +16,7 @@ from typing import Any
 
 from ._adapter import DataAdapter, IterableBatches, Regenerated
 from ._indexed import IndexedBatches
+from ._py_dataset import PyDatasetBatches
 from ._tf_batches import TFDatasetBatches
 from ._worker_pipeline import WorkerPipeline
 
@@ -42,6 +43,11 @@ def adapt(x: Any, y: Any = None, sample_weight: Any = None, batch_size: int | No
             raise ValueError(f"when `{arg}` is a {type(x).__name__} of samples, `y` and `sample_weight` must be None "
                              "(each sample carries them).")
         return IndexedBatches(x, 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
+    if PyDatasetBatches.accepts(x):  # a keras.utils.PyDataset of global batches, read by index
+        if labels_given or batch_size is not None:
+            raise ValueError(f"when `{arg}` is a keras.utils.PyDataset, `y`, `sample_weight` and `batch_size` must be "
+                             "None (as in Keras: its batches carry them).")
+        return PyDatasetBatches(x, shuffle=shuffle, seed=seed)
     if TFDatasetBatches.accepts(x):  # a tf.data.Dataset of global batches: each worker converts its rows
         if labels_given or batch_size is not None:
             raise ValueError(f"when `{arg}` is a tf.data dataset, `y`, `sample_weight` and `batch_size` must be None "

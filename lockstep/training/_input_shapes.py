@@ -42,8 +42,9 @@ class InputCheck:
     ValueError: `validation_data` has samples of shape (5,), which the model cannot take: it took samples of shape (4,) (dot_general requires contracting dimensions to have the same shape, got (5,) and (4,).)
     """
 
-    def __init__(self, apply: Callable[[Any, Any], Any]):
+    def __init__(self, apply: Callable[[Any, Any], Any], structure: Callable[[Any], None] | None = None):
         self._apply = apply
+        self._structure = structure  # the model's own check of names, count and shapes (Keras' input_spec)
         self._taken: set[Any] = set()
         self._first: Any = None
 
@@ -57,6 +58,11 @@ class InputCheck:
         if any(np.ndim(a) == 0 for a in leaves):
             raise ValueError(f"`{arg}`{where} holds a scalar where a batch of samples belongs (shapes "
                              f"{jax.tree.map(np.shape, x)}).")
+        if self._structure is not None:
+            try:
+                self._structure(x)
+            except ValueError as e:
+                raise ValueError(f"`{arg}`{where} does not fit the model's inputs: {e}") from e
         try:
             jax.eval_shape(self._apply, params, _spec(x))
         except (TypeError, ValueError) as e:

@@ -122,6 +122,9 @@ class _FunctionalAdapter:
     def sync_to_model(self, params: Params) -> None:
         self._params = params
 
+    def check_input(self, x: Any) -> None:
+        """Nothing to check beyond what `apply` takes (see `_KerasAdapter.check_input`)."""
+
     def lend(self, params: Params) -> None:
         """No Keras variables to lend (see `_KerasAdapter.lend`)."""
 
@@ -223,6 +226,16 @@ class _KerasAdapter:
             v.assign(held(value))
         for v, value in zip(self.model.non_trainable_variables, params["non_trainable"]):
             v.assign(held(value))
+
+    def check_input(self, x: Any) -> None:
+        """Keras' own check of a batch against the model's inputs (a dict's keys by the inputs'
+        names, their number and shapes), which `stateless_call` skips: a misspelled key or a list in
+        another order is Keras' ValueError, not inputs silently taken in another order."""
+        from keras.src.layers.input_spec import assert_input_compatibility  # what Layer.__call__ runs
+
+        spec = self.model.input_spec
+        if spec:
+            assert_input_compatibility(spec, x, self.model.name)
 
     def _variables(self) -> list[Any]:
         return [*self.model.trainable_variables, *self.model.non_trainable_variables]

@@ -199,7 +199,8 @@ class Trainer(TrainerWeights, WeightFiles):
             self._optimizer = with_loss_scaling(self._optimizer, *loss_scale_settings(optimizer))
         self._loss_fn = _losses.get(loss)
         self._labels = LabelCheck(loss)  # labels checked on the host against a named loss
-        self._inputs = InputCheck(lambda p, x: self._placement.on_stored(self._adapter.apply)(p, x, False)[0])
+        self._inputs = InputCheck(lambda p, x: self._placement.on_stored(self._adapter.apply)(p, x, False)[0],
+                                  self._adapter.check_input)
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._runner: StepRunner | None = None  # the compiled steps, once the model is built
         self._placement: Replicated = Replicated(self._engine, self._optimizer)  # where the state lies, once built
