@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+from ..cluster._multi_worker import any_worker
 from ._callback import HOOKS, Callback
 from ._keras_callback import as_lockstep, is_keras_callback, overrides
 from ._progbar import ProgbarLogger
@@ -14,14 +15,16 @@ from ._trainer_view import TrainerView
 class CallbackList:
     """Calls every hook on every callback, in order (callbacks marked `runs_last`, the backups, last).
 
-    `reads[hook]` says, alike on every worker, whether anything reads the batch logs at `hook`."""
+    `reads[hook]` says, alike on every worker, whether anything on any worker reads the batch logs
+    at `hook` (the workers' logs are a collective, which all of them join)."""
 
     def __init__(self, callbacks: Iterable[Callback], trainer: TrainerView, params: dict[str, Any] | None = None):
         callbacks = list(callbacks)
         # the progress bar is worker 0's alone: `verbose` stands for it on every worker
         given = [cb for cb in callbacks if not isinstance(cb, ProgbarLogger)]
-        self.reads = {hook: reads_batch_logs(given, hook, (params or {}).get("verbose", 0))
-                      for hook in ("on_train_batch_end", "on_test_batch_end")}
+        self.reads = any_worker("the callbacks' reading of the batch logs", {  # a progress bar on worker 0 alone
+            hook: reads_batch_logs(given, hook, (params or {}).get("verbose", 0))
+            for hook in ("on_train_batch_end", "on_test_batch_end")})
         self.callbacks = [as_lockstep(cb) if is_keras_callback(cb) else cb for cb in callbacks]
         # those that back up the training state last, so the backup holds what the others did at that step
         self.callbacks.sort(key=lambda cb: bool(getattr(cb, "runs_last", False)))

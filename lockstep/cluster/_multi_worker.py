@@ -29,7 +29,6 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -191,6 +190,24 @@ _INITIALIZED: list[ClusterResolver] = []
 _AGREEMENT: list[ProgramAgreement] = []
 
 
+def agree_on(what: str, values: dict[str, Any]) -> None:
+    """In a job of several workers, checks that every worker has the same `values` at `what` (a
+    point every worker reaches: a `fit`'s start); `WorkersDisagreeError` names the first that
+    differs. Nothing to compare for one worker."""
+    if _AGREEMENT:
+        _AGREEMENT[0].check_values(what, values)
+
+
+def any_worker(what: str, flags: dict[str, bool]) -> dict[str, bool]:
+    """Each of `flags` true where it is true on any worker of the job (at `what`, a point every
+    worker reaches): a decision that must be taken alike, from settings that may differ (a
+    progress bar on worker 0 alone)."""
+    if not _AGREEMENT:
+        return flags
+    every = _AGREEMENT[0].gather(what, flags)
+    return {k: any(bool(f.get(k)) for f in every) for k in flags}
+
+
 def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
     if _INITIALIZED:
         prev = _INITIALIZED[0]
@@ -259,7 +276,7 @@ def _not_joined(resolver: ClusterResolver, seconds: float) -> None:
 
 
 def join(cluster_resolver: ClusterResolver | None = None, failure_timeout: float | None = None
-         ) -> tuple[ClusterResolver, float, Callable[[str], None] | None]:
+         ) -> tuple[ClusterResolver, float, ProgramAgreement | None]:
     """Joins this process to the job's other workers (once a process; a multi-worker strategy
     calls it before it looks at the devices): `cluster_resolver`, or the one the environment
     describes (LOCKSTEP_*, TF_CONFIG, SLURM); none is a job of one worker, this process.
@@ -288,7 +305,7 @@ def join(cluster_resolver: ClusterResolver | None = None, failure_timeout: float
         sys.excepthook = _exit_at_once(sys.excepthook)
         _AGREEMENT.append(ProgramAgreement(resolver.process_id, resolver.num_processes, failure_timeout))
     # one numbering of new programs per process, whatever the number of strategies
-    return resolver, failure_timeout, (_AGREEMENT[0].check if _AGREEMENT else None)
+    return resolver, failure_timeout, (_AGREEMENT[0] if _AGREEMENT else None)
 
 
 class MultiWorkerMirroredStrategy(Strategy):
@@ -317,10 +334,10 @@ class MultiWorkerMirroredStrategy(Strategy):
         self.communication_options = checked_communication_options(communication_options)
         if failure_timeout is None and communication_options is not None:
             failure_timeout = communication_options.timeout_seconds  # TF's collective timeout
-        self.cluster_resolver, self.failure_timeout, check = join(cluster_resolver, failure_timeout)
+        self.cluster_resolver, self.failure_timeout, agreement = join(cluster_resolver, failure_timeout)
         super().__init__(jax.devices())
-        if check is not None:
-            self.extended.agree_on_programs(check)
+        if agreement is not None:
+            self.extended.agree_on_programs(agreement)
 
     @property
     def num_workers(self) -> int:

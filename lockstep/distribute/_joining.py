@@ -12,13 +12,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-#: ``join(cluster_resolver, failure_timeout) -> (cluster, failure_timeout, program check or None)``
-JOIN_HOOKS: list[Callable[[Any, float | None], tuple[Any, float, Callable[[str], None] | None]]] = []
+#: ``join(cluster_resolver, failure_timeout) -> (cluster, failure_timeout, the workers' agreement or None)``
+JOIN_HOOKS: list[Callable[[Any, float | None], tuple[Any, float, Any]]] = []
 
 
 def join(cluster_resolver: Any, failure_timeout: float | None) -> tuple[Any, float | None, Any]:
     """This process joined to its job's workers (`cluster_resolver`, or the environment's): the
-    cluster, the failure timeout and the workers' check on each new program (None: one worker)."""
+    cluster, the failure timeout and the workers' agreement (`check(description)` of each new
+    program, `check_values(what, values)`; None: one worker)."""
     if not JOIN_HOOKS:
         return None, failure_timeout, None
     return JOIN_HOOKS[0](cluster_resolver, failure_timeout)

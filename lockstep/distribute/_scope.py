@@ -138,6 +138,7 @@ def _keras_data_parallel(keras: Any) -> type:
             strategy: Any = None  # a weak reference to the scope's strategy
 
             def get_variable_layout(self, variable: Any) -> Any:
+                _MAKING[:] = [getattr(variable, "path", None) or getattr(variable, "name", "?")]
                 if self.strategy is not None:  # the variable was made in this strategy's scope
                     key = id(variable)
                     _BUILT_IN[key] = (weakref.ref(variable, lambda _: _BUILT_IN.pop(key, None)), self.strategy)
@@ -156,12 +157,15 @@ def _keras_data_parallel(keras: Any) -> type:
 
 
 _PUT: dict[str, Any] = {}
+_MAKING: list[str] = []  # the path of the Keras variable being made (its value is placed next)
 
 
 def _values_from_worker_0(keras: Any) -> None:
     """Keras variables created (or assigned from the host) on devices of several workers take
     worker 0's value, as TF's multi-worker variables do (JAX would otherwise require every worker
-    to hold the same value: an unseeded initialiser fails). Installed once; a no-op in one process."""
+    to hold the same value: an unseeded initialiser fails). A scalar (a learning rate, a momentum:
+    a setting, never drawn at random) is compared instead: `WorkersDisagreeError` names it and every
+    worker's value. Installed once; a no-op in one process."""
     if _PUT:
         return
     try:
@@ -182,9 +186,26 @@ def _values_from_worker_0(keras: Any) -> None:
 
             from ..engine._cross_replica import broadcast_from_chief
 
-            tensor = broadcast_from_chief(np.asarray(tensor))
+            value = np.asarray(tensor)
+            tensor = _same_on_every_worker(value) if value.ndim == 0 else broadcast_from_chief(value)
         return original(tensor, layout)
     distribution_lib.distribute_tensor = distribute_tensor
+
+
+def _same_on_every_worker(value: Any) -> Any:
+    """A scalar Keras variable's `value`, which every worker must give alike (a collective)."""
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    every = np.asarray(multihost_utils.process_allgather(value.astype(np.float64))).ravel().tolist()
+    if any(v != every[0] and not (v != v and every[0] != every[0]) for v in every):
+        from .._errors import WorkersDisagreeError
+
+        raise WorkersDisagreeError(
+            f"the workers made the Keras variable {_MAKING[0] if _MAKING else '?'!r} (a scalar: a setting such as a "
+            f"learning rate) with other values: {every}, in worker order. Every worker of a job runs the same script "
+            "with the same settings; give it the same value on every worker.")
+    return value
 
 
 def _spans_workers(sharding: Any) -> bool:

@@ -65,12 +65,12 @@ class ShardedStrategy(Strategy):
         device_mesh = as_mesh(mesh)
         # a mesh whose devices are still to be found spans the job's workers: join them first
         joins = cluster_resolver is not None or not device_mesh.resolved
-        self.cluster_resolver, self.failure_timeout, check = (join(cluster_resolver, failure_timeout) if joins
+        self.cluster_resolver, self.failure_timeout, agreement = (join(cluster_resolver, failure_timeout) if joins
                                                               else (None, failure_timeout, None))
         if batch_dim_name not in device_mesh.axis_names:
             raise UsageError(f"`batch_dim_name` {batch_dim_name!r} is not an axis of the mesh, whose axes are "
                              f"{device_mesh.axis_names}.")
-        if check is None and any(d.process_index != jax.process_index() for d in device_mesh.devices.flat):
+        if agreement is None and any(d.process_index != jax.process_index() for d in device_mesh.devices.flat):
             raise UsageError("the mesh spans several processes that did not join through lockstep: start the workers "
                              "with `lockstep launch` (or set LOCKSTEP_*, TF_CONFIG or SLURM, or pass "
                              "`cluster_resolver`), build the mesh as ls.DeviceMesh(shape, axis_names) without "
@@ -82,8 +82,8 @@ class ShardedStrategy(Strategy):
         self.device_mesh = device_mesh
         self.zero_stage = zero_stage
         super().__init__(mesh=device_mesh.jax_mesh, batch_axis=batch_dim_name, sharding=config)
-        if check is not None:
-            self.extended.agree_on_programs(check)
+        if agreement is not None:
+            self.extended.agree_on_programs(agreement)
 
     @property
     def num_workers(self) -> int:

@@ -82,10 +82,13 @@ class Engine:
         copy of each where the mesh has other axes)."""
         return tuple(s.data[0] for s in _one_copy_each(stacked))
 
-    def agree_on_programs(self, check: Callable[[str], None] | None) -> None:
-        """Calls `check(description)` before each new compiled program runs (the workers of a
-        multi-worker strategy check that they all run the same one)."""
-        self._compiler.agree_with(check)
+    def agree_on_programs(self, agreement: Any) -> None:
+        """Calls `agreement.check(description)` before each new compiled program runs (the workers
+        of a multi-worker strategy check that they all run the same one), and
+        `agreement.check_values(what, values)` at the end of each pass over global batches (their
+        checksums: every worker read the same batches)."""
+        self._compiler.agree_with(agreement.check)
+        self.distributor.agree_on_values = agreement.check_values
 
     def put_replicated(self, x: Any) -> Any:
         """`x` (a pytree of arrays) copied to every device (NumPy leaves stay exact)."""

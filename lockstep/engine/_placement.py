@@ -6,7 +6,7 @@ worker keeping only its replicas' rows (`BatchDistributor`), and the placed batc
 from __future__ import annotations
 
 import collections
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -15,7 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._cross_replica import allgather_sizes, batch_digests
-from ._layout import BatchRows, StepInfo, batch_length, pad_and_mask, padded_per_replica, rows_digest, to_numpy
+from ._layout import (BatchRows, StepInfo, batch_checksum, batch_length, pad_and_mask, padded_per_replica, rows_digest,
+                      to_numpy)
 from ._prefetch import prefetch, prefetch_depth
 
 
@@ -156,6 +157,8 @@ class BatchDistributor:
         self.replicas_per_process = [per_process[p] for p in range(jax.process_count())]
         self._counts: dict[int, jax.Array] = {}
         self._layouts: dict[Any, tuple[jax.Array, StepInfo, jax.Array]] = {}
+        #: `(what, values)` -> None, raising where the workers' values differ (several workers)
+        self.agree_on_values: Callable[[str, dict[str, Any]], None] | None = None
 
     def put_replicated(self, x: Any) -> Any:
         """`x` (a pytree) copied to every device."""
@@ -235,13 +238,23 @@ class BatchDistributor:
         return batches
 
     def _global_batches(self, source: Iterable[Any], padded: int | None) -> Iterator[DistributedBatch]:
+        """Each worker reads the whole global batches and keeps its rows: with several workers the
+        first batch is compared at once, the others by their checksums at the pass's end (one
+        exchange a pass), so batches that differ after the first are named, not mixed."""
+        checksums: dict[str, int] = {}
         for i, batch in enumerate(source):
-            if i == 0 and jax.process_count() > 1 and not isinstance(batch, BatchRows):
-                check_same_first_batch(batch)
+            if jax.process_count() > 1 and not isinstance(batch, BatchRows):
+                if i == 0:
+                    check_same_first_batch(batch)
+                else:
+                    checksums[f"batch {i + 1}"] = batch_checksum(jax.tree.leaves(batch))
             dist = self.global_batch(batch, padded)
             if padded is None:
                 padded = dist.step.padded_size
             yield dist
+        if checksums and self.agree_on_values is not None:
+            self.agree_on_values("the batches of a pass (checksums; an iterable of global batches must give the same "
+                                 "batches on every worker)", checksums)
 
     def local_batches(self, dataset: Iterable[Any]) -> Iterator[DistributedBatch]:
         """Per-worker pipelines: agree on sizes each step; a finished worker sends padding only."""

@@ -26,6 +26,7 @@ import jax
 import numpy as np
 import optax
 
+from ..cluster._multi_worker import agree_on
 from ..distribute import _scope
 from .. import losses as _losses
 from ..engine._cross_replica import broadcast_from_chief
@@ -65,6 +66,7 @@ from ._state_names import state_names
 from ._step_runner import StepRunner, checked_accumulation
 from ._weight_files import WeightFiles
 from ._weights import TrainerWeights
+from ._worker_settings import fit_settings
 from ._steps import make_steps, unpack
 
 
@@ -185,6 +187,7 @@ class Trainer(TrainerWeights, WeightFiles):
                  gradient_accumulation_steps: int = 1, dtype_policy: str | None = None,
                  steps_per_execution: int | None = None):
         self._accumulation = checked_accumulation(gradient_accumulation_steps)
+        self.seed = seed
         self.steps_per_execution = compiled_steps_per_execution(model, steps_per_execution)
         self.strategy = _strategy_for(model, strategy)
         self.model = model
@@ -302,6 +305,11 @@ class Trainer(TrainerWeights, WeightFiles):
           ValueError: `x` and `y` of different lengths, `validation_split` outside [0, 1), ...
         """
         _check_fit_args(epochs, validation_split, steps_per_epoch, verbose)
+        agree_on("the settings of fit", fit_settings(self, dict(  # several workers: all the same, before any step
+            epochs=epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, batch_size=batch_size,
+            shuffle=shuffle, seed=seed, class_weight=class_weight, validation_split=validation_split,
+            validation_freq=validation_freq, validation_steps=validation_steps, validation_batch_size=validation_batch_size,
+            gradient_accumulation_steps=self._accumulation, model_seed=self.seed)))
         _note_weighted_metrics(sample_weight, self._metrics)
         if validation_split:
             x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split,
@@ -388,6 +396,7 @@ class Trainer(TrainerWeights, WeightFiles):
         Returns:
           ``{"loss": ..., <metric name>: ...}`` (a list in that order if `return_dict` is False).
         """
+        agree_on("the settings of evaluate", fit_settings(self, dict(batch_size=batch_size, steps=steps)))
         data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
         _note_weighted_metrics(sample_weight, self._metrics)
         cblist = CallbackList(list(callbacks or []), self)
@@ -399,6 +408,7 @@ class Trainer(TrainerWeights, WeightFiles):
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0,
                 callbacks: Iterable[Callback] | None = None) -> Any:
         """The model's outputs for every sample: exactly `len(x)` rows, in input order (NumPy)."""
+        agree_on("the settings of predict", fit_settings(self, dict(batch_size=batch_size)))
         data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
         first = first_batch(data)
         data = checked(data, LabelCheck(None), None, "x", inputs=self._build(first, "x"))

@@ -1,0 +1,60 @@
+"""Two workers whose settings differ in one thing at a time (worker 1 the odd one), each case in
+turn in the same processes: every case must end in WorkersDisagreeError on both workers, naming
+what differs, before a step mixes two trainings; then a fit where only worker 0 shows a progress
+bar (verbose=1, a TF habit) trains. Each worker prints one RESULT: case -> the error's text."""
+import json
+import os
+
+os.environ.setdefault("KERAS_BACKEND", "jax")
+import lockstep as ls  # noqa: E402
+
+strategy = ls.MultiWorkerMirroredStrategy()
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+odd = strategy.worker_index == 1
+rng = np.random.default_rng(0)
+x, y = rng.normal(size=(40, 4)).astype("float32"), rng.normal(size=(40, 1)).astype("float32")
+
+
+def model(lr=0.01, on=strategy):
+    with on.scope():
+        keras.utils.set_random_seed(0)
+        m = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, name="hidden"), keras.layers.Dense(1, name="out")])
+        m.compile(keras.optimizers.SGD(lr), "mse")
+    return m
+
+
+def sharded(stage, rules):
+    mesh = ls.DeviceMesh((2, 2), ("batch", "model"))  # each worker's 2 devices: one replica, split in 2
+    layout = ls.LayoutMap(mesh)
+    for key, axes in rules.items():
+        layout[key] = axes
+    return ls.ShardedStrategy(mesh=mesh, layout_map=layout, batch_dim_name="batch", zero_stage=stage, min_shard_size=1,
+                              max_replicated_fraction=1.0)
+
+
+batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 40, 8)]
+other = list(batches)
+other[2] = (x[16:24] + 1, y[16:24])  # worker 1's third batch differs
+hidden = {".*hidden/kernel": (None, "model")}
+cases = {
+    "epochs": lambda: model().fit(x, y, batch_size=8, epochs=3 if odd else 2, verbose=0),
+    "shuffle": lambda: model().fit(x, y, batch_size=8, shuffle=odd, verbose=0),
+    "seed": lambda: ls.Trainer(model()).fit(x, y, batch_size=8, seed=int(odd), verbose=0),
+    "Trainer seed": lambda: ls.Trainer(model(), seed=int(odd)).fit(x, y, batch_size=8, verbose=0),
+    "learning rate": lambda: model(lr=0.02 if odd else 0.01).fit(x, y, batch_size=8, verbose=0),
+    "ZeRO stage": lambda: model(on=sharded(3 if odd else 1, hidden)).fit(x, y, batch_size=8, verbose=0),
+    "layout rule": lambda: model(on=sharded(1, {**hidden, ".*out/kernel": ("model", None) if odd else (None, None)})
+                                 ).fit(x, y, batch_size=8, verbose=0),
+    "batches": lambda: model().fit(other if odd else batches, epochs=2, verbose=0),
+}
+caught = {}
+for name, case in cases.items():
+    try:
+        case()
+        caught[name] = "trained"
+    except ls.WorkersDisagreeError as e:
+        caught[name] = str(e)
+history = model().fit(x, y, batch_size=8, epochs=2, verbose=0 if odd else 1).history  # worker 0's bar alone
+print("RESULT", json.dumps({"caught": caught, "loss": history["loss"]}), flush=True)
