@@ -385,3 +385,46 @@ def test_workers_whose_settings_or_batches_differ_are_named_before_a_step_mixes_
             assert re.search(message, result["caught"][case]), (case, result["caught"][case])
     # a progress bar on worker 0 alone (verbose=1 there, 0 on worker 1) trains, both alike
     assert results[0]["loss"] == results[1]["loss"] and "Epoch 2/2" in proc.stdout + proc.stderr
+
+
+@pytest.mark.parametrize("target, sig", [("worker", signal.SIGTERM), ("launcher", signal.SIGINT),
+                                         pytest.param("launcher", signal.SIGTERM, marks=pytest.mark.full_suite),
+                                         pytest.param("worker", signal.SIGINT, marks=pytest.mark.full_suite)])
+def test_sigterm_or_sigint_ends_a_job_without_backups_every_process_reaped(target, sig):
+    """Before: the runtime's preemption notifier took SIGTERM, and a job without BackupAndRestore
+    was still training 90 s after SIGTERM reached the launcher or one worker."""
+    cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", "--failure-timeout", "10",
+           str(WORKERS / "no_backup_job.py")]
+    launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                                env={**os.environ, "XLA_FLAGS": ""})
+    pids = {}
+    try:
+        while True:
+            line = launcher.stdout.readline()
+            assert line, "the job ended before the signal"
+            if " pid " in line:
+                pids[line.split()[1]] = int(line.split()[-1])
+            if "epoch 1" in line and len(pids) == 2:
+                break
+        sent = time.monotonic()
+        if target == "worker":
+            os.kill(pids["1]"], sig)
+        else:
+            launcher.send_signal(sig)
+        out, err = launcher.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+            launcher.wait()
+    assert launcher.returncode == 1, err[-3000:]
+    summary = err.strip().splitlines()[-1]
+    code = 128 + sig
+    assert f"exited with code {code}" in summary and "stopped all 2 worker processes" in summary, summary
+    if target == "worker":
+        assert f"rank 1 exited with code {code} [lockstep: worker 1: {signal.Signals(sig).name} received" in summary
+    else:
+        assert summary.endswith("(interrupted)")
+    assert took < 10  # well within the failure timeout
+    for pid in pids.values():
+        assert not os.path.exists(f"/proc/{pid}")

@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from ..cluster._signals import backups_take_sigterm
 from .._exit_codes import PREEMPTED_EXIT_CODE
 from ..engine._cross_replica import allgather_sizes, broadcast_from_chief
 from ._callback import Callback
@@ -73,6 +74,7 @@ class BackupAndRestore(Callback):
         self._preempted.clear()
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
             self._old_handler = signal.signal(signal.SIGTERM, lambda signum, frame: self._preempted.set())
+        backups_take_sigterm(self, jax.process_count() > 1)  # several workers: the runtime's preemption notice
         self._restore_latest()  # the trainer takes it up once every callback has begun
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
@@ -89,6 +91,7 @@ class BackupAndRestore(Callback):
         if self._old_handler is not None:
             signal.signal(signal.SIGTERM, self._old_handler)
             self._old_handler = None
+        backups_take_sigterm(self, False)  # SIGTERM ends a worker again
         if self._store is not None:
             self._store.close()
             self._store = None

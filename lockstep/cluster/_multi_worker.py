@@ -34,6 +34,7 @@ from typing import Any
 import jax
 
 from . import _roll_call as roll_call
+from . import _signals as signals
 from . import _transport as transport
 from ._agreement import ProgramAgreement
 from ._coordination import Coordination
@@ -256,6 +257,7 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
     finally:
         late.cancel()
     transport.install(chosen)
+    signals.install(resolver.process_id)  # SIGTERM / SIGINT end this worker (the runtime would ignore SIGTERM)
     _INITIALIZED.append(resolver)
 
 
