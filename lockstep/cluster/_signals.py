@@ -55,20 +55,23 @@ class _Ending:
     def __init__(self, rank: int):
         self._rank = rank
         self._notifier = _c_handler(signal.SIGTERM)
-        self._lock = threading.Lock()
+        self.watched = False  # a thread acts on the signals (else the main thread's handler does)
 
     def handle(self, signum: int, frame: Any = None) -> None:
+        """The Python handler (main thread): acts only where no thread watches."""
+        if not self.watched:
+            self.act(signum)
+
+    def act(self, signum: int) -> None:
         if signum == signal.SIGTERM and _BACKUPS:
             if self._notifier is not None:
                 self._notifier(signum)  # the runtime records it; BackupAndRestore backs up and stops
             return
-        with self._lock:
-            name = signal.Signals(signum).name
-            print(f"lockstep: worker {self._rank}: {name} received"
-                  + (" (no BackupAndRestore backs up this fit)" if signum == signal.SIGTERM else "")
-                  + f": ending this worker now, exit code {128 + signum}.", file=sys.stderr, flush=True)
-            sys.stdout.flush()
-            os._exit(128 + signum)
+        name = signal.Signals(signum).name
+        why = " (no BackupAndRestore backs up this fit)" if signum == signal.SIGTERM else ""
+        line = f"lockstep: worker {self._rank}: {name} received{why}: ending this worker now, exit code {128 + signum}.\n"
+        os.write(sys.__stderr__.fileno() if sys.__stderr__ else 2, line.encode())  # no stream lock to wait on
+        os._exit(128 + signum)
 
     def watch(self, fd: int) -> None:
         while True:
@@ -78,7 +81,7 @@ class _Ending:
                 return
             for signum in data:
                 if signum in (signal.SIGTERM, signal.SIGINT):
-                    self.handle(signum)
+                    self.act(signum)
 
 
 def install(rank: int) -> None:
@@ -95,4 +98,5 @@ def install(rank: int) -> None:
         signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     except ValueError:  # not the main thread of the main interpreter
         return
+    ending.watched = True
     threading.Thread(target=ending.watch, args=(read,), daemon=True, name="lockstep-signals").start()

@@ -83,10 +83,11 @@ class _Worker:
             pass
 
     def last_message(self) -> str | None:
-        """The worker's last `lockstep:` line, else the last line of a Python traceback it printed."""
+        """The worker's last `lockstep:` line (which may follow a part line the worker was printing
+        when it ended), else the last line of a Python traceback it printed."""
         for line in reversed(self.tail):
-            if line.startswith("lockstep:"):
-                return line
+            if "lockstep: worker" in line or line.startswith("lockstep:"):
+                return line[line.index("lockstep:"):]
         for line in reversed(self.tail):
             if _ERROR_LINE.match(line):
                 return line[:600]
