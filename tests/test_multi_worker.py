@@ -428,3 +428,21 @@ def test_sigterm_or_sigint_ends_a_job_without_backups_every_process_reaped(targe
     assert took < 10  # well within the failure timeout
     for pid in pids.values():
         assert not os.path.exists(f"/proc/{pid}")
+
+
+def test_worker_0_started_twice_is_named_by_both():
+    """Before: the second worker 0 said its coordinator's port was in use, and the first waited
+    30 s for a worker 1 that never came."""
+    script = WORKERS / "joiner_job.py"
+    port = free_port()
+    cluster = {"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]}
+    env = {**os.environ, "XLA_FLAGS": "", "LOCKSTEP_JOIN_TIMEOUT": "20",
+           "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}})}
+    start = time.monotonic()
+    twins = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              env=env) for _ in range(2)]
+    errs = [t.communicate(timeout=120)[1] for t in twins]
+    assert [t.returncode for t in twins] == [1, 1], errs
+    for err in errs:
+        assert "worker id 0 was claimed twice" in err.splitlines()[-1], err[-2000:]
+    assert time.monotonic() - start < 20  # named at once, not after the join time-out

@@ -245,6 +245,7 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
             else:
                 roll_call.answer(resolver.coordinator_address, resolver.num_processes, resolver.process_id)
         except roll_call.PortBusyError as e:
+            roll_call.second_worker_0(resolver.coordinator_address, resolver.num_processes)  # raises if so
             _cannot_start_coordinator(resolver, e.strerror or str(e))
         try:
             jax.distributed.initialize(resolver.coordinator_address, resolver.num_processes, resolver.process_id,
@@ -263,8 +264,9 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
 
 def _cannot_start_coordinator(resolver: ClusterResolver, why: str) -> None:
     print(f"lockstep: worker {resolver.process_id}: could not start the coordinator at {resolver.coordinator_address} "
-          f"({why}): its port is in use (or the address is not this machine's); choose a free port in --coordinator "
-          "/ LOCKSTEP_COORDINATOR_ADDRESS; exiting with code 1.", file=sys.stderr, flush=True)
+          f"({why}): its port is in use (or the address is not this machine's, or worker 0 was started twice and the "
+          "first one's job has already started there); choose a free port in --coordinator / "
+          "LOCKSTEP_COORDINATOR_ADDRESS; exiting with code 1.", file=sys.stderr, flush=True)
     os._exit(1)
 
 

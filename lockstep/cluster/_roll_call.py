@@ -182,3 +182,33 @@ def answer(address: str, num: int, rank: int) -> None:
         f"worker {rank}: the coordinator at {address} did not answer as a lockstep worker 0 that waits for its "
         f"workers: worker 0 stopped, or a job there has already started with all its {num} workers (was worker id "
         f"{rank} started twice: the same TF_CONFIG index or --node-rank?), or another program listens there.")
+
+
+def second_worker_0(address: str, num: int, wait: float = 3.0) -> None:
+    """Worker 0 that found the coordinator's port in use: asks whoever listens there whether it is
+    a lockstep worker 0 holding its roll call (worker 0 started twice). That one names the id
+    claimed twice to every worker, this one included, and this raises it; anything else (another
+    program, a job that has started) answers nothing within `wait` s, and this returns.
+
+    Raises:
+      UsageError: a lockstep worker 0 holds its roll call there (worker id 0 claimed twice).
+    """
+    hostname, port = _split(address)
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            conn = socket.create_connection((hostname, port), timeout=wait)
+            break
+        except OSError:
+            if time.monotonic() > deadline:
+                return
+            time.sleep(0.05)  # the other worker 0 has bound the port, and listens a moment later
+    with conn:
+        conn.settimeout(wait)
+        try:
+            conn.sendall(_encode({"rank": 0, "num": num, "who": _who()}))
+        except OSError:
+            return
+        reply = _decode(_read_line(conn))
+    if reply is not None and "error" in reply:
+        raise UsageError(str(reply["error"]))
