@@ -779,3 +779,34 @@ def test_inputs_are_checked_by_name_and_structure_as_keras_checks_them_before_an
         got = model.fit(extra, Y_VALUE, batch_size=B, shuffle=False, verbose=0).history
         want = two_inputs().fit(extra, Y_VALUE, batch_size=B, shuffle=False, verbose=0).history
     assert_logs_close(got, want)
+
+
+def test_trainable_changed_without_compiling_again_is_refused_before_any_step_as_keras_does():
+    """Before: `layer.trainable = False` then `fit` trained a whole epoch, then failed on an assign of
+    the wrong shape, and the next fit went on from a half-applied state."""
+    keras_model = regressor()
+    keras_model.fit(X, Y_VALUE, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    with ls.MirroredStrategy(4).scope():
+        model = regressor()
+    model.fit(X, Y_VALUE, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    for m in (keras_model, model):
+        m.layers[0].trainable = False
+    before = model.get_weights()
+    assert model.evaluate(X, Y_VALUE, batch_size=B, verbose=0) == pytest.approx(
+        keras_model.evaluate(X, Y_VALUE, batch_size=B, verbose=0), rel=1e-6)  # evaluate goes on, as in Keras
+    with pytest.raises(ValueError, match="must be a list of tensors corresponding 1:1"):
+        keras_model.fit(X, Y_VALUE, batch_size=B, epochs=1, verbose=0)  # Keras refuses it
+    with pytest.raises(ValueError, match=r"the Keras optimizer was built for 4 trainable variables and the model now "
+                                         r"has 2: a layer's `trainable` changed after `compile`"):
+        model.fit(X, Y_VALUE, batch_size=B, epochs=1, verbose=0)
+    assert_weights_close(model.get_weights(), before)
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")  # compiled again: the layer stays frozen
+    model.fit(X, Y_VALUE, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    after = model.get_weights()
+    assert_weights_close(after[:2], before[:2])
+    assert not np.allclose(after[2], before[2])
+    trainer = ls.Trainer(regressor(), strategy=ls.MirroredStrategy(2))  # a Trainer made before the change
+    trainer.fit(X, Y_VALUE, batch_size=B, epochs=1, verbose=0)
+    trainer.model.layers[1].trainable = False
+    with pytest.raises(ValueError, match="the model's trainable variables changed after this Trainer was made"):
+        trainer.evaluate(X, Y_VALUE, batch_size=B)

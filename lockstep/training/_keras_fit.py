@@ -96,7 +96,8 @@ def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:
     if compiled and not model.compiled:
         raise ValueError("You must call `compile()` before using the model.")  # Keras' own words
     key = (strategy, model.compiled, id(getattr(model, "optimizer", None)),
-           id(getattr(model, "_compile_metrics", None)), id(getattr(model, "loss", None)), _fingerprint(model))
+           id(getattr(model, "_compile_metrics", None)), id(getattr(model, "loss", None)),
+           tuple(id(v) for v in model.trainable_variables), _fingerprint(model))  # `trainable` set: a new Trainer
     held = model.__dict__.get(_HELD)
     if held is None or held[0] != key:  # a new compile, or weights set from elsewhere: a Trainer that reads them
         held = (key, Trainer(model, strategy=strategy))

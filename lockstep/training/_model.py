@@ -122,6 +122,9 @@ class _FunctionalAdapter:
     def sync_to_model(self, params: Params) -> None:
         self._params = params
 
+    def check_unchanged(self) -> None:
+        """A functional model's parameters cannot change kind (see `_KerasAdapter.check_unchanged`)."""
+
     def check_input(self, x: Any) -> None:
         """Nothing to check beyond what `apply` takes (see `_KerasAdapter.check_input`)."""
 
@@ -161,6 +164,7 @@ class _KerasAdapter:
         hook_batch_norm(model, batch_statistics)
         check_activity_regularizers(model)
         self._seed_slots: list[int] | None = None
+        self._trainable: list[int] | None = None  # the trainable variables when built (ids)
 
     def ready(self) -> bool:
         return bool(self.model.built)
@@ -168,6 +172,7 @@ class _KerasAdapter:
     def build(self, sample_x: Any) -> Params:
         if not self.model.built:
             self.model(sample_x)  # builds the variables from one real input
+        self._trainable = [id(v) for v in self.model.trainable_variables]
         return {"trainable": [held(v.value) for v in self.model.trainable_variables],
                 "non_trainable": [held(v.value) for v in self.model.non_trainable_variables]}
 
@@ -226,6 +231,15 @@ class _KerasAdapter:
             v.assign(held(value))
         for v, value in zip(self.model.non_trainable_variables, params["non_trainable"]):
             v.assign(held(value))
+
+    def check_unchanged(self) -> None:
+        """Raises when a layer's `trainable` changed since `build` (the parameters are split by it)."""
+        now = [id(v) for v in self.model.trainable_variables]
+        if self._trainable is not None and now != self._trainable:
+            raise ValueError(
+                f"the model's trainable variables changed after this Trainer was made (a layer's `trainable` was "
+                f"set: {len(self._trainable)} trainable variables then, {len(now)} now): make a new Trainer, or, "
+                "for model.fit, call `model.compile(...)` again after changing `trainable`, as Keras needs.")
 
     def check_input(self, x: Any) -> None:
         """Keras' own check of a batch against the model's inputs (a dict's keys by the inputs'

@@ -88,6 +88,7 @@ def from_keras(optimizer: Any, trainable_variables: Any) -> optax.GradientTransf
             f"`ls.Trainer(..., gradient_accumulation_steps={optimizer.gradient_accumulation_steps})`, which is.")
     if not optimizer.built:
         optimizer.build(list(trainable_variables))
+    built_for = len(getattr(optimizer, "_trainable_variables", trainable_variables))  # what Keras checks too
     lr_at = _learning_rate_index(optimizer)
 
     def init(params: Any) -> KerasOptimizerState:
@@ -96,6 +97,11 @@ def from_keras(optimizer: Any, trainable_variables: Any) -> optax.GradientTransf
         return KerasOptimizerState(values, hyper)
 
     def update(grads: Any, state: KerasOptimizerState, params: Any = None) -> tuple[Any, KerasOptimizerState]:
+        if built_for != len(grads):  # traced with the train step, before any step (evaluate may go on, as in Keras)
+            raise ValueError(
+                f"the Keras optimizer was built for {built_for} trainable variables and the model now has "
+                f"{len(grads)}: a layer's `trainable` changed after `compile`. As in Keras, call "
+                "`model.compile(...)` again after changing `trainable`, with a new optimizer object.")
         values = list(state.variables)
         if lr_at is not None:
             values.insert(lr_at, state.hyperparams["learning_rate"])

@@ -219,6 +219,7 @@ class Trainer(TrainerWeights, WeightFiles):
         the check of `arg`'s later batches."""
         x, y, _ = unpack(batch)
         x = jax.tree.map(np.asarray, x)
+        self._adapter.check_unchanged()
         if self._state is None:
             self._initial_state(self._adapter.build(x))
         self._inputs.check(self._state.params, x, arg)
