@@ -6,7 +6,8 @@ Every worker runs this script under `lockstep launch`. Scenarios:
   an all-reduce; at step 20 the victim SIGKILLs itself, SIGSTOPs itself, raises, leaves the loop
   and exits 0, or (`slow`) sleeps 0.6 failure timeouts at three steps and must not be declared dead;
 * training (`plain`, `term`, `savekill`): `Trainer.fit` with `BackupAndRestore(save_freq=5)`; the
-  victim SIGTERMs itself at step 12 (`term`), or SIGKILLs itself a random few milliseconds into
+  victim SIGTERMs itself at step 12 (`term`; `termnobackup`: without the backups, so the job must
+  end with code 143), or SIGKILLs itself a random few milliseconds into
   the backup save of step 15 (`savekill`), on the first attempt only;
 * `damagekill`: as `plain`, but at step 16 the victim flips a bit in each array file of the
   newest backup (step 15) and SIGKILLs itself: the restart must set that backup aside (a warning on
@@ -96,9 +97,9 @@ class Chaos(ls.callbacks.Callback):
         self.count += 1
         if not is_victim:
             return
-        if scenario == "term" and self.count == 12:
+        if scenario in ("term", "termnobackup") and self.count == 12:
             fault_now()
-            os.kill(os.getpid(), signal.SIGTERM)  # the backup at the agreed step, then exit 83
+            os.kill(os.getpid(), signal.SIGTERM)  # the backup at the agreed step, then exit 83 (without one: 143)
         if scenario == "savekill" and self.count == 15:  # BackupAndRestore saves step 15 right after this
             delay = random.uniform(0.0, 0.03)
             threading.Timer(delay, lambda: (fault_now(), os.kill(os.getpid(), signal.SIGKILL))).start()
@@ -122,7 +123,8 @@ def train() -> None:
                    metrics=["accuracy"], strategy=strategy, seed=0)
     backup = ls.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=4 if zero else 5,
                                            delete_checkpoint=scenario in ("plain", "zeroplain"))
-    hist = t.fit(x, y, batch_size=64, epochs=2, seed=3, verbose=0, callbacks=[Chaos(), backup])
+    callbacks = [Chaos()] if scenario == "termnobackup" else [Chaos(), backup]
+    hist = t.fit(x, y, batch_size=64, epochs=2, seed=3, verbose=0, callbacks=callbacks)
     if rank == 0:
         flat = np.concatenate([np.ravel(np.asarray(v)) for v in jax.tree.leaves(t.get_weights())])
         np.save(os.path.join(out_dir, "weights.npy"), flat)

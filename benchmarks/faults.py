@@ -43,7 +43,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 WORKER = os.path.join(HERE, "_fault_worker.py")
 FAILURE_TIMEOUT = 10.0
-SCENARIOS = ["kill", "stop", "raise", "exit0", "coordinator", "slow", "term", "term-restart", "savekill", "zerokill", "damagekill"]
+SCENARIOS = ["kill", "stop", "raise", "exit0", "coordinator", "slow", "term", "term-restart", "termnobackup", "savekill",
+             "zerokill", "damagekill"]
 DESCRIPTIONS = {
     "kill": "a worker SIGKILLed mid-training",
     "stop": "a worker frozen (SIGSTOP)",
@@ -53,6 +54,7 @@ DESCRIPTIONS = {
     "slow": "a worker only slow (3 pauses of 0.6 failure timeouts)",
     "term": "a worker preempted (SIGTERM), no restarts",
     "term-restart": "a worker preempted (SIGTERM), `--max-restarts 1`",
+    "termnobackup": "a worker sent SIGTERM in a fit without `BackupAndRestore`",
     "savekill": "a worker SIGKILLed inside a backup save, then resumed",
     "zerokill": "a worker SIGKILLed at a step where it holds no real row, `--max-restarts 1`",
     "damagekill": "the newest backup bit-flipped on disk, a worker SIGKILLed, `--max-restarts 1`",
@@ -219,6 +221,7 @@ def run_trial(scenario: str, workers: int, reference: tuple[np.ndarray, dict] | 
             "raise": f"rank {victim} exited with code 1",
             "exit0": f"rank {victim} lost",
             "term": "exited with code 83 (preempted; backup saved)",
+            "termnobackup": f"rank {victim} exited with code 143 [lockstep: worker {victim}: SIGTERM received",
             "savekill": f"rank {victim} killed by SIGKILL",
         }[scenario]
         ok = rc == 1 and expected in summary

@@ -810,3 +810,34 @@ def test_trainable_changed_without_compiling_again_is_refused_before_any_step_as
     trainer.model.layers[1].trainable = False
     with pytest.raises(ValueError, match="the model's trainable variables changed after this Trainer was made"):
         trainer.evaluate(X, Y_VALUE, batch_size=B)
+
+
+class Trained(keras.callbacks.Callback):
+    """Counts the steps trained."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.steps += 1
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(y=np.stack([Y_CLASS, Y_CLASS], 1)), r"`y` has shape \(203, 2\), but the model predicts 3 classes for each "
+                                               r"label of shape \(\): a sparse loss takes integer labels of shape "
+                                               r"\(batch,\), or with a trailing 1"),
+    (dict(validation_data=(X, np.stack([Y_CLASS, Y_CLASS], 1))), r"`validation_data` has shape \(203, 2\), but the "
+                                                                  r"model predicts 3 classes"),
+    (dict(validation_data=(X[:, :3], Y_CLASS)), r"`validation_data` has samples of shape \(3,\), which the model "
+                                                r"cannot take: it took samples of shape \(5,\)"),
+    (dict(validation_data=[(X[:16, :3], Y_CLASS[:16])]), r"`validation_data` has samples of shape \(3,\)")])
+def test_labels_and_validation_data_that_do_not_fit_the_model_are_named_before_any_step(kwargs, message):
+    """Before: labels (N, 2) for a sparse loss failed inside the step with 'cannot reshape array',
+    and validation data of the wrong shape was named only after the first epoch had trained."""
+    with ls.MirroredStrategy(2).scope():
+        model = classifier()
+    trained = Trained()
+    with pytest.raises(ValueError, match=message):
+        model.fit(X, kwargs.pop("y", Y_CLASS), batch_size=B, epochs=1, verbose=0, callbacks=[trained], **kwargs)
+    assert trained.steps == 0

@@ -32,9 +32,11 @@ def label_kind(loss: Any) -> str | None:
     return None
 
 
-def check_labels(kind: str, y: Any, num_classes: int, arg: str = "y", where: str = "") -> None:
+def check_labels(kind: str, y: Any, num_classes: int, arg: str = "y", where: str = "",
+                 label_shape: tuple[int, ...] | None = None) -> None:
     """Raises `ValueError` naming `arg` when labels `y` cannot be what a `kind` loss over
-    `num_classes` classes expects (`where`: which batch, for the message).
+    `num_classes` classes expects (`where`: which batch, for the message); `label_shape`: the
+    shape of one sample's integer labels, the predictions' up until their last dimension.
 
     >>> check_labels("sparse", np.array([0, 2, 1]), num_classes=3)
     >>> check_labels("sparse", np.array([0, 3]), num_classes=3)
@@ -48,6 +50,12 @@ def check_labels(kind: str, y: Any, num_classes: int, arg: str = "y", where: str
             raise ValueError(
                 f"`{arg}` looks one-hot (shape {y.shape}{where}) but the loss takes integer class labels: use "
                 "'categorical_crossentropy', or pass `y.argmax(-1)`.")
+        if label_shape is not None and y.ndim and y.shape[1:] not in (label_shape, (*label_shape, 1)):
+            want = f"(batch, {', '.join(map(str, label_shape))})" if label_shape else "(batch,)"
+            raise ValueError(
+                f"`{arg}` has shape {y.shape}{where}, but the model predicts {num_classes} classes for each label of "
+                f"shape {label_shape}: a sparse loss takes integer labels of shape {want}, or with a trailing 1 (Keras: "
+                "`target` and `output` must have the same shape up until the last dimension).")
         if y.size == 0:
             return
         if not (np.issubdtype(y.dtype, np.integer) or np.issubdtype(y.dtype, np.bool_)):
@@ -84,6 +92,7 @@ class LabelCheck:
         kinds = {k: label_kind(fn) for k, fn in per_output.items()} if per_output is not None else {"": label_kind(loss)}
         self._kinds = {k: kind for k, kind in kinds.items() if kind is not None}
         self._classes: dict[str, int] = {}
+        self._rows: dict[str, tuple[int, ...] | None] = {}  # one sample's label shape, by output
 
     @property
     def kind(self) -> str | None:
@@ -100,16 +109,17 @@ class LabelCheck:
         """The number of classes of each checked output, from the model's output shape(s)."""
         shapes = {"": pred_shape} if self._outputs is None else self._outputs.named(pred_shape, "the model's outputs")
         self._classes = {k: (shapes[k][-1] if shapes[k] else 1) for k in self._kinds}
+        self._rows = {k: tuple(shapes[k][1:-1]) if len(shapes[k]) >= 2 else None for k in self._kinds}
 
     def check(self, y: Any, arg: str, where: str = "") -> None:
         """Raises `ValueError` naming `arg` (and the output) when labels `y` cannot be what the loss takes."""
         if self._outputs is None:
-            check_labels(self._kinds[""], y, self._classes[""], arg, where)
+            check_labels(self._kinds[""], y, self._classes[""], arg, where, self._rows[""])
             return
         named = self._outputs.named(y, arg)
         for name, kind in self._kinds.items():
             if name in named:
-                check_labels(kind, named[name], self._classes[name], f"{arg}['{name}']", where)
+                check_labels(kind, named[name], self._classes[name], f"{arg}['{name}']", where, self._rows[name])
 
 
 def checked(data: DataAdapter, labels: LabelCheck, y: Any, arg: str,

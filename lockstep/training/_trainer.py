@@ -320,6 +320,8 @@ class Trainer(TrainerWeights, WeightFiles):
                                  validation_steps)
         first = first_batch(train)
         inputs = self._build(first, "x")
+        if val is not None:  # its inputs checked now, not after an epoch has trained
+            self._build(first_batch(val.batches), "validation_data")
         cbs, params = _fit_callbacks(list(callbacks or []), verbose, train, epochs, steps_per_epoch, self._accumulation)
         train = checked(train, self._labels, y, "y" if y is not None else "x", inputs)
         checked(IterableBatches(()), self._labels, validation_labels(validation_data), "validation_data")  # arrays: now, not after an epoch
