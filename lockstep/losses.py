@@ -14,9 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from .engine._cross_replica import to_varying
-from .engine._layout import along_rows
-from .engine._replica_context import get_replica_context
+from .engine import along_rows, get_replica_context, to_varying
 
 EPSILON = 1e-7  # Keras' backend epsilon, used to clip probabilities
 

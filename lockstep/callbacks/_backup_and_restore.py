@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from ..cluster._signals import backups_take_sigterm
+from ..cluster import backups_take_sigterm
 from .._exit_codes import PREEMPTED_EXIT_CODE
-from ..engine._cross_replica import allgather_sizes, broadcast_from_chief
+from ..engine import allgather_sizes, broadcast_from_chief
 from ._callback import Callback
 
 if TYPE_CHECKING:

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from ..cluster._multi_worker import any_worker
+from ..cluster import any_worker
 from ._callback import HOOKS, Callback
 from ._keras_callback import as_lockstep, is_keras_callback, overrides
 from ._progbar import ProgbarLogger

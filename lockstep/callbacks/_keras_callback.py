@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import UsageError
-from ..engine._cross_replica import spread
+from ..engine import spread
 from ._callback import HOOKS, Callback, is_chief
 from ._trainer_view import TrainerView
 

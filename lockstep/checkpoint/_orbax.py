@@ -20,7 +20,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..engine._cross_replica import host_value
+from ..engine import host_value
 
 
 _TRASH = "trash"

@@ -3,3 +3,28 @@ watchdog (`_multi_worker`), the cluster resolvers (environment, TF_CONFIG, SLURM
 on (`_agreement`), who is present (`_roll_call`) and the coordination service's entries
 (`_coordination`). Public names are re-exported from `lockstep`.
 """
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+#: what other packages use of this one, by the module that defines it (imported when first asked
+#: for: `import lockstep` stays free of JAX)
+_EXPORTS = {
+    "agree_on": "_multi_worker",
+    "any_worker": "_multi_worker",
+    "backups_take_sigterm": "_signals",
+}
+
+if TYPE_CHECKING:
+    from ._multi_worker import agree_on as agree_on
+    from ._multi_worker import any_worker as any_worker
+    from ._signals import backups_take_sigterm as backups_take_sigterm
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+__all__ = sorted(_EXPORTS)

@@ -29,6 +29,7 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -41,8 +42,7 @@ from ._coordination import Coordination
 from ._resolvers import LOCAL, ClusterResolver, cluster_configured, resolve_cluster
 from .._errors import UsageError
 from .._exit_codes import LOST_WORKER_EXIT_CODE
-from ..distribute._cross_device_ops import checked_communication_options
-from ..distribute._strategy import Strategy
+from ..distribute import Strategy, checked_communication_options
 
 DEFAULT_FAILURE_TIMEOUT = 20.0
 # a peer silent for _WATCHDOG x failure_timeout is declared lost by the watchdog (named exit);
@@ -191,12 +191,12 @@ _INITIALIZED: list[ClusterResolver] = []
 _AGREEMENT: list[ProgramAgreement] = []
 
 
-def agree_on(what: str, values: dict[str, Any]) -> None:
-    """In a job of several workers, checks that every worker has the same `values` at `what` (a
+def agree_on(what: str, values: Callable[[], dict[str, Any]]) -> None:
+    """In a job of several workers, checks that every worker has the same `values()` at `what` (a
     point every worker reaches: a `fit`'s start); `WorkersDisagreeError` names the first that
-    differs. Nothing to compare for one worker."""
+    differs. Nothing to compare (nor compute) for one worker."""
     if _AGREEMENT:
-        _AGREEMENT[0].check_values(what, values)
+        _AGREEMENT[0].check_values(what, values())
 
 
 def any_worker(what: str, flags: dict[str, bool]) -> dict[str, bool]:
@@ -216,7 +216,7 @@ def _initialize(resolver: ClusterResolver, failure_timeout: float) -> None:
                 resolver.coordinator_address, resolver.num_processes, resolver.process_id):
             raise UsageError(f"jax.distributed is already initialised for {prev!r}; cannot join {resolver!r}.")
         return
-    from ..engine._devices import backends_started
+    from ..engine import backends_started
 
     if backends_started():
         raise UsageError(

@@ -16,12 +16,10 @@ import itertools
 from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
 
-from ..engine._layout import padded_per_replica
+from ..engine import padded_per_replica
 
 if TYPE_CHECKING:
-    from ..engine._engine import Engine
-    from ..engine._placement import DistributedBatch
-    from ..engine._resident import ResidentBatch
+    from ..engine import DistributedBatch, Engine, ResidentBatch
 
 
 class DataAdapter:

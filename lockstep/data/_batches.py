@@ -9,12 +9,11 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from ..engine._layout import BatchRows, padded_per_replica
-from ..engine._resident import ResidentArrays, ResidentBatch, ResidentPass, fits_on_devices
+from ..engine import BatchRows, ResidentArrays, ResidentBatch, ResidentPass, fits_on_devices, padded_per_replica
 from ._adapter import DataAdapter
 
 if TYPE_CHECKING:
-    from ..engine._engine import Engine
+    from ..engine import Engine
 
 
 class Batches(DataAdapter):

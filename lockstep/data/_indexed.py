@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..engine._layout import BatchRows
+from ..engine import BatchRows
 from ._adapter import DataAdapter
 
 

@@ -9,8 +9,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..engine._cross_replica import batch_digests
-from ..engine._layout import BatchRows
+from ..engine import BatchRows, batch_digests
 from ._adapter import DataAdapter
 
 

@@ -3,3 +3,42 @@
 distributed datasets (`_datasets`) and scopes (`_scope`). Public names are re-exported from
 `lockstep`.
 """
+
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+#: what other packages use of this one, by the module that defines it (imported when first asked
+#: for: `import lockstep` stays free of JAX)
+_EXPORTS = {
+    "Mirrored": "_values",
+    "PerReplica": "_values",
+    "Strategy": "_strategy",
+    "checked_communication_options": "_cross_device_ops",
+    "engine_of": "_values",
+    "foreign_keras_distribution": "_scope",
+    "get_strategy": "_strategy",
+    "recent": "_scope",
+    "strategy_of_model": "_scope",
+    "unwrap": "_values",
+}
+
+if TYPE_CHECKING:
+    from ._values import Mirrored as Mirrored
+    from ._values import PerReplica as PerReplica
+    from ._strategy import Strategy as Strategy
+    from ._cross_device_ops import checked_communication_options as checked_communication_options
+    from ._values import engine_of as engine_of
+    from ._strategy import get_strategy as get_strategy
+    from ._scope import foreign_keras_distribution as foreign_keras_distribution
+    from ._scope import recent as recent
+    from ._scope import strategy_of_model as strategy_of_model
+    from ._values import unwrap as unwrap
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+
+
+__all__ = sorted(_EXPORTS)

@@ -9,8 +9,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from ..data import DataAdapter
-from ..engine._engine import Engine
-from ..engine._placement import DistributedBatch
+from ..engine import DistributedBatch, Engine
 
 
 class InputContext:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import jax
 
-from ..engine._engine import Engine
+from ..engine import Engine
 
 
 class StrategyExtended(Engine):

@@ -184,7 +184,7 @@ def _values_from_worker_0(keras: Any) -> None:
         if _spans_workers(sharding) and _host_value(tensor):
             import numpy as np
 
-            from ..engine._cross_replica import broadcast_from_chief
+            from ..engine import broadcast_from_chief
 
             value = np.asarray(tensor)
             tensor = _same_on_every_worker(value) if value.ndim == 0 else broadcast_from_chief(value)

@@ -22,8 +22,7 @@ import jax
 from jax.sharding import NamedSharding
 
 from .._errors import UsageError
-from ..engine._engine import BATCH_AXIS
-from ..engine._sharding import ShardingConfig
+from ..engine import BATCH_AXIS, ShardingConfig
 from ._joining import join
 from ._mesh import as_layout_map, as_mesh
 from ._strategy import Strategy

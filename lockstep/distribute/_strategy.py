@@ -20,14 +20,8 @@ from jax.sharding import Mesh
 
 from .._errors import UsageError
 from ..data import IterableBatches, ReplicaBatches, adapt
-from ..engine._cross_replica import gather_stacked, reduce_replicated, reduce_stacked, split_rows
-from ..engine._compiler import note_new_function
-from ..engine._engine import BATCH_AXIS
-from ..engine._state_updates import RecordingFunction
-from ..engine._placement import DistributedBatch
-from ..engine._reduce_op import ReduceOp
-from ..engine._sharding import ShardingConfig
-from ..engine._replica_context import get_replica_context
+from ..engine import BATCH_AXIS, gather_stacked, note_new_function, reduce_replicated, reduce_stacked, split_rows
+from ..engine import DistributedBatch, RecordingFunction, ReduceOp, ShardingConfig, get_replica_context
 from . import _scope
 from ._cross_device_ops import checked_cross_device_ops
 from ._datasets import DistributedDataset, InputContext

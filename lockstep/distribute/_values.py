@@ -12,9 +12,7 @@ from typing import Any
 
 import jax
 
-from ..engine._engine import Engine
-from ..engine._layout import StepInfo
-from ..engine._placement import DistributedBatch
+from ..engine import DistributedBatch, Engine, StepInfo
 
 
 class PerReplica:

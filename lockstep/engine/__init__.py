@@ -7,9 +7,96 @@ Modules: `_devices` (simulated CPU devices, backends), `_layout` (a padded batch
 collectives across workers), `_placement` (batches placed on the mesh), `_replica_context`
 (what a replica's function knows), `_loops` (recurrent carries), `_compiler` (the `run`
 compiler), `_moments` (cross-replica batch statistics), `_engine` (all of it on one mesh).
+
+Other packages import what they use of it from here, never from its modules.
 """
 
-from ._engine import Engine as Engine
+from ._devices import backends_started as backends_started
+from ._layout import along_rows as along_rows
+from ._layout import BatchRows as BatchRows
+from ._layout import DIGEST_MODULUS as DIGEST_MODULUS
+from ._layout import padded_per_replica as padded_per_replica
+from ._layout import StepInfo as StepInfo
+from ._reduce_op import ReduceOp as ReduceOp
+from ._cross_replica import all_gather as all_gather
+from ._cross_replica import all_reduce as all_reduce
+from ._cross_replica import allgather_ints as allgather_ints
+from ._cross_replica import allgather_sizes as allgather_sizes
+from ._cross_replica import batch_digests as batch_digests
+from ._cross_replica import broadcast_from_chief as broadcast_from_chief
+from ._cross_replica import gather_stacked as gather_stacked
+from ._cross_replica import held as held
+from ._cross_replica import highest as highest
+from ._cross_replica import host_value as host_value
+from ._cross_replica import lowest as lowest
+from ._cross_replica import reduce_replicated as reduce_replicated
+from ._cross_replica import reduce_stacked as reduce_stacked
+from ._cross_replica import split_rows as split_rows
+from ._cross_replica import to_varying as to_varying
+from ._cross_replica import spread as spread
 from ._replica_context import get_replica_context as get_replica_context
+from ._replica_context import replica_context as replica_context
+from ._moments import cross_replica_moments as cross_replica_moments
+from ._state_updates import is_recording as is_recording
+from ._state_updates import record as record
+from ._state_updates import RecordingFunction as RecordingFunction
+from ._compiler import note_new_function as note_new_function
+from ._placement import DistributedBatch as DistributedBatch
+from ._resident import fits_on_devices as fits_on_devices
+from ._resident import gather as gather
+from ._resident import ResidentArrays as ResidentArrays
+from ._resident import ResidentBatch as ResidentBatch
+from ._resident import ResidentPass as ResidentPass
+from ._sharding import fit_to as fit_to
+from ._sharding import shard_bytes as shard_bytes
+from ._sharding import ShardingConfig as ShardingConfig
+from ._sharding import ShardingPlan as ShardingPlan
+from ._sharding import VariableLayout as VariableLayout
+from ._engine import BATCH_AXIS as BATCH_AXIS
+from ._engine import Engine as Engine
 
-__all__ = ["Engine", "get_replica_context"]
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "allgather_ints",
+    "allgather_sizes",
+    "along_rows",
+    "backends_started",
+    "BATCH_AXIS",
+    "batch_digests",
+    "BatchRows",
+    "broadcast_from_chief",
+    "cross_replica_moments",
+    "DIGEST_MODULUS",
+    "DistributedBatch",
+    "Engine",
+    "fit_to",
+    "fits_on_devices",
+    "gather",
+    "gather_stacked",
+    "get_replica_context",
+    "held",
+    "highest",
+    "host_value",
+    "is_recording",
+    "lowest",
+    "note_new_function",
+    "padded_per_replica",
+    "record",
+    "RecordingFunction",
+    "reduce_replicated",
+    "reduce_stacked",
+    "ReduceOp",
+    "replica_context",
+    "ResidentArrays",
+    "ResidentBatch",
+    "ResidentPass",
+    "shard_bytes",
+    "ShardingConfig",
+    "ShardingPlan",
+    "split_rows",
+    "spread",
+    "StepInfo",
+    "to_varying",
+    "VariableLayout",
+]

@@ -8,6 +8,7 @@ from ._accuracy import SparseTopKCategoricalAccuracy as SparseTopKCategoricalAcc
 from ._accuracy import TopKCategoricalAccuracy as TopKCategoricalAccuracy
 from ._base import Metric as Metric
 from ._base import divide_no_nan as divide_no_nan
+from ._base import synced_result as synced_result
 from ._collection import MetricCollection as MetricCollection
 from ._confusion import AUC as AUC
 from ._confusion import Precision as Precision
@@ -54,4 +55,5 @@ __all__ = [
     "TopKCategoricalAccuracy",
     "divide_no_nan",
     "get",
+    "synced_result",
 ]

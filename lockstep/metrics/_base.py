@@ -29,10 +29,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import UsageError
-from ..distribute._values import Mirrored, PerReplica, engine_of, unwrap
-from ..engine._cross_replica import all_gather, highest, lowest
-from ..engine._layout import along_rows
-from ..engine._replica_context import get_replica_context
+from ..distribute import Mirrored, PerReplica, engine_of, unwrap
+from ..engine import all_gather, along_rows, get_replica_context, highest, lowest
 
 REDUCTIONS = ("sum", "max", "min", "cat")
 

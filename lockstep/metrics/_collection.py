@@ -8,7 +8,7 @@ from typing import Any
 import jax
 
 from .._errors import UsageError
-from ..engine._replica_context import get_replica_context
+from ..engine import get_replica_context
 from ._base import Metric, State, StateSpec, compute_per_replica, per_replica_engine, sync_in_replica, synced_result
 from ._registry import get as get_metric
 

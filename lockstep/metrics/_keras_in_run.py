@@ -36,8 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from .._errors import UsageError
-from ..engine._replica_context import get_replica_context
-from ..engine._state_updates import is_recording, record
+from ..engine import get_replica_context, is_recording, record
 from ._keras import OWN_UPDATE, KerasMetric, own_update
 
 _ORIGINAL: dict[str, Any] = {}

@@ -25,13 +25,10 @@ import jax
 import numpy as np
 
 from ..data import DataAdapter
-from ..engine._cross_replica import allgather_sizes
-from ..engine._layout import DIGEST_MODULUS
+from ..engine import DIGEST_MODULUS, allgather_sizes
 
 if TYPE_CHECKING:
-    from ..engine._engine import Engine
-    from ..engine._placement import DistributedBatch
-    from ..engine._resident import ResidentBatch
+    from ..engine import DistributedBatch, Engine, ResidentBatch
 
 
 @dataclasses.dataclass(frozen=True)

@@ -22,8 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ..data import AccumulationGroup, accumulation_groups
-from ..engine._replica_context import get_replica_context, replica_context
-from ..engine._resident import ResidentBatch, gather
+from ..engine import ResidentBatch, gather, get_replica_context, replica_context
 
 
 def executions(batches: Iterable[Any], accumulation: int, steps_per_execution: int, first_step: int = 0

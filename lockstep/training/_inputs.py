@@ -11,10 +11,10 @@ import numpy as np
 
 from ..data import DataAdapter, adapt
 from ..data import batches as make_batches
-from ..engine._cross_replica import allgather_ints, allgather_sizes
+from ..engine import allgather_ints, allgather_sizes
 
 if TYPE_CHECKING:
-    from ..distribute._strategy import Strategy
+    from ..distribute import Strategy
 
 
 def is_arrays(x: Any) -> bool:

@@ -32,8 +32,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..distribute import _scope
-from ..engine._cross_replica import host_value, spread
+from ..distribute import strategy_of_model
+from ..engine import host_value, spread
 from ._inputs import class_weighted
 from ._trainer import Trainer
 from ._weight_files import whole_on_host, writing
@@ -123,7 +123,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
          callbacks: Any = None, validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True,
          class_weight: Any = None, sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: Any = None,
          validation_steps: Any = None, validation_batch_size: Any = None, validation_freq: int = 1) -> Any:
-    strategy = _scope.strategy_of_model(self, by_devices=False)
+    strategy = strategy_of_model(self, by_devices=False)
     if strategy is None:
         return _ORIGINAL["fit"](self, x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
                                 validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
@@ -146,7 +146,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
 def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, verbose: Any = "auto",
               sample_weight: Any = None, steps: Any = None, callbacks: Any = None, return_dict: bool = False,
               **kwargs: Any) -> Any:
-    strategy = _scope.strategy_of_model(self, by_devices=False)
+    strategy = strategy_of_model(self, by_devices=False)
     if strategy is None:
         return _ORIGINAL["evaluate"](self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
                                      steps=steps, callbacks=callbacks, return_dict=return_dict, **kwargs)
@@ -161,7 +161,7 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, v
 
 def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", steps: Any = None,
              callbacks: Any = None) -> Any:
-    strategy = _scope.strategy_of_model(self, by_devices=False)
+    strategy = strategy_of_model(self, by_devices=False)
     if strategy is None:
         return _ORIGINAL["predict"](self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
     _unsupported(steps=(steps, None))
@@ -173,7 +173,7 @@ def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", s
 
 
 def _predict_on_batch(self: Any, x: Any) -> Any:
-    strategy = _scope.strategy_of_model(self, by_devices=False)
+    strategy = strategy_of_model(self, by_devices=False)
     if strategy is None:
         return _ORIGINAL["predict_on_batch"](self, x)
     try:
@@ -192,7 +192,7 @@ def _in_order(logs: dict[str, Any], return_dict: bool) -> Any:
 
 def _train_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None, class_weight: Any = None,
                     return_dict: bool = False) -> Any:
-    strategy = _scope.strategy_of_model(self, by_devices=False)
+    strategy = strategy_of_model(self, by_devices=False)
     if strategy is None:
         return _ORIGINAL["train_on_batch"](self, x, y, sample_weight=sample_weight, class_weight=class_weight,
                                            return_dict=return_dict)
@@ -208,7 +208,7 @@ def _train_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None,
 
 
 def _test_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = False) -> Any:
-    strategy = _scope.strategy_of_model(self, by_devices=False)
+    strategy = strategy_of_model(self, by_devices=False)
     if strategy is None:
         return _ORIGINAL["test_on_batch"](self, x, y, sample_weight=sample_weight, return_dict=return_dict)
     try:

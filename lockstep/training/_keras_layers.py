@@ -22,8 +22,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..engine._moments import cross_replica_moments
-from ..engine._replica_context import get_replica_context
+from ..engine import cross_replica_moments, get_replica_context
 
 
 def _layers(model: Any) -> list[Any]:

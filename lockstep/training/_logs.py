@@ -11,8 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..metrics import MetricCollection
-from ..metrics._base import synced_result
+from ..metrics import MetricCollection, synced_result
 
 
 class LazyLogs(Mapping[str, Any]):

@@ -23,9 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..distribute import _scope
-from ..engine._cross_replica import held, host_value
-from ..engine._replica_context import get_replica_context
+from ..distribute import foreign_keras_distribution
+from ..engine import get_replica_context, held, host_value
 from ._keras_layers import activity_penalties_masked, check_activity_regularizers, check_supported, hook_batch_norm
 
 #: Odd 32-bit constant (the golden ratio) that separates replicas' seeds.
@@ -151,7 +150,7 @@ class _KerasAdapter:
                 f"a Keras model needs the JAX backend, but Keras runs on {keras.backend.backend()!r}: set "
                 "the environment variable KERAS_BACKEND=jax before importing keras."
             )
-        foreign = _scope.foreign_keras_distribution()
+        foreign = foreign_keras_distribution()
         if foreign is not None:  # its layouts would be silently ignored
             raise ValueError(
                 f"a keras.distribution setting is active ({type(foreign).__name__}): lockstep "

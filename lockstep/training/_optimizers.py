@@ -7,7 +7,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import optax
 
-from ..engine._cross_replica import held
+from ..engine import held
 
 # name -> (optax factory, Keras' default learning rate, Keras-like defaults)
 _OPTIMIZERS: dict[str, tuple[Any, float, dict[str, Any]]] = {

@@ -30,9 +30,8 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distribute._strategy import get_strategy
-from ..engine._cross_replica import spread
-from ..engine._sharding import ShardingPlan, VariableLayout, fit_to, shard_bytes
+from ..distribute import get_strategy
+from ..engine import ShardingPlan, VariableLayout, fit_to, shard_bytes, spread
 from ._model import keras_paths
 from ._optimizers import KerasOptimizerState, get_optimizer, is_keras_optimizer, keras_state_owners
 from ._precision import loss_scale_of

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..engine._cross_replica import broadcast_from_chief, spread
+from ..engine import broadcast_from_chief, spread
 from ._data_stream import DataPosition, DataStream
 from ._train_state import TrainState
 

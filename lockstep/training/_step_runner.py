@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from ..data import AccumulationGroup
-from ..engine._resident import ResidentBatch
+from ..engine import ResidentBatch
 from ._executions import make_program, placed_feed, resident_feed, runs
 from ._train_state import TrainState
 from ._steps import (

@@ -21,9 +21,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from ..engine._cross_replica import all_reduce
-from ..engine._replica_context import get_replica_context
-from ..engine._reduce_op import ReduceOp
+from ..engine import ReduceOp, all_reduce, get_replica_context
 from ..losses import masked_average_loss, times_sample_weight
 from ..metrics import Mean, MetricCollection
 from ._precision import loss_scale_of

@@ -26,18 +26,13 @@ import jax
 import numpy as np
 import optax
 
-from ..cluster._multi_worker import agree_on
-from ..distribute import _scope
+from ..cluster import agree_on
 from .. import losses as _losses
-from ..engine._cross_replica import broadcast_from_chief
-from ..distribute._strategy import Strategy, get_strategy
-from ..callbacks import Callback, History, ProgbarLogger
-from ..callbacks._callback import is_chief
-from ..callbacks._callback_list import CallbackList
-from ..callbacks._progbar import format_logs
+from ..engine import broadcast_from_chief
+from ..distribute import Strategy, get_strategy, recent, strategy_of_model
+from ..callbacks import Callback, CallbackList, History, ProgbarLogger, format_logs, is_chief
 from ..data import DataAdapter, IterableBatches
-from ..metrics import Mean, Metric, MetricCollection
-from ..metrics import get as get_metric
+from ..metrics import Mean, Metric, MetricCollection, get as get_metric
 from ._inputs import (
     class_weighted,
     first_batch,
@@ -77,13 +72,13 @@ def _strategy_for(model: Any, given: Any) -> Strategy:
         if not isinstance(given, Strategy):
             raise TypeError(f"`strategy` must be a lockstep strategy, got {type(given).__name__}.")
         return given
-    found = _scope.strategy_of_model(model)
-    if found is not None and (found.num_replicas_in_sync > 1 or _scope.strategy_of_model(model, by_devices=False)):
+    found = strategy_of_model(model)
+    if found is not None and (found.num_replicas_in_sync > 1 or strategy_of_model(model, by_devices=False)):
         return found
     # one device: the default, or a one-device strategy whose devices merely hold the variables
     variables = getattr(model, "variables", None) or []
     default = found or get_strategy()
-    if variables and any(st.num_replicas_in_sync > 1 for st in _scope.recent()):
+    if variables and any(st.num_replicas_in_sync > 1 for st in recent()):
         warnings.warn(
             "this Trainer runs on one device (no strategy given, no scope active, and the model was not built "
             "in a strategy's scope): pass `strategy=`, or create the Trainer inside `strategy.scope()`.",
@@ -306,7 +301,7 @@ class Trainer(TrainerWeights, WeightFiles):
           ValueError: `x` and `y` of different lengths, `validation_split` outside [0, 1), ...
         """
         _check_fit_args(epochs, validation_split, steps_per_epoch, verbose)
-        agree_on("the settings of fit", fit_settings(self, dict(  # several workers: all the same, before any step
+        agree_on("the settings of fit", lambda: fit_settings(self, dict(  # several workers: alike, before any step
             epochs=epochs, initial_epoch=initial_epoch, steps_per_epoch=steps_per_epoch, batch_size=batch_size,
             shuffle=shuffle, seed=seed, class_weight=class_weight, validation_split=validation_split,
             validation_freq=validation_freq, validation_steps=validation_steps, validation_batch_size=validation_batch_size,
@@ -399,7 +394,7 @@ class Trainer(TrainerWeights, WeightFiles):
         Returns:
           ``{"loss": ..., <metric name>: ...}`` (a list in that order if `return_dict` is False).
         """
-        agree_on("the settings of evaluate", fit_settings(self, dict(batch_size=batch_size, steps=steps)))
+        agree_on("the settings of evaluate", lambda: fit_settings(self, dict(batch_size=batch_size, steps=steps)))
         data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
         _note_weighted_metrics(sample_weight, self._metrics)
         cblist = CallbackList(list(callbacks or []), self)
@@ -411,7 +406,7 @@ class Trainer(TrainerWeights, WeightFiles):
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0,
                 callbacks: Iterable[Callback] | None = None) -> Any:
         """The model's outputs for every sample: exactly `len(x)` rows, in input order (NumPy)."""
-        agree_on("the settings of predict", fit_settings(self, dict(batch_size=batch_size)))
+        agree_on("the settings of predict", lambda: fit_settings(self, dict(batch_size=batch_size)))
         data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
         first = first_batch(data)
         data = checked(data, LabelCheck(None), None, "x", inputs=self._build(first, "x"))

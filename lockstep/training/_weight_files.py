@@ -14,7 +14,7 @@ from typing import Any, Protocol
 import jax
 
 from ..checkpoint import atomic_path, load_tree, save_tree
-from ..engine._cross_replica import host_value, spread
+from ..engine import host_value, spread
 
 
 def _load_weights(path: str, like: Any, opt_state: Any) -> Any:

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..engine._cross_replica import held
+from ..engine import held
 from ._optimizers import learning_rate_of, set_learning_rate, to_keras
 
 
