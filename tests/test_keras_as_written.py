@@ -144,6 +144,21 @@ class LowestError(keras.metrics.Metric):
         return self.low + 0
 
 
+class LargestTarget(keras.metrics.Metric):
+    """The largest target seen, from zero: on a probe row whose target is 0 a maximum looks like a
+    sum unless the row is seen twice."""
+
+    def __init__(self, name="largest_target", **kwargs):
+        super().__init__(name=name, **kwargs)
+        self.top = self.add_variable(shape=(), initializer="zeros", name="top")
+
+    def update_state(self, y_true, y_pred, sample_weight=None):
+        self.top.assign(ops.maximum(self.top, ops.max(ops.cast(y_true, "float32"))))
+
+    def result(self):
+        return self.top + 0
+
+
 class LastBatchSize(keras.metrics.Metric):
     """The size of the last batch seen: no sum, maximum or minimum of the rows."""
 
@@ -159,7 +174,7 @@ class LastBatchSize(keras.metrics.Metric):
 
 
 def counting_metrics():
-    return [Count(), Count("int_count", dtype="int32"), RunningMax(), LowestError()]
+    return [Count(), Count("int_count", dtype="int32"), RunningMax(), LowestError(), LargestTarget()]
 
 
 # the issue's 50 samples at batch 5 (its 4 replicas counted 80), N prime, a last batch shorter than the replicas

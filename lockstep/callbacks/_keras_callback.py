@@ -232,7 +232,8 @@ class KerasCallback(Callback):
         self.state_name = f"keras.{type(callback).__name__}"  # its bookkeeping's name in backups
         if any(n in _WRITERS for n in names) and not is_chief():
             return  # a callback that only writes files or prints: worker 0's job
-        users = not all(_from_keras(c) for c in type(callback).__mro__[:-1]) or "LambdaCallback" in names
+        users = ((not all(_from_keras(c) for c in type(callback).__mro__[:-1]) or "LambdaCallback" in names)
+                 and not any(n in _WRITERS for n in names))  # a writer runs on worker 0 alone: no collective
         for hook in _HOOKS:  # only the hooks it overrides: the others would cost a read of the logs a step
             if overrides(callback, hook):
                 call = getattr(callback, hook)

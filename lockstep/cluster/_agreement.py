@@ -47,6 +47,8 @@ class ProgramAgreement:
         n = self._count
         self._count += 1
         self._service.publish(f"lockstep/agree/{n}/", self._rank, json.dumps(mine, default=repr))
+        if n >= 2:  # every worker has read entry n - 2 (it has published n - 1): the store stays small
+            self._service.delete(f"lockstep/agree/{n - 2}/", self._rank)
         theirs = self._wait_for_all(f"lockstep/agree/{n}/")
         every = []
         for r in range(self._num):

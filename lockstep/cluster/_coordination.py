@@ -29,6 +29,13 @@ class Coordination:
         """Sets `prefix` + `rank` to `value`."""
         self._client.key_value_set(f"{prefix}{rank}", value, allow_overwrite=overwrite)
 
+    def delete(self, prefix: str, rank: int) -> None:
+        """Removes this worker's entry under `prefix` (one nobody reads any more)."""
+        try:
+            self._client.key_value_delete(f"{prefix}{rank}")
+        except Exception:  # noqa: BLE001 - an entry left behind costs memory only
+            pass
+
     def increment(self, prefix: str, rank: int) -> None:
         """Adds one to the counter `prefix` + `rank`."""
         self._client.key_value_increment(f"{prefix}{rank}", 1)

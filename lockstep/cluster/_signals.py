@@ -54,18 +54,17 @@ def _c_handler(sig: int) -> Any:
 class _Ending:
     def __init__(self, rank: int):
         self._rank = rank
-        self._notifier = _c_handler(signal.SIGTERM)
-        self.watched = False  # a thread acts on the signals (else the main thread's handler does)
+        self._notifier = _c_handler(signal.SIGTERM) if signal.getsignal(signal.SIGTERM) in (
+            signal.SIG_DFL, signal.SIG_IGN, None) else None  # the runtime's C handler, not Python's own
 
     def handle(self, signum: int, frame: Any = None) -> None:
-        """The Python handler (main thread): acts only where no thread watches."""
-        if not self.watched:
-            self.act(signum)
+        """The Python handler (main thread); the watching thread acts first where it runs (acting
+        twice is harmless: both end the process, or both tell the runtime)."""
+        self.act(signum)
 
     def act(self, signum: int) -> None:
-        if signum == signal.SIGTERM and _BACKUPS:
-            if self._notifier is not None:
-                self._notifier(signum)  # the runtime records it; BackupAndRestore backs up and stops
+        if signum == signal.SIGTERM and _BACKUPS and self._notifier is not None:
+            self._notifier(signum)  # the runtime records it; BackupAndRestore backs up and stops
             return
         name = signal.Signals(signum).name
         why = " (no BackupAndRestore backs up this fit)" if signum == signal.SIGTERM else ""
@@ -79,8 +78,8 @@ class _Ending:
                 data = os.read(fd, 64)
             except OSError:
                 return
-            for signum in data:
-                if signum in (signal.SIGTERM, signal.SIGINT):
+            for signum in data:  # a handler the user installed since is left to act alone
+                if signum in (signal.SIGTERM, signal.SIGINT) and signal.getsignal(signum) == self.handle:
                     self.act(signum)
 
 
@@ -98,5 +97,4 @@ def install(rank: int) -> None:
         signal.set_wakeup_fd(write, warn_on_full_buffer=False)
     except ValueError:  # not the main thread of the main interpreter
         return
-    ending.watched = True
     threading.Thread(target=ending.watch, args=(read,), daemon=True, name="lockstep-signals").start()

@@ -138,7 +138,8 @@ def _keras_data_parallel(keras: Any) -> type:
             strategy: Any = None  # a weak reference to the scope's strategy
 
             def get_variable_layout(self, variable: Any) -> Any:
-                _MAKING[:] = [getattr(variable, "path", None) or getattr(variable, "name", "?")]
+                _MAKING[:] = [] if getattr(variable, "trainable", True) else [  # a setting: compared, not broadcast
+                    getattr(variable, "path", None) or getattr(variable, "name", "?")]
                 if self.strategy is not None:  # the variable was made in this strategy's scope
                     key = id(variable)
                     _BUILT_IN[key] = (weakref.ref(variable, lambda _: _BUILT_IN.pop(key, None)), self.strategy)
@@ -163,9 +164,9 @@ _MAKING: list[str] = []  # the path of the Keras variable being made (its value 
 def _values_from_worker_0(keras: Any) -> None:
     """Keras variables created (or assigned from the host) on devices of several workers take
     worker 0's value, as TF's multi-worker variables do (JAX would otherwise require every worker
-    to hold the same value: an unseeded initialiser fails). A scalar (a learning rate, a momentum:
-    a setting, never drawn at random) is compared instead: `WorkersDisagreeError` names it and every
-    worker's value. Installed once; a no-op in one process."""
+    to hold the same value: an unseeded initialiser fails). A non-trainable scalar made in the
+    scope (a learning rate, a momentum: a setting) is compared instead: `WorkersDisagreeError` names
+    it and every worker's value. Installed once; a no-op in one process."""
     if _PUT:
         return
     try:
@@ -187,13 +188,16 @@ def _values_from_worker_0(keras: Any) -> None:
             from ..engine import broadcast_from_chief
 
             value = np.asarray(tensor)
-            tensor = _same_on_every_worker(value) if value.ndim == 0 else broadcast_from_chief(value)
+            making, _MAKING[:] = list(_MAKING), []  # only the value it is made with; later assigns are broadcast
+            tensor = (_same_on_every_worker(value, making[0]) if value.ndim == 0 and making
+                      else broadcast_from_chief(value))
         return original(tensor, layout)
     distribution_lib.distribute_tensor = distribute_tensor
 
 
-def _same_on_every_worker(value: Any) -> Any:
-    """A scalar Keras variable's `value`, which every worker must give alike (a collective)."""
+def _same_on_every_worker(value: Any, path: str) -> Any:
+    """A non-trainable scalar Keras variable's initial `value` (a setting: a learning rate), which
+    every worker must give alike (a collective)."""
     import numpy as np
     from jax.experimental import multihost_utils
 
@@ -202,7 +206,7 @@ def _same_on_every_worker(value: Any) -> Any:
         from .._errors import WorkersDisagreeError
 
         raise WorkersDisagreeError(
-            f"the workers made the Keras variable {_MAKING[0] if _MAKING else '?'!r} (a scalar: a setting such as a "
+            f"the workers made the Keras variable {path!r} (a scalar: a setting such as a "
             f"learning rate) with other values: {every}, in worker order. Every worker of a job runs the same script "
             "with the same settings; give it the same value on every worker.")
     return value

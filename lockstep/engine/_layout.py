@@ -95,15 +95,15 @@ class BatchRows:
 _SAMPLED_BYTES = 1 << 20  # a checksum reads at most this many bytes of an array (evenly spread)
 
 
-def batch_checksum(leaves: list[Any]) -> int:
+def batch_checksum(leaves: list[Any], h: int = 0) -> int:
     """A CRC-32 of a host batch's arrays (shapes, dtypes and contents; of a large array, 1 MiB of
-    bytes spread evenly over it), to compare the batches the workers read.
+    bytes spread evenly over it), to compare the batches the workers read; `h` goes on from a
+    previous checksum.
 
     >>> x = np.arange(6.0)
     >>> batch_checksum([x]) == batch_checksum([x.copy()]), batch_checksum([x]) == batch_checksum([x + 1])
     (True, False)
     """
-    h = 0
     for leaf in leaves:
         a = to_numpy(leaf)
         h = zlib.crc32(f"{a.shape} {a.dtype}".encode(), h)

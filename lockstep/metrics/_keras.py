@@ -138,18 +138,19 @@ class KerasMetric(Metric):
 
         first, second = up(self._inits, slice(0, 1)), up(self._inits, slice(1, 2))
         both, then = up(self._inits, slice(0, 2)), up(first, slice(1, 2))
+        twice = up(second, slice(1, 2))  # a row seen again: a sum counts it twice, a maximum once
         reductions = []
-        for v, init, a, b, ab, seq in zip(k.variables, self._inits, first, second, both, then):
+        for v, init, a, b, ab, seq, bb in zip(k.variables, self._inits, first, second, both, then, twice):
             init = np.asarray(init, np.float64)
-            combined = {"sum": a + b - init, "max": np.maximum(a, b), "min": np.minimum(a, b)}
-            fits = [r for r, want in combined.items()
+            combined = {"sum": (a + b - init, 2 * b - init), "max": (np.maximum(a, b), b), "min": (np.minimum(a, b), b)}
+            fits = [r for r, (want, again) in combined.items()
                     if all(np.allclose(got, want, rtol=1e-5, atol=1e-6) for got in (ab, seq))
-                    and (r != "sum" or not np.any(init != 0))]
+                    and np.allclose(bb, again, rtol=1e-5, atol=1e-6) and (r != "sum" or not np.any(init != 0))]
             if not fits:
                 raise ValueError(
                     f"Keras metric `{self.name}` ({type(k).__name__}) cannot be combined exactly across batches, "
                     f"replicas and workers: its variable `{v.name}` after one batch of both rows is {ab.tolist()} "
-                    f"and after one row after the other {seq.tolist()}, neither the sum ({combined['sum'].tolist()}) "
+                    f"and after one row after the other {seq.tolist()}, neither the sum ({combined['sum'][0].tolist()}) "
                     f"nor the maximum or minimum of what each row alone gives. lockstep combines the updates of "
                     "each batch's real rows, which is exact for variables that accumulate sums (starting at zero), "
                     "maxima or minima; a last value or a mean of means is not. Write it as a "
@@ -184,21 +185,26 @@ class KerasMetric(Metric):
             name = f"{i}_{v.name}"
             self.add_state(name, tuple(v.shape), reduction="sum", dtype=v.dtype)
             self._names.append(name)
-            self._inits.append(jnp.asarray(init, v.dtype))
+            self._inits.append(np.asarray(init, dtype=np.dtype(v.dtype)))  # NumPy: no tracer when made in a trace
 
     def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> State:
         if not self._per_row:
             zeros = [jnp.zeros(self._specs[k].shape, self._specs[k].dtype) for k in self._names]
             return dict(zip(self._names, self._update(zeros, y_true, y_pred, sample_weight)))
         n = jnp.shape(y_true)[0]
+        if n == 0:  # no row: nothing changes
+            return {name: jnp.asarray(init, self._specs[name].dtype) if self._specs[name].reduction != "sum"
+                    else jnp.zeros(self._specs[name].shape, self._specs[name].dtype)
+                    for name, init in zip(self._names, self._inits)}
         weight = jnp.ones((n,), jnp.float32) if sample_weight is None else jnp.asarray(sample_weight, jnp.float32)
+        weight = jnp.broadcast_to(weight, (n,)) if weight.ndim == 0 else weight
         row_weight = weight if self._ignores_weight else None
 
         def one(t: Any, p: Any, w: Any) -> list[Any]:
             return self._update(self._inits, t[None], p[None], None if self._ignores_weight else w[None])
 
         rows = jax.vmap(one)(y_true, y_pred, weight)
-        real = weight.reshape(n, -1)[:, 0] > 0  # padding rows: weight 0
+        real = jnp.any(weight.reshape(n, -1) != 0, axis=1)  # padding rows: weight 0
         out = {}
         for name, r in zip(self._names, rows):
             spec = self._specs[name]

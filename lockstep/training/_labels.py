@@ -50,7 +50,8 @@ def check_labels(kind: str, y: Any, num_classes: int, arg: str = "y", where: str
             raise ValueError(
                 f"`{arg}` looks one-hot (shape {y.shape}{where}) but the loss takes integer class labels: use "
                 "'categorical_crossentropy', or pass `y.argmax(-1)`.")
-        if label_shape is not None and y.ndim and y.shape[1:] not in (label_shape, (*label_shape, 1)):
+        rank = None if label_shape is None else len(label_shape)  # lengths may vary by batch (sequences)
+        if rank is not None and y.ndim and not (y.ndim - 1 == rank or (y.ndim - 1 == rank + 1 and y.shape[-1] == 1)):
             want = f"(batch, {', '.join(map(str, label_shape))})" if label_shape else "(batch,)"
             raise ValueError(
                 f"`{arg}` has shape {y.shape}{where}, but the model predicts {num_classes} classes for each label of "

@@ -14,20 +14,34 @@ join; `lockstep.cluster`'s `agree_on` names the setting and both values instead
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import numpy as np
 
 
 def _plain(value: Any) -> Any:
-    """`value` as JSON data (a class weight's keys as strings, NumPy numbers as Python's)."""
+    """`value` as JSON data (a class weight's keys as strings, NumPy numbers as Python's, NaN as a
+    string, an object by its repr without memory addresses, which differ between processes)."""
     if isinstance(value, dict):
         return {str(k): _plain(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return [_plain(v) for v in value]
     if isinstance(value, np.generic):
-        return value.item()
-    return value if value is None or isinstance(value, (bool, int, float, str)) else repr(value)
+        value = value.item()
+    if isinstance(value, float) and value != value:
+        return "nan"
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return re.sub(r" at 0x[0-9a-fA-F]+", "", repr(value))
+
+
+def _optimizer_config(optimizer: Any) -> Any:
+    try:
+        config = optimizer.get_config()  # a learning-rate schedule without get_config raises
+    except Exception:  # noqa: BLE001 - then its class stands for it
+        return type(optimizer).__name__
+    return _plain({k: v for k, v in config.items() if k != "name"})
 
 
 def fit_settings(trainer: Any, given: dict[str, Any]) -> dict[str, Any]:
@@ -44,6 +58,5 @@ def fit_settings(trainer: Any, given: dict[str, Any]) -> dict[str, Any]:
         out["the model's variables"] = [f"{tuple(v.shape)} {v.dtype}" for v in variables]
     optimizer = getattr(trainer.model, "optimizer", None)
     if hasattr(optimizer, "get_config"):  # a compiled Keras model's: its learning rate, ...
-        out["the optimizer's configuration"] = _plain({k: v for k, v in optimizer.get_config().items()
-                                                       if k != "name"})
+        out["the optimizer's configuration"] = _optimizer_config(optimizer)
     return out
