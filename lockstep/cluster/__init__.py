@@ -4,8 +4,9 @@ on (`_agreement`), who is present (`_roll_call`) and the coordination service's 
 (`_coordination`). Public names are re-exported from `lockstep`.
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 
 #: what other packages use of this one, by the module that defines it (imported when first asked
 #: for: `import lockstep` stays free of JAX)
@@ -21,10 +22,5 @@ if TYPE_CHECKING:
     from ._signals import backups_take_sigterm as backups_take_sigterm
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-
-
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)

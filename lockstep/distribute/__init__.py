@@ -4,8 +4,9 @@ distributed datasets (`_datasets`) and scopes (`_scope`). Public names are re-ex
 `lockstep`.
 """
 
-from importlib import import_module
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from .._lazy import lazy_exports
 
 #: what other packages use of this one, by the module that defines it (imported when first asked
 #: for: `import lockstep` stays free of JAX)
@@ -35,10 +36,5 @@ if TYPE_CHECKING:
     from ._values import unwrap as unwrap
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-
-
+__getattr__ = lazy_exports(__name__, _EXPORTS)
 __all__ = sorted(_EXPORTS)
