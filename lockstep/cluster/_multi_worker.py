@@ -98,6 +98,9 @@ class _Watchdog:
         except Exception:  # noqa: BLE001 - the coordinator is gone: the heartbeat loop names it
             time.sleep(3 * _BEAT_INTERVAL)
         self._done.set()
+        for thread in (self._thread, self._clock):  # not left inside a call into the runtime while Python
+            if thread.is_alive() and thread is not threading.current_thread():  # finalizes (an abort:
+                thread.join(2 * _BEAT_INTERVAL + 1.0)  # "FATAL: exception not rethrown")
 
     def _loop(self) -> None:
         last_seen = {r: (None, time.monotonic()) for r in range(self._num)}
