@@ -1,15 +1,27 @@
-"""Executions: several optimizer steps in one compiled call (`steps_per_execution`, Keras' name).
+"""The training program: optimizer updates in one compiled call, the same for every state layout.
 
-An execution is a list of consecutive updates (`AccumulationGroup`s: one batch each, or the k
-batches of gradient accumulation). It splits into *runs* of updates that one program can take
-together: batches of one resident pass (`lockstep.engine._resident`: the program gathers their
-rows itself), or placed batches of one shape. A run's program is a `lax.scan` over its updates
-whose body is exactly the one-step program's: the train step, or the accumulate steps and the
-apply step, each batch traced in its own replica context (its mask and count), so the weights,
-the metric states and the logs after a run are those of taking its steps one by one.
+An execution (`steps_per_execution`, Keras' name) is a list of consecutive updates
+(`AccumulationGroup`s: one batch each, or the k batches of gradient accumulation). It splits into
+*runs* of updates that one program takes together (`runs`): batches of one resident pass
+(`lockstep.engine._resident`: the program gathers their rows itself), or placed batches of one
+shape; an update whose batches differ in shape, or come from two passes, is a run of its own.
 
-A run of placed batches that holds a single update takes the one-step path, as without
-executions; so does an update whose batches differ in shape, or come from two passes.
+A run's program (`make_program`) is one `jax.jit` made from the gradient step and the state
+layout (`lockstep.training._placement`), and nothing else:
+
+* the replicas' part, a `shard_map` over the batch axis: each replica takes the update's batches
+  one after another (`micro_batched`: a `lax.scan` over them, or one call for one batch), each in
+  its own replica context (its mask and count), and returns its share of their gradient reduced
+  as the layout says (`layout.reduce`: an all-reduce for whole variables, a reduce-scatter along a
+  ZeRO dimension), the agreed non-trainable state and the logs;
+* the update, outside it (`layout.update`), on the arrays as the layout lays them out;
+* for several updates, a `lax.scan` over both.
+
+With gradient accumulation each batch adds its gradient of the *summed* loss (its mean-loss
+gradient times its real count) to the accumulators, which the layout reduces once after the last
+batch (or per batch, where it keeps each replica's share: ZeRO stages 2 and 3), divided once by the
+group's real count. So the weights, the metric states and the logs after a run are those of
+taking its steps one by one, on any layout.
 """
 
 from __future__ import annotations
@@ -20,9 +32,12 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from ..data import AccumulationGroup, accumulation_groups
 from ..engine import ResidentBatch, gather, get_replica_context, replica_context
+from ._precision import loss_scale_of
+from ._steps import CHECK_VMA
 
 
 def executions(batches: Iterable[Any], accumulation: int, steps_per_execution: int, first_step: int = 0
@@ -38,7 +53,7 @@ def executions(batches: Iterable[Any], accumulation: int, steps_per_execution: i
 
 
 def run_key(update: AccumulationGroup) -> tuple[Any, ...] | None:
-    """What updates of one run share (None: this update runs alone, on the one-step path)."""
+    """What updates of one run share (None: this update runs alone, its batches placed and unrolled)."""
     batches = update.batches
     first = batches[0]
     if isinstance(first, ResidentBatch):
@@ -69,66 +84,118 @@ def runs(updates: Sequence[AccumulationGroup]) -> list[tuple[tuple[Any, ...] | N
     return out
 
 
-def placed_feed(updates: Sequence[AccumulationGroup]) -> tuple[Any, Any]:
-    """(arguments, kinds) of a run of placed batches: every batch's data, mask and count."""
-    batches = [b for u in updates for b in u.batches]
-    return ((tuple(b.data for b in batches), tuple(b.mask for b in batches), tuple(b.count for b in batches)),
-            ("rows", "rows", "replicated"))
+def feed_of(run: Sequence[AccumulationGroup], key: tuple[Any, ...] | None, start: Callable[[int], jax.Array]
+            ) -> tuple[Any, Any]:
+    """(what the program of `run` reads its batches from, the program's key): a resident pass's
+    arrays, index table and first batch number (`start(i)`: batch number i on the devices), or
+    every batch's data, mask and count (placed from the host where a batch is resident but the run
+    is not a resident one)."""
+    if key is not None and key[0] == "resident":
+        whole = run[0].batches[0].pass_
+        feed = (whole.arrays.leaves, whole.table, whole.counts, start(run[0].batches[0].index))
+        return feed, ("resident", whole.arrays.treedef, whole.per_replica, len(run), key[2])
+    batches = [b.placed() if isinstance(b, ResidentBatch) else b for u in run for b in u.batches]
+    feed = (tuple(b.data for b in batches), tuple(b.mask for b in batches), tuple(b.count for b in batches))
+    return feed, ("stacked" if key is not None and len(batches) > 1 else "placed", len(run), len(run[0].batches))
 
 
-def resident_feed(updates: Sequence[AccumulationGroup], start: jax.Array) -> tuple[Any, Any]:
-    """(arguments, kinds) of a run of a resident pass's batches from the one numbered `start`."""
-    whole = updates[0].batches[0].pass_
-    return (whole.arrays.leaves, whole.table, whole.counts, start), "replicated"
+def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, key: tuple[Any, ...]
+                 ) -> Callable[..., Any]:
+    """``(params, opt_state, metric_state, feed) -> (params, opt_state, metric_state)``, compiled:
+    the updates of one run (`feed_of`'s feed and key) taken by `gradient_step` (`make_gradient_step`'s)
+    and `layout` (see the module doc)."""
+    kind, *rest = key
+    length, accumulation = rest[-2:]
+    axis = engine.batch_axis
+    if kind == "resident":
+        treedef, per_replica = rest[:2]
+        source_kinds, xs_kinds = "replicated", "replicated"
 
+        def fetch(source: Any, i: jax.Array) -> tuple[Any, Any, Any]:
+            return gather(treedef, *source, i, per_replica, axis)
+    else:
+        source_kinds = "replicated"
+        xs_kinds = (P(None, axis), P(None, axis), "replicated") if kind == "stacked" else ("rows", "rows", "replicated")
 
-def make_program(steps: dict[str, Callable[..., Any]], length: int, accumulation: int,
-                 resident: tuple[Any, int] | None, axis_name: str) -> Callable[..., Any]:
-    """A replica function ``(params, opt_state, metric_state, feed) -> (params, opt_state,
-    metric_state)`` taking `length` updates of `accumulation` batches each, from a placed feed, or
-    from a resident one (`resident`: the structure of the pass's data and its rows per replica)."""
-    n = length * accumulation
+        def fetch(source: Any, batch: Any) -> tuple[Any, Any, Any]:
+            return batch
+    replicas = engine.mapped(micro_batched(gradient_step, layout, fetch, accumulation, stacked=kind != "placed"),
+                             ("replicated", "replicated", "per_replica", source_kinds, xs_kinds),
+                             (layout.gradient_kinds, "replicated", "per_replica"), check_vma=CHECK_VMA, with_batch=False)
 
-    def batches_of(feed: Any) -> tuple[Any, Callable[[Any], tuple[Any, Any, Any]]]:
-        """Per-batch scan inputs shaped (length, accumulation, ...), and how a replica fetches a batch from one."""
-        if resident is None:
-            datas, masks, counts = feed
-            stacked = (jax.tree.map(lambda *xs: jnp.stack(xs), *datas), jnp.stack(masks), jnp.stack(counts))
-            return jax.tree.map(lambda v: v.reshape(length, accumulation, *v.shape[1:]), stacked), lambda x: x
-        treedef, per_replica = resident
-        leaves, table, counts, start = feed
-        xs = (start + jnp.arange(n, dtype=jnp.int32)).reshape(length, accumulation)
-        return xs, lambda i: gather(treedef, leaves, table, counts, i, per_replica, axis_name)
+    def update(carry: Any, xs: Any, source: Any) -> Any:
+        params, opt_state, metric_state = carry
+        grads, non_trainable, metric_state = replicas(params, loss_scale_of(opt_state), metric_state, source, xs)
+        trainable, opt_state = layout.update(grads, opt_state, params["trainable"])
+        return {"trainable": trainable, "non_trainable": non_trainable}, opt_state, metric_state
 
     def program(params: Any, opt_state: Any, metric_state: Any, feed: Any) -> Any:
-        xs, fetch = batches_of(feed)
-        top = get_replica_context()
-        assert top is not None
-
-        def one_batch(step: Callable[..., Any], x: Any, *carry: Any) -> Any:
-            data, mask, count = fetch(x)
-            with replica_context(top.with_batch(mask, count)):
-                return step(*carry, data, mask, count), count
-
-        def update(carry: Any, group: Any) -> tuple[Any, None]:
-            params, opt_state, metric_state = carry
-            if accumulation == 1:
-                out, _ = one_batch(steps["train"], jax.tree.map(lambda v: v[0], group), params, opt_state,
-                                   metric_state)
-                return out, None
-
-            def micro(c: Any, x: Any) -> tuple[Any, Any]:
-                p, acc, ms = c
-                return one_batch(steps["accumulate"], x, p, opt_state, acc, ms)
-
-            acc = jax.tree.map(jnp.zeros_like, params["trainable"])
-            (params, acc, metric_state), counts = jax.lax.scan(micro, (params, acc, metric_state), group)
-            params, opt_state, _ = steps["apply"](params, opt_state, acc, jnp.sum(counts))
-            return (params, opt_state, metric_state), None
-
         carry = (params, opt_state, metric_state)
+        if kind == "resident":
+            *source, start = feed
+            xs = (start + jnp.arange(length * accumulation, dtype=jnp.int32)).reshape(length, accumulation)
+        elif kind == "stacked":
+            source = None
+            datas, masks, counts = feed
+            stacked = (jax.tree.map(lambda *v: jnp.stack(v), *datas), jnp.stack(masks), jnp.stack(counts))
+            xs = jax.tree.map(lambda v: v.reshape(length, accumulation, *v.shape[1:]), stacked)
+        else:
+            return update(carry, feed, None)
         if length == 1:
-            return update(carry, jax.tree.map(lambda v: v[0], xs))[0]
-        return jax.lax.scan(update, carry, xs)[0]
+            return update(carry, jax.tree.map(lambda v: v[0], xs), source)
+        return jax.lax.scan(lambda c, x: (update(c, x, source), None), carry, xs)[0]
 
-    return program
+    out_shardings: dict[Any, Any] = {}
+
+    def call(params: Any, opt_state: Any, metric_state: Any, feed: Any) -> Any:
+        structure = jax.tree.structure(opt_state)
+        compiled = out_shardings.get(structure)
+        if compiled is None:
+            compiled = out_shardings[structure] = engine.jit(program, layout.out_shardings(params, opt_state))
+        return compiled(params, opt_state, metric_state, feed)
+    return call
+
+
+def micro_batched(gradient_step: Callable[..., Any], layout: Any, fetch: Callable[[Any, Any], Any],
+                  accumulation: int, stacked: bool) -> Callable[..., Any]:
+    """A replica's ``(params, loss_scale, metric_state, source, xs) -> (grads, non_trainable,
+    metric_state)`` for one update of `accumulation` batches (`xs`: stacked along a first axis, or
+    tuples of their data, masks and counts; `fetch(source, x)` gives one's data, mask and count): levanter's `microbatched`, with
+    the layout's reduction (see the module doc)."""
+    top: list[Any] = []
+
+    def one_batch(carry: Any, x: Any, source: Any, scale: Any) -> tuple[Any, Any]:
+        params, acc, metric_state = carry
+        data, mask, count = fetch(source, x)
+        with replica_context(top[0].with_batch(mask, count)):
+            grads, non_trainable, metric_state = gradient_step(params, scale, metric_state, data, mask, count)
+        params = {"trainable": params["trainable"], "non_trainable": non_trainable}
+        if accumulation == 1:
+            return (params, layout.reduce(grads), metric_state), count
+        summed = jax.tree.map(lambda g: g * count, grads)
+        if layout.shards_accumulators:
+            summed = layout.reduce(summed)
+        return (params, jax.tree.map(jnp.add, acc, summed), metric_state), count
+
+    def replica(params: Any, scale: Any, metric_state: Any, source: Any, xs: Any) -> Any:
+        top[:] = [get_replica_context()]
+        if accumulation == 1:
+            x = jax.tree.map(lambda v: v[0], xs) if stacked else tuple(part[0] for part in xs)
+            (params, grads, metric_state), _ = one_batch((params, None, metric_state), x, source, scale)
+            return grads, params["non_trainable"], metric_state
+        whole = layout.reduce if layout.shards_accumulators else (lambda t: t)
+        acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(whole, params["trainable"]))
+        carry = (params, acc, metric_state)
+        if stacked:
+            carry, counts = jax.lax.scan(lambda c, x: one_batch(c, x, source, scale), carry, xs)
+            total = jnp.sum(counts)
+        else:
+            total = 0.0
+            for x in zip(*xs):
+                carry, count = one_batch(carry, x, source, scale)
+                total = total + count
+        params, acc, metric_state = carry
+        if not layout.shards_accumulators:
+            acc = layout.reduce(acc)
+        return jax.tree.map(lambda a: a / total, acc), params["non_trainable"], metric_state
+    return replica

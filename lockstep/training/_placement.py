@@ -34,8 +34,7 @@ from ..distribute import get_strategy
 from ..engine import ShardingPlan, VariableLayout, fit_to, shard_bytes, spread
 from ._model import keras_paths
 from ._optimizers import KerasOptimizerState, get_optimizer, is_keras_optimizer, keras_state_owners
-from ._precision import loss_scale_of
-from ._steps import CHECK_VMA, replicas_axis, updated
+from ._steps import replicas_axis, updated
 
 
 #: An optimizer-state array that belongs to no parameter (a step count, a scalar).
@@ -43,15 +42,42 @@ _NOT_A_PARAM = object()
 
 
 class Replicated:
-    """Weights and optimizer state copied to every device of `engine`."""
+    """Weights and optimizer state copied to every device of `engine`: the layout in which every
+    variable is whole, its gradient summed over the replicas (an all-reduce)."""
 
     plan: ShardingPlan | None = None
-    #: how the train step combines the replicas' gradients (None: summed, whole on every replica)
-    reduce: Callable[[Any], Any] | None = None
+    #: gradient accumulators hold each replica's share (reduced per micro-batch), not its whole gradient
+    shards_accumulators = False
+    #: how the replicas' gradient step returns the reduced gradients (`lockstep.engine`'s kinds)
+    gradient_kinds: Any = "replicated"
 
     def __init__(self, engine: Any, optimizer: optax.GradientTransformation):
         self._engine = engine
         self._optimizer = optimizer
+        self._replicated = NamedSharding(engine.mesh, P())
+        self._out: dict[Any, Any] = {}
+
+    def reduce(self, grads: Any) -> Any:
+        """Inside a replica: the replicas' gradients summed, whole on every replica."""
+        return jax.lax.psum(grads, replicas_axis())
+
+    def update(self, grads: Any, opt_state: Any, trainable: Any) -> tuple[Any, Any]:
+        """(trainable parameters, optimizer state) after one update with the reduced `grads`."""
+        return updated(self._optimizer, grads, opt_state, trainable)
+
+    def param_shardings(self, params: Any) -> Any:
+        """Where each stored parameter lies."""
+        return jax.tree.map(lambda _: self._replicated, params)
+
+    def out_shardings(self, params: Any, opt_state: Any) -> tuple[Any, Any, Any]:
+        """Where a training program leaves parameters, optimizer state and the per-replica metric
+        states (one tree per structure of the optimizer state)."""
+        key = (jax.tree.structure(params), jax.tree.structure(opt_state))
+        out = self._out.get(key)
+        if out is None:
+            out = self._out[key] = (self.param_shardings(params), self.state_shardings(opt_state),
+                                    NamedSharding(self._engine.mesh, P(self._engine.batch_axis)))
+        return out
 
     def params(self, params: Any) -> Any:
         return self._engine.put_replicated(params)
@@ -86,8 +112,7 @@ class Replicated:
 
     def state_shardings(self, opt_state: Any) -> Any:
         """Where each array of an optimizer state (arrays or their shapes) lies."""
-        replicated = NamedSharding(self._engine.mesh, P())
-        return jax.tree.map(lambda _: replicated, opt_state)
+        return jax.tree.map(lambda _: self._replicated, opt_state)
 
     def estimate(self, params: Any) -> dict[str, int]:
         """Bytes each device holds, before any array exists (`params`: a tree of arrays or of
@@ -113,10 +138,10 @@ class Sharded(Replicated):
                  keras_owners: list[int | None] | None = None):
         super().__init__(engine, optimizer)
         self.plan = plan
+        self.shards_accumulators = plan.zero_stage >= 2  # stages 2 and 3: each replica accumulates its share
+        self.gradient_kinds = plan.gradient_specs()["trainable"]
         self._keras_owners = keras_owners  # a Keras optimizer's variables' parameters (`keras_state_owners`)
-        self.reduce = self.scatter
         self._param_shardings = plan.shardings("param")
-        self._replicated = NamedSharding(plan.mesh, P())
         self._state_shardings: Any = None
         self._layouts = plan.tree(plan.variables)  # each parameter's `VariableLayout`, a tree like the parameters
         self._padded = any(v.padded for v in plan.variables)
@@ -125,6 +150,9 @@ class Sharded(Replicated):
 
     def params(self, params: Any) -> Any:
         return self._engine.place(self._padded_for(params, self._layouts, "param_spec"), self._param_shardings)
+
+    def param_shardings(self, params: Any) -> Any:
+        return self._param_shardings
 
     def _per_state(self, opt_state: Any, per_param: Any, other: Any) -> Any:
         """A tree like `opt_state`: each parameter's state (Adam's moments) given that parameter's
@@ -250,7 +278,7 @@ class Sharded(Replicated):
             return y, self._stored(non_trainable, "non_trainable"), penalty
         return stored_apply
 
-    def _update(self, grads: Any, opt_state: Any, trainable: Any) -> tuple[Any, Any]:
+    def update(self, grads: Any, opt_state: Any, trainable: Any) -> tuple[Any, Any]:
         """`updated` on the variables' own shapes (gradients as reduce-scattered, the rest as
         stored), its results padded as stored."""
         if not self._padded:
@@ -259,10 +287,9 @@ class Sharded(Replicated):
                                  self._cut(trainable))
         return self._stored(new), self._stored_state(opt_state)
 
-    # --- steps ---------------------------------------------------------------------------
-    def scatter(self, grads: Any) -> Any:
-        """Each replica's share of the trainable gradients summed over the replicas: split along
-        each parameter's ZeRO dimension (a reduce-scatter), whole where the plan keeps it whole."""
+    def reduce(self, grads: Any) -> Any:
+        """Inside a replica: its share of the trainable gradients summed over the replicas, split
+        along each parameter's ZeRO dimension (a reduce-scatter), whole where the plan keeps it whole."""
         axis = replicas_axis()
 
         def one(g: Any, v: VariableLayout) -> Any:
@@ -271,136 +298,6 @@ class Sharded(Replicated):
                 return jax.lax.psum(g, axis)
             return jax.lax.psum_scatter(g, axis, scatter_dimension=v.zero_dim, tiled=True)
         return jax.tree.map(one, grads, self._layouts["trainable"])
-
-    def train_program(self, gradient_step: Callable[..., Any]) -> Callable[..., Any]:
-        """``(params, opt_state, metric_state, data, mask, count) -> (params, opt_state, metric_state)``:
-        one update, compiled (see the module doc); `gradient_step` is `make_gradient_step`'s,
-        reducing with `scatter`."""
-        return self._compiled(self._train_fn(gradient_step))
-
-    def _train_fn(self, gradient_step: Callable[..., Any]) -> Callable[..., Any]:
-        grad_specs = self.plan.gradient_specs()["trainable"]
-        mapped = self._engine.mapped(gradient_step, ("replicated", "replicated", "per_replica", "rows", "rows",
-                                                     "replicated"),
-                                     (grad_specs, "replicated", "per_replica"), check_vma=CHECK_VMA)
-
-        def train(params: Any, opt_state: Any, metric_state: Any, data: Any, mask: Any, count: Any) -> Any:
-            grads, non_trainable, logs = mapped(params, loss_scale_of(opt_state), metric_state, data, mask, count,
-                                                  mask, count)  # (then the replica context's)
-            trainable, opt_state = self._update(grads, opt_state, params["trainable"])
-            return {"trainable": trainable, "non_trainable": non_trainable}, opt_state, logs
-        return train
-
-    def execution_program(self, steps: dict[str, Callable[..., Any]], length: int, accumulation: int
-                          ) -> Callable[..., Any]:
-        """``(params, opt_state, metric_state, datas, masks, counts) -> (params, opt_state,
-        metric_state)``: `length` updates of `accumulation` batches each (tuples of their data,
-        masks and counts, batches of one shape) in one compiled call (`steps_per_execution`): a
-        `lax.scan` whose body is the one-update programs' (`steps`: `make_steps`'s)."""
-        train = self._train_fn(steps["gradient"])
-        accumulate, apply = self._accumulate_fn(steps), self._apply_fn()
-
-        def zeros(params: Any) -> Any:
-            if self.shards_accumulators:
-                return jax.tree.map(lambda x, v: jnp.zeros(v.stored_shape(v.state_spec), x.dtype), params["trainable"],
-                                    self._layouts["trainable"])
-            r = self._engine.num_replicas
-            return jax.tree.map(lambda x: jnp.zeros((r, *x.shape), x.dtype), params["trainable"])
-
-        def update(carry: Any, group: Any) -> tuple[Any, None]:
-            if accumulation == 1:
-                return train(*carry, *jax.tree.map(lambda v: v[0], group)), None
-            params, opt_state, metric_state = carry
-
-            def micro(c: Any, batch: Any) -> tuple[Any, Any]:
-                return accumulate(c[0], opt_state, c[1], c[2], *batch), batch[2]
-            (params, acc, metric_state), counts = jax.lax.scan(micro, (params, zeros(params), metric_state), group)
-            params, opt_state, _ = apply(params, opt_state, acc, jnp.sum(counts))
-            return (params, opt_state, metric_state), None
-
-        def execution(params: Any, opt_state: Any, metric_state: Any, datas: Any, masks: Any, counts: Any) -> Any:
-            batches = (jax.tree.map(lambda *xs: jnp.stack(xs), *datas), jnp.stack(masks), jnp.stack(counts))
-            groups = jax.tree.map(lambda v: v.reshape(length, accumulation, *v.shape[1:]), batches)
-            return jax.lax.scan(update, (params, opt_state, metric_state), groups)[0]
-        return self._compiled(execution)
-
-    @property
-    def shards_accumulators(self) -> bool:
-        """Whether gradient accumulators are laid out as the plan's gradients (stage 2 and 3: each
-        replica accumulates its reduce-scattered share) rather than whole on every replica."""
-        return self.plan.zero_stage >= 2
-
-    def zero_accumulators(self, params: Any) -> Any:
-        """Accumulators of zeros for the trainable parameters, in the optimizer state's layout
-        (and stored shape)."""
-        shardings = self.plan.shardings("state")["trainable"]
-        return self._engine.jit(lambda t: jax.tree.map(lambda x, v: jnp.zeros(v.stored_shape(v.state_spec), x.dtype), t,
-                                                       self._layouts["trainable"]), shardings)(params["trainable"])
-
-    def accumulate_program(self, steps: dict[str, Callable[..., Any]]) -> Callable[..., Any]:
-        """``(params, opt_state, acc, metric_state, data, mask, count) -> (params, acc, metric_state)``:
-        one micro-batch added to the accumulators (`steps`: `make_steps`'s); the step takes the
-        loss scale, not the optimizer state (which stage 1 would gather whole each micro-batch)."""
-        split = NamedSharding(self.plan.mesh, P(self.plan.batch_axis))
-        accumulators = self.plan.shardings("state")["trainable"] if self.shards_accumulators else split
-        program = self._engine.jit(self._accumulate_fn(steps, scaled=True),
-                                   (self._param_shardings, accumulators, split))
-
-        def accumulate(params: Any, opt_state: Any, acc: Any, metric_state: Any, data: Any, mask: Any,
-                       count: Any) -> Any:
-            return program(params, loss_scale_of(opt_state), acc, metric_state, data, mask, count)
-        return accumulate
-
-    def _accumulate_fn(self, steps: dict[str, Callable[..., Any]], scaled: bool = False) -> Callable[..., Any]:
-        """``(params, opt_state, acc, metric_state, data, mask, count) -> (params, acc, metric_state)``
-        uncompiled (with `scaled`, the loss scale in the optimizer state's place): the sharded
-        accumulators' step ("accumulate_reduced": each replica adds its reduce-scattered share), or
-        whole per-replica accumulators' ("accumulate_scaled": reduced once, by the apply step)."""
-        kind = self.plan.gradient_specs()["trainable"] if self.shards_accumulators else "per_replica"
-        step = steps["accumulate_reduced" if self.shards_accumulators else "accumulate_scaled"]
-        mapped = self._engine.mapped(step, ("replicated", "replicated", kind, "per_replica", "rows", "rows",
-                                            "replicated"), ("replicated", kind, "per_replica"), check_vma=CHECK_VMA)
-
-        def accumulate(params: Any, opt_state: Any, *rest: Any) -> Any:
-            return mapped(params, opt_state if scaled else loss_scale_of(opt_state), *rest, rest[-2], rest[-1])
-        return accumulate
-
-    def apply_program(self) -> Callable[..., Any]:
-        """``(params, opt_state, acc, count) -> (params, opt_state, acc)``: the update at the end
-        of an accumulation group from the replicas' accumulators (reduce-scattered, divided by
-        the group's real count; already so with `shards_accumulators`); the accumulators start again
-        from zero."""
-        third = self.plan.shardings("state")["trainable"] if self.shards_accumulators else None
-        return self._compiled(self._apply_fn(), third)
-
-    def _apply_fn(self) -> Callable[..., Any]:
-        """`apply_program`'s function, uncompiled."""
-        grad_specs = self.plan.gradient_specs()["trainable"]
-        scattered = None if self.shards_accumulators else self._engine.mapped(
-            lambda acc: (self.scatter(acc),), ("per_replica",), (grad_specs,), check_vma=CHECK_VMA, with_batch=False)
-
-        def apply(params: Any, opt_state: Any, acc: Any, count: Any) -> Any:
-            summed = acc if scattered is None else scattered(acc)[0]
-            grads = jax.tree.map(lambda a: a / count, summed)
-            trainable, opt_state = self._update(grads, opt_state, params["trainable"])
-            return ({"trainable": trainable, "non_trainable": params["non_trainable"]}, opt_state,
-                    jax.tree.map(jnp.zeros_like, acc))
-        return apply
-
-    def _compiled(self, fn: Callable[..., Any], third: Any = None) -> Callable[..., Any]:
-        """`fn` compiled with its parameters and optimizer state kept in the plan's layouts (its
-        third output per replica: metric states, or accumulators; or laid out as `third` says)."""
-        cache: dict[Any, Callable[..., Any]] = {}
-        split = NamedSharding(self.plan.mesh, P(self.plan.batch_axis)) if third is None else third
-
-        def call(params: Any, opt_state: Any, *rest: Any) -> Any:
-            key = jax.tree.structure(opt_state)
-            program = cache.get(key)
-            if program is None:
-                program = cache[key] = self._engine.jit(fn, (
-                    self._param_shardings, self.state_shardings(opt_state), split))
-            return program(params, opt_state, *rest)
-        return call
 
 
 def _fit_state(opt_state: Any, layouts: Any, stored: bool) -> Any:

@@ -3,7 +3,7 @@ state as callbacks and backups read it (`snapshot`), and a restored state checke
 (`placed`), then taken up by the `fit` that runs (`take_up`: its data position, callbacks' states).
 
 The trainer holds one immutable `TrainState` between steps; each optimizer update replaces it
-(``state = runner.step(state, group)``), and a restore replaces it in one step.
+(``state = runner.run(state, updates)``), and a restore replaces it in one step.
 """
 
 from __future__ import annotations

@@ -8,8 +8,8 @@ rows never count.
 The steps run with `shard_map`'s replication typing off (`CHECK_VMA = False`): a `lax.scan`
 whose carry starts replicated (zeros) and becomes per-replica — every Keras recurrent layer —
 then traces on any number of replicas. The price is that JAX no longer sums the gradients of
-replicated parameters over replicas by itself, so the train step sums them (one `psum`, the same
-collective as before).
+replicated parameters over replicas by itself: the gradient step returns each replica's share and
+the state layout combines them (`lockstep.training._placement`: a `psum`, or a reduce-scatter).
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import optax
 from ..engine import ReduceOp, all_reduce, get_replica_context
 from ..losses import masked_average_loss, times_sample_weight
 from ..metrics import Mean, MetricCollection
-from ._precision import loss_scale_of
 
 Apply = Callable[[Any, Any, bool], tuple[Any, Any, jax.Array | None]]
 LossFn = Callable[[Any, Any], jax.Array]
@@ -33,12 +32,6 @@ LossFn = Callable[[Any, Any], jax.Array]
 CHECK_VMA = False
 
 #: The kinds of the steps' arguments and results (see `lockstep.engine._compiler`).
-TRAIN_KINDS = ("replicated", "replicated", "per_replica", "rows", "rows", "replicated")
-TRAIN_OUT = ("replicated", "replicated", "per_replica")
-ACCUMULATE_KINDS = ("replicated", "replicated", "per_replica", "per_replica", "rows", "rows", "replicated")
-ACCUMULATE_OUT = ("replicated", "per_replica", "per_replica")
-APPLY_KINDS = ("replicated", "replicated", "per_replica", "replicated")
-APPLY_OUT = ("replicated", "replicated", "per_replica")
 EVAL_KINDS = ("replicated", "per_replica", "rows", "rows", "replicated")
 PREDICT_KINDS = ("replicated", "rows")
 
@@ -127,12 +120,22 @@ def _local_gradients(apply: Apply, loss_fn: LossFn, num_replicas: int, params: d
 
 
 def make_gradient_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,
-                       num_replicas: int, reduce: Callable[[Any], Any] | None = None) -> Callable[..., Any]:
-    """The step's gradient on one replica's rows, combined over replicas by `reduce` (default:
-    summed, every replica then holding the whole of it; a sharded model's step reduce-scatters
-    it), with the agreed non-trainable state and the logs: ``(params, loss_scale, state, data, mask,
-    count) -> (grads, non_trainable, logs)``."""
-    reduce = reduce or (lambda grads: jax.lax.psum(grads, replicas_axis()))  # the global gradient (CHECK_VMA off)
+                       num_replicas: int) -> Callable[..., Any]:
+    """This replica's share of the step's gradient (summed over the replicas by the state layout's
+    `reduce`, it is the gradient of the step's mean loss), with the agreed non-trainable state
+    and the logs: ``(params, loss_scale, state, data, mask, count) -> (grads, non_trainable, logs)``.
+
+    >>> import jax, jax.numpy as jnp, lockstep as ls
+    >>> from lockstep.metrics import Mean, MetricCollection
+    >>> step = make_gradient_step(lambda p, x, training: (x * p["trainable"][0], [], None),
+    ...                           lambda y, y_pred: (y - y_pred) ** 2, Mean(), MetricCollection({}), 1)
+    >>> state = {"loss": Mean().init()}
+    >>> grads, _, logs = ls.MirroredStrategy(1).run(lambda: step(
+    ...     {"trainable": [jnp.float32(1.0)], "non_trainable": []}, None, state,
+    ...     (jnp.ones(2), jnp.zeros(2)), jnp.ones(2), jnp.float32(2)))
+    >>> float(grads[0][0])   # d/dw of mean((x w - 0)^2) at w = 1
+    2.0
+    """
 
     def gradient_step(params: dict[str, Any], scale: jax.Array | None, state: dict[str, Any], data: Any,
                       mask: jax.Array, count: jax.Array) -> Any:
@@ -141,7 +144,7 @@ def make_gradient_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metric
             apply, loss_fn, num_replicas, params, x, y, sw, mask, count, scale)
         logs = update_logs(loss_tracker, metrics, state, y, y_pred, per_example, sw, mask,
                            global_penalty(penalty, num_replicas))
-        return reduce(grads), _agree_non_trainable(non_trainable, mask), logs
+        return grads, _agree_non_trainable(non_trainable, mask), logs
 
     return gradient_step
 
@@ -150,61 +153,6 @@ def updated(optimizer: optax.GradientTransformation, grads: Any, opt_state: Any,
     """(trainable parameters, optimizer state) after one update with the global `grads`."""
     updates, opt_state = optimizer.update(grads, opt_state, trainable)
     return optax.apply_updates(trainable, updates), opt_state
-
-
-def make_train_step(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransformation,
-                    loss_tracker: Mean, metrics: MetricCollection, num_replicas: int) -> Callable[..., Any]:
-    """One optimisation step on one replica's rows, with the gradient summed over replicas."""
-    gradient_step = make_gradient_step(apply, loss_fn, loss_tracker, metrics, num_replicas)
-
-    def train_step(params: dict[str, Any], opt_state: Any, state: dict[str, Any], data: Any, mask: jax.Array,
-                   count: jax.Array) -> Any:
-        grads, non_trainable, logs = gradient_step(params, loss_scale_of(opt_state), state, data, mask, count)
-        trainable, opt_state = updated(optimizer, grads, opt_state, params["trainable"])
-        return {"trainable": trainable, "non_trainable": non_trainable}, opt_state, logs
-
-    return train_step
-
-
-def make_accumulate_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,
-                         num_replicas: int, reduce: Callable[[Any], Any] | None = None,
-                         scaled: bool = False) -> Callable[..., Any]:
-    """One micro-batch of gradient accumulation: this replica's gradient of the micro-batch's
-    *summed* loss (its mean-loss gradient times the micro-batch's real count) added to its local
-    accumulator — or, with `reduce`, combined over the replicas first (a sharded model's
-    reduce-scatter: each replica accumulates its share); the weights stay, the non-trainable state
-    and the logs advance. Its second argument is the optimizer state, or with `scaled` the loss
-    scale alone (a sharded model's step does not gather its optimizer state)."""
-
-    def accumulate_step(params: dict[str, Any], opt_state: Any, acc: Any, state: dict[str, Any], data: Any,
-                        mask: jax.Array, count: jax.Array) -> Any:
-        x, y, sw = unpack(data)
-        scale = opt_state if scaled else loss_scale_of(opt_state)
-        grads, (y_pred, per_example, non_trainable, penalty) = _local_gradients(
-            apply, loss_fn, num_replicas, params, x, y, sw, mask, count, scale)
-        if reduce is None:
-            acc = jax.tree.map(lambda a, g: a + g * count, acc, grads)
-        else:
-            acc = jax.tree.map(lambda a, g: a + g, acc, reduce(jax.tree.map(lambda g: g * count, grads)))
-        new_params = {"trainable": params["trainable"], "non_trainable": _agree_non_trainable(non_trainable, mask)}
-        logs = update_logs(loss_tracker, metrics, state, y, y_pred, per_example, sw, mask,
-                           global_penalty(penalty, num_replicas))
-        return new_params, acc, logs
-
-    return accumulate_step
-
-
-def make_apply_step(optimizer: optax.GradientTransformation) -> Callable[..., Any]:
-    """The update at the end of an accumulation group: the accumulators summed over replicas and
-    divided once by the group's real sample count; the accumulators start again from zero."""
-
-    def apply_step(params: dict[str, Any], opt_state: Any, acc: Any, count: jax.Array) -> Any:
-        grads = jax.tree.map(lambda a: a / count, jax.lax.psum(acc, replicas_axis()))
-        trainable, opt_state = updated(optimizer, grads, opt_state, params["trainable"])
-        return ({"trainable": trainable, "non_trainable": params["non_trainable"]}, opt_state,
-                jax.tree.map(jnp.zeros_like, acc))
-
-    return apply_step
 
 
 def make_eval_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,
@@ -231,22 +179,10 @@ def make_predict_step(apply: Apply) -> Callable[..., Any]:
     return predict_step
 
 
-def make_steps(apply: Apply, loss_fn: LossFn, optimizer: optax.GradientTransformation, loss_tracker: Mean,
-               metrics: MetricCollection, num_replicas: int,
-               reduce: Callable[[Any], Any] | None = None) -> dict[str, Callable[..., Any]]:
-    """The train (or accumulate + apply), eval and predict steps of one model, loss, optimizer and
-    metrics; and the gradient and accumulate steps whose gradients `reduce` combines (a sharded
-    model's: "gradient", "accumulate_reduced"), with the accumulate step that takes the loss scale
-    for the optimizer state ("accumulate_scaled")."""
-    steps = {"train": make_train_step(apply, loss_fn, optimizer, loss_tracker, metrics, num_replicas),
-             "gradient": make_gradient_step(apply, loss_fn, loss_tracker, metrics, num_replicas, reduce),
-             "accumulate": make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
-             "apply": make_apply_step(optimizer),
-             "eval": make_eval_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
-             "predict": make_predict_step(apply)}
-    if reduce is not None:
-        steps["accumulate_reduced"] = make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas,
-                                                           reduce, scaled=True)
-        steps["accumulate_scaled"] = make_accumulate_step(apply, loss_fn, loss_tracker, metrics, num_replicas,
-                                                          scaled=True)
-    return steps
+def make_steps(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,
+               num_replicas: int) -> dict[str, Callable[..., Any]]:
+    """The gradient, eval and predict steps of one model, loss and metrics (the update is the
+    state layout's, see `lockstep.training._executions`)."""
+    return {"gradient": make_gradient_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
+            "eval": make_eval_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
+            "predict": make_predict_step(apply)}

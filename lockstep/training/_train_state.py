@@ -96,6 +96,21 @@ class TrainState:
         new.__dict__.update(changes)
         return new
 
+    def stepped(self, n: int, params: Any, opt_state: Any, metric_state: Any) -> TrainState:
+        """This state after `n` optimizer updates that gave `params`, `opt_state` and
+        `metric_state` (flax's `apply_gradients`, the update already made by the compiled
+        program): the only way `step` and `global_step` move.
+
+        >>> import lockstep as ls
+        >>> s = ls.TrainState(params={}, opt_state=(), metric_state=None, epoch=0, step=3, global_step=7,
+        ...                   seed=0, callbacks={})
+        >>> t = s.stepped(2, {"trainable": []}, (), None)
+        >>> (t.step, t.global_step, t.params)
+        (5, 9, {'trainable': []})
+        """
+        return self.replace(params=params, opt_state=opt_state, metric_state=metric_state, step=self.step + n,
+                            global_step=self.global_step + n)
+
     def to_arrays(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """`flatten_train_state(self)`: what a checkpoint stores (named arrays, JSON)."""
         return flatten_train_state(self)

@@ -225,8 +225,8 @@ class Trainer(TrainerWeights, WeightFiles):
         if self._runner is None:
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
             self._runner = StepRunner(self._engine, make_steps(
-                self._placement.on_stored(apply), self._loss_fn, self._optimizer, self._loss_tracker, self._metrics,
-                self.strategy.num_replicas_in_sync, self._placement.reduce), self._accumulation, self._placement)
+                self._placement.on_stored(apply), self._loss_fn, self._loss_tracker, self._metrics,
+                self.strategy.num_replicas_in_sync), self._placement)
         return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
 
     def _initial_state(self, params: Any) -> None:
@@ -328,7 +328,6 @@ class Trainer(TrainerWeights, WeightFiles):
         self._callbacks = cblist.callbacks
         self._state = fit_start(self._state, initial_epoch, seed, self._fresh_state(), train.batch_size,
                                 self._accumulation)
-        self._runner.start(self._state.params)
         logs: dict[str, Any] = {}
         try:
             cblist.on_train_begin()
