@@ -119,7 +119,8 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
 
         def fetch(source: Any, batch: Any) -> tuple[Any, Any, Any]:
             return batch
-    replicas = engine.mapped(micro_batched(gradient_step, layout, fetch, accumulation, stacked=kind != "placed"),
+    replica = micro_batched(gradient_step, layout, fetch, accumulation, stacked=kind != "placed")
+    replicas = engine.mapped(replica,
                              ("replicated", "replicated", "per_replica", source_kinds, xs_kinds),
                              (layout.gradient_kinds, "replicated", "per_replica"), check_vma=CHECK_VMA, with_batch=False)
 
@@ -153,6 +154,7 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
         if compiled is None:
             compiled = out_shardings[structure] = engine.jit(program, layout.out_shardings(params, opt_state))
         return compiled(params, opt_state, metric_state, feed)
+    call.replica = replica  # type: ignore[attr-defined]  # (what one replica runs, for tests that read its trace)
     return call
 
 
@@ -184,7 +186,8 @@ def micro_batched(gradient_step: Callable[..., Any], layout: Any, fetch: Callabl
             (params, grads, metric_state), _ = one_batch((params, None, metric_state), x, source, scale)
             return grads, params["non_trainable"], metric_state
         whole = layout.reduce if layout.shards_accumulators else (lambda t: t)
-        acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), jax.eval_shape(whole, params["trainable"]))
+        shapes = replica.accumulators = jax.eval_shape(whole, params["trainable"])  # type: ignore[attr-defined]
+        acc = jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), shapes)
         carry = (params, acc, metric_state)
         if stacked:
             carry, counts = jax.lax.scan(lambda c, x: one_batch(c, x, source, scale), carry, xs)
