@@ -133,7 +133,7 @@ def make_gradient_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metric
     >>> grads, _, logs = ls.MirroredStrategy(1).run(lambda: step(
     ...     {"trainable": [jnp.float32(1.0)], "non_trainable": []}, None, state,
     ...     (jnp.ones(2), jnp.zeros(2)), jnp.ones(2), jnp.float32(2)))
-    >>> float(grads[0][0])   # d/dw of mean((x w - 0)^2) at w = 1
+    >>> float(grads[0])   # d/dw of mean((x w - 0)^2) at w = 1 (one replica: its share is the whole)
     2.0
     """
 

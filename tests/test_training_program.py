@@ -1,0 +1,111 @@
+"""Unit tests of the training program (`lockstep.training._executions`): the gradient step, the
+state layout (whole or sharded, padded) and the micro-batch wrapper, against NumPy's gradient of
+a linear model's mean squared error, batch by batch, with padding rows and replicas without rows."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+import lockstep as ls
+from lockstep.metrics import Mean, MetricCollection
+from lockstep.training._executions import make_program, runs
+from lockstep.training._placement import placement_for
+from lockstep.training._steps import make_gradient_step
+from lockstep.training._train_state import TrainState
+
+LR = 0.1
+
+
+def _apply(params, x, training):
+    return x @ params["trainable"]["w"] + params["trainable"]["b"], params["non_trainable"], None
+
+
+def _loss(y, y_pred):
+    return jnp.sum((y - y_pred) ** 2, axis=-1)
+
+
+def _numpy_step(w, b, xs, ys):
+    """One SGD step of one device on the rows of all `xs` (the mean squared error's own gradient)."""
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    err = x @ w + b - y
+    return w - LR * 2 * x.T @ err / len(x), b - LR * 2 * err.sum(0) / len(x)
+
+
+def _strategy(kind):
+    if kind == "replicated":
+        return ls.MirroredStrategy(4)
+    mesh = ls.DeviceMesh((4, 2), ("batch", "model"))
+    rules = ls.LayoutMap(mesh)
+    rules["w"] = (None, "model")  # 3 columns over 2: stored padded; ZeRO pads 5 rows over 4 replicas
+    return ls.ShardedStrategy(mesh=mesh, layout_map=rules, zero_stage=int(kind[-1]), min_shard_size=1,
+                              max_replicated_fraction=1.0)
+
+
+def _placed(engine, x, y, padded):
+    """A global batch of `x`, `y` padded to `padded` rows (padding repeats row 0), split over the replicas."""
+    n = len(x)
+    idx = np.concatenate([np.arange(n), np.zeros(padded - n, int)])
+    rows = NamedSharding(engine.mesh, P(engine.batch_axis))
+    mask = (np.arange(padded) < n).astype(np.float32)
+    return ((jax.device_put(x[idx], rows), jax.device_put(y[idx], rows)), jax.device_put(mask, rows),
+            jax.device_put(np.float32(n), NamedSharding(engine.mesh, P())))
+
+
+@pytest.mark.parametrize("kind", ["replicated", "zero1", "zero2", "zero3"])
+@pytest.mark.parametrize("sizes", [(8,), (5, 8, 1), (3, 3, 3)])
+def test_one_update_of_micro_batches_is_numpys_step_on_their_rows(kind, sizes):
+    """`sizes`: the real rows of each batch of one update, padded to 8 (4 replicas of 2 rows): a
+    batch of 1 row leaves 3 replicas without any; batches of one shape are scanned, others unrolled."""
+    engine = _strategy(kind).extended
+    rng = np.random.default_rng(sum(sizes))
+    w, b = rng.normal(size=(5, 3)).astype(np.float32), rng.normal(size=(3,)).astype(np.float32)
+    params = {"trainable": {"w": w, "b": b}, "non_trainable": {}}
+    layout = placement_for(engine, optax.sgd(LR), params, {"trainable": {"w": "w", "b": "b"}, "non_trainable": {}})
+    assert (layout.plan is None) == (kind == "replicated")
+    tracker, metrics = Mean(), MetricCollection({})
+    step = make_gradient_step(layout.on_stored(_apply), _loss, tracker, metrics, engine.num_replicas)
+    xs = [rng.normal(size=(n, 5)).astype(np.float32) for n in sizes]
+    ys = [rng.normal(size=(n, 3)).astype(np.float32) for n in sizes]
+    batches = [_placed(engine, x, y, 8) for x, y in zip(xs, ys)]
+    feed = tuple(zip(*batches))
+    stacked = len(sizes) > 1 and len(set(sizes)) == 1
+    program = make_program(step, layout, engine, ("stacked" if stacked else "placed", 1, len(sizes)))
+    placed = layout.params(params)
+    metric_state = engine.per_replica_copies({"loss": tracker.init()})
+    new, _, logs = program(placed, layout.init_opt_state(placed), metric_state, feed)
+    got = layout.unpadded_params(new)["trainable"]
+    want_w, want_b = _numpy_step(w, b, xs, ys)
+    np.testing.assert_allclose(np.asarray(got["w"]), want_w, rtol=2e-5, atol=2e-6)
+    np.testing.assert_allclose(np.asarray(got["b"]), want_b, rtol=2e-5, atol=2e-6)
+    x, y = np.concatenate(xs), np.concatenate(ys)
+    want_loss = np.mean(np.sum((x @ w + b - y) ** 2, axis=-1))  # the running loss over the update's real rows
+    got_loss = tracker.compute(jax.tree.map(lambda v: np.asarray(v).sum(0), logs["loss"]))
+    np.testing.assert_allclose(float(got_loss), want_loss, rtol=2e-5)
+    if kind == "zero3":
+        assert layout.gradient_kinds["w"] != "replicated"  # each replica gets its share of w's gradient
+
+
+def test_runs_group_updates_that_one_program_takes_together():
+    class Batch:  # a placed batch: what `runs` reads of it
+        def __init__(self, shape):
+            self.signature = shape
+
+    class Update:
+        def __init__(self, *shapes):
+            self.batches = [Batch(s) for s in shapes]
+
+    updates = [Update(8, 8), Update(8, 8), Update(8, 5), Update(5, 5), Update(8, 8)]
+    got = [(None if key is None else key[0], len(run)) for key, run in runs(updates)]
+    assert got == [("placed", 2), (None, 1), ("placed", 1), ("placed", 1)]
+
+
+def test_the_step_counters_move_by_the_updates_taken():
+    state = TrainState(params={}, opt_state=(), metric_state=None, epoch=1, step=4, global_step=9, seed=0, callbacks={})
+    after = state.stepped(3, {"trainable": []}, ("o",), {"loss": 1})
+    assert (after.epoch, after.step, after.global_step) == (1, 7, 12)
+    assert (after.params, after.opt_state, after.metric_state) == ({"trainable": []}, ("o",), {"loss": 1})
+    assert (state.step, state.global_step) == (4, 9)  # unchanged: a new state
