@@ -41,6 +41,7 @@ def main() -> int:
     parser.add_argument("--devices", default="1,4")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--samples", type=int, default=20000)
+    parser.add_argument("--batch", type=int, default=256, help="the global batch size")
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "BEFORE_AFTER.md"))
     args = parser.parse_args()
     epochs = {"mlp": 6, "cnn": 3}
@@ -55,7 +56,7 @@ def main() -> int:
                     speed, cpu, runs = [], [], {"before": [], "after": []}
                     for rnd in range(args.rounds):
                         order = [("before", old), ("after", ROOT)]
-                        got = {name: run(tree, model, devices, args.samples, epochs[model], 256)
+                        got = {name: run(tree, model, devices, args.samples, epochs[model], args.batch)
                                for name, tree in (order if rnd % 2 == 0 else order[::-1])}
                         for name in got:
                             runs[name].append(got[name])
@@ -71,7 +72,8 @@ def main() -> int:
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", old], capture_output=True)
     head = subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout
     lines = ["# lockstep fit before and after a change", "",
-             f"Command: `python benchmarks/before_after.py --before {args.before}` (after: {head.strip()}, with the "
+             f"Command: `python benchmarks/before_after.py --before {args.before} --batch {args.batch} --samples "
+             f"{args.samples} --rounds {args.rounds} --models {args.models}` (after: {head.strip()}, with the "
              f"working tree's changes); {args.samples} samples, global batch 256, {args.rounds} rounds in rotated "
              "order, simulated CPU devices.", "",
              "| model | devices | before samples/s | after samples/s | speed ratio after/before (range) | "
