@@ -25,9 +25,15 @@ def launch_command(script, *args, nproc=2, devices=None, failure_timeout=20, max
     return [*cmd, str(script), *map(str, args)]
 
 
+#: where the worker scripts find the tests' helpers (pytest's `pythonpath` gives the test process the same)
+PYTHONPATH = os.pathsep.join([str(WORKERS.parent), str(WORKERS)])
+
+
 def launch_env(env=None):
-    """The workers' environment: this one's, without the 8 simulated devices of the test process."""
-    return {**os.environ, "XLA_FLAGS": "", **(env or {})}
+    """The workers' environment: this one's, without the 8 simulated devices of the test process,
+    with the tests' helpers importable (`PYTHONPATH`)."""
+    path = os.pathsep.join(p for p in (PYTHONPATH, os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": path, **(env or {})}
 
 
 def launch_workers(script, *args, nproc=2, devices=None, failure_timeout=20, max_restarts=0, timeout=300, env=None,

@@ -1,7 +1,5 @@
 """Gradient accumulation: k batches of b per update equal one device's step on the k*b samples."""
 
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +10,6 @@ import pytest
 
 import lockstep as ls
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 from common import N, data, keras_mlp  # noqa: E402  (the data and models the other tests use)
 from common import model as mlp  # noqa: E402
 from suite import variants  # noqa: E402

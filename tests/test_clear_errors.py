@@ -4,8 +4,6 @@ dimensions", "invalid literal for int()") is a clear error naming the argument, 
 and what was received, raised before any step."""
 
 import json
-import os
-import sys
 
 import grain
 import keras
@@ -14,7 +12,6 @@ import pytest
 
 import lockstep as ls
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 import common  # noqa: E402
 
 X, Y = common.data(64)  # 8 features

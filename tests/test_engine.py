@@ -8,8 +8,6 @@ Keras' own `model.fit`, a hand-written JAX + optax loop.
 """
 
 import contextlib
-import os
-import sys
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +20,6 @@ from jax.sharding import AxisType, Mesh
 import lockstep as ls
 from lockstep.engine import Engine
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 from common import data, keras_mlp  # noqa: E402
 from common import model as mlp  # noqa: E402
 from keras_reference import assert_equals_one_device  # noqa: E402

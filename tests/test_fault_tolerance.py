@@ -1,7 +1,6 @@
 """BackupAndRestore, preemption and restarts: resumed runs equal uninterrupted ones, bit for bit."""
 
 import os
-import pathlib
 import signal
 import subprocess
 import sys
@@ -14,8 +13,6 @@ import pytest
 
 import lockstep as ls
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from launching import (  # noqa: E402
     launch_env,

@@ -2,8 +2,6 @@
 
 import collections
 import json
-import pathlib
-import sys
 
 import grain
 import jax
@@ -12,8 +10,6 @@ import pytest
 
 import lockstep as ls
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from launching import WORKERS, launch_workers, output_of  # noqa: E402
 from keras_reference import assert_logs_close  # noqa: E402

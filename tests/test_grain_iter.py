@@ -3,8 +3,6 @@ and the training data as one stream across epochs (`steps_per_epoch`), checked o
 
 import collections
 import json
-import pathlib
-import sys
 
 import grain
 import jax
@@ -13,8 +11,6 @@ import pytest
 
 import lockstep as ls
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from test_grain import CountingSource  # noqa: E402
 from launching import WORKERS, StopAt, Stopped, launch_workers  # noqa: E402

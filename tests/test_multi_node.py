@@ -21,7 +21,6 @@ import lockstep as ls
 import nodes as multi
 from launching import WORKERS, launch_env, resume_result
 
-sys.path.insert(0, str(WORKERS))
 import node_job  # noqa: E402
 
 SKIP = multi.skip_reason()

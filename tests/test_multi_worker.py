@@ -2,7 +2,6 @@
 
 import json
 import os
-import pathlib
 import re
 import signal
 import socket
@@ -18,12 +17,9 @@ from sklearn.metrics import accuracy_score, f1_score
 import lockstep as ls
 from lockstep._exit_codes import LOST_WORKER_EXIT_CODE
 
-HERE = pathlib.Path(__file__).resolve().parent
-WORKERS = HERE / "workers"
-sys.path.insert(0, str(WORKERS))
 import common  # noqa: E402
 from common import free_port  # noqa: E402
-from launching import launch_workers, rank_results  # noqa: E402
+from launching import WORKERS, launch_workers, rank_results  # noqa: E402
 
 # these tests start processes: with `make test`'s two pytest workers, they run one after another
 pytestmark = pytest.mark.xdist_group("processes")
@@ -53,7 +49,7 @@ SHAPES = [(2, 1)] + [pytest.param(*shape, marks=pytest.mark.full_suite) for shap
 
 @pytest.mark.parametrize("nproc,devices", SHAPES)
 def test_workers_evaluate_predict_fit_and_stop_exactly_like_one_process(nproc, devices, tmp_path, references):
-    proc = launch(HERE / "workers" / "trainer_job.py", tmp_path, nproc=nproc, devices=devices)
+    proc = launch(WORKERS / "trainer_job.py", tmp_path, nproc=nproc, devices=devices)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = [np.load(tmp_path / f"rank{r}.npz") for r in range(nproc)]
     x, y, t = references["x"], references["y"], references["trainer"]

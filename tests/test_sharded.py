@@ -13,11 +13,11 @@ import pytest
 from keras import layers as L
 
 import lockstep as ls
-from tests.keras_reference import assert_equals_one_device, assert_weights_close
-from tests.sharded_cases import (ALL_MODELS, COMPILE, MESHES, MODELS, Preempted, StopAfterFirstEpoch, case_data, cnn,
+from keras_reference import assert_equals_one_device, assert_weights_close
+from sharded_cases import (ALL_MODELS, COMPILE, MESHES, MODELS, Preempted, StopAfterFirstEpoch, case_data, cnn,
                                  functional_mlp, keras_fit,
                                  mlp, sharded_fit, sharded_strategy, transformer, used_rules)
-from tests.suite import variants
+from suite import variants
 
 CASES = [(m, shape, stage) for m in MODELS for shape in MESHES for stage in (0, 1, 2, 3)
          if not (shape == (8, 1) and stage == 0)]  # (8, 1) at stage 0 splits nothing: see the error test

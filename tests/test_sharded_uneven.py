@@ -15,11 +15,11 @@ import pytest
 from keras import layers as L
 
 import lockstep as ls
-from tests.keras_reference import assert_equals_one_device, assert_weights_close
-from tests.sharded_cases import (COMPILE, ODD_MODELS, Preempted, StopAfterFirstEpoch, case_data, functional_mlp,
+from keras_reference import assert_equals_one_device, assert_weights_close
+from sharded_cases import (COMPILE, ODD_MODELS, Preempted, StopAfterFirstEpoch, case_data, functional_mlp,
                                  keras_fit, odd,
                                  sharded_fit, sharded_strategy, used_rules)
-from tests.suite import FULL, variants
+from suite import FULL, variants
 
 CASES = [("odd", (8, 1), 3), ("odd", (2, 4), 3), ("odd", (4, 2), 2), ("odd", (1, 8), 1), ("odd", (4, 2), 0),
          ("odd_cnn", (2, 4), 3), ("odd_cnn", (4, 2), 1), ("odd_cnn", (1, 8), 2)]

@@ -15,9 +15,9 @@ import numpy as np
 import pytest
 
 import lockstep as ls
-from tests.keras_reference import assert_equals_one_device, assert_weights_close
-from tests.launching import WORKERS, launch_workers, output_of
-from tests.sharded_cases import (ALL_MODELS, COMPILE, Preempted, StopAfterFirstEpoch, case_data, keras_fit, odd,
+from keras_reference import assert_equals_one_device, assert_weights_close
+from launching import WORKERS, launch_workers, output_of
+from sharded_cases import (ALL_MODELS, COMPILE, Preempted, StopAfterFirstEpoch, case_data, keras_fit, odd,
                                  sharded_strategy, used_rules)
 
 # these tests start processes: with `make test`'s two pytest workers, they run one after another

@@ -3,8 +3,6 @@ alone. References are independent of the new path: the same fit with one step a 
 batches placed from the host (in-memory data kept on the devices turned off), and Keras' own
 one-device `fit`."""
 
-import os
-import sys
 
 import jax
 import keras
@@ -16,7 +14,6 @@ from hypothesis import strategies as st
 
 import lockstep as ls
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 from common import data, keras_mlp  # noqa: E402
 from common import model as mlp  # noqa: E402
 from keras_reference import assert_equals_one_device, assert_logs_close, assert_weights_close  # noqa: E402

@@ -2,8 +2,6 @@
 converting only its own; the same numbers as the same arrays; unseeded pipelines are errors."""
 
 import json
-import pathlib
-import sys
 
 import jax
 import numpy as np
@@ -13,8 +11,6 @@ import lockstep as ls
 
 tf = pytest.importorskip("tensorflow")  # `pip install lockstep[tf]`; `make test` installs it
 
-HERE = pathlib.Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE / "workers"))
 import common  # noqa: E402
 from launching import WORKERS, StopAt, Stopped, launch_workers  # noqa: E402
 from suite import variants  # noqa: E402

@@ -14,7 +14,6 @@ from sklearn.metrics import accuracy_score, f1_score
 
 import lockstep as ls
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "workers"))
 from common import N, data, keras_mlp  # noqa: E402  (the data and models the multi-worker tests use too)
 from common import model as functional_mlp  # noqa: E402
 

@@ -1,10 +1,9 @@
 """Two workers fit a Keras regressor with a user's metrics (test_keras_as_written's data and model); each prints its result."""
-import json, os, pathlib, sys
+import json, os
 os.environ["KERAS_BACKEND"] = "jax"
 import lockstep as ls
 strategy = ls.MultiWorkerMirroredStrategy()
 import keras, numpy as np
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the tests
 from test_keras_as_written import RMSE, WeightedMAE, X, Y_VALUE, WEIGHTS, counting_metrics, regressor
 with strategy.scope():
     model = regressor([RMSE(), *counting_metrics()], weighted_metrics=[WeightedMAE()], optimizer=keras.optimizers.Adam(0.01))

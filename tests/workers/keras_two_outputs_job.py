@@ -1,9 +1,8 @@
 """Two workers fit a two-input, two-output Keras model (test_keras_multi_output's data and model); each prints its result."""
-import json, os, pathlib, sys
+import json, os
 os.environ["KERAS_BACKEND"] = "jax"
 import lockstep as ls
 strategy = ls.MultiWorkerMirroredStrategy()
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))  # the tests
 from test_keras_multi_output import B, W, XA, XB, Y_CLS, Y_REG, two_headed
 with strategy.scope():
     model = two_headed()

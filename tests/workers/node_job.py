@@ -8,7 +8,6 @@ import os
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import lockstep as ls  # noqa: E402
 

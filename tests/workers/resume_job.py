@@ -10,7 +10,6 @@ import signal
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import lockstep as ls  # noqa: E402
 

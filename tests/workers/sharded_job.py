@@ -17,7 +17,6 @@ import os
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # the repository: `tests.*`
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import lockstep as ls  # noqa: E402
@@ -37,7 +36,7 @@ def strategy_for(case):
     return strategies[key]
 
 
-from tests import sharded_cases as sharded  # noqa: E402  (imports JAX: after the lockstep import only)
+import sharded_cases as sharded  # noqa: E402  (imports JAX: after the lockstep import only)
 
 strategy_for(cases[0])  # joins the workers before anything else runs on JAX
 

@@ -5,7 +5,6 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import lockstep as ls  # noqa: E402
 

@@ -4,7 +4,6 @@ saves what it saw to OUT_DIR/rank<k>.npz."""
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import lockstep as ls  # noqa: E402
 

@@ -13,7 +13,6 @@ import pathlib
 import signal
 import sys
 
-sys.path.insert(0, os.path.dirname(__file__))
 
 import lockstep as ls  # noqa: E402
 import numpy as np  # noqa: E402
