@@ -196,6 +196,7 @@ class RunCompiler:
                         self._agree(describe(fn, ["global"] * len(leaves), signatures))
                         agreed.add(key)
             return self._tracked(compiled(*args))
+        call.lower = compiled.lower  # type: ignore[attr-defined]  # (XLA's view of it: `memory_analysis`, cost)
         return call
 
     def mapped(self, fn: Callable[..., Any], kinds: Any, out_kinds: Any, *, check_vma: bool = True,

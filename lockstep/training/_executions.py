@@ -153,9 +153,22 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
         compiled = out_shardings.get(structure)
         if compiled is None:
             compiled = out_shardings[structure] = engine.jit(program, layout.out_shardings(params, opt_state))
+            call.signature = (compiled, jax.tree.map(  # type: ignore[attr-defined]
+                lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+                (params, opt_state, metric_state, feed)))
         return compiled(params, opt_state, metric_state, feed)
     call.replica = replica  # type: ignore[attr-defined]  # (what one replica runs, for tests that read its trace)
     return call
+
+
+def compiled_program(call: Callable[..., Any]) -> Any:
+    """XLA's compiled executable of a `make_program` program, for the argument shapes it was
+    first called with (`memory_analysis()`, `cost_analysis()`), or None before its first call."""
+    signature = getattr(call, "signature", None)
+    if signature is None:
+        return None
+    compiled, args = signature
+    return compiled.lower(*args).compile()
 
 
 def micro_batched(gradient_step: Callable[..., Any], layout: Any, fetch: Callable[[Any, Any], Any],

@@ -131,3 +131,29 @@ def activity_penalties_masked(model: Any) -> Iterator[None]:
     finally:
         for layer, reg in originals:
             layer.activity_regularizer = reg
+
+
+#: the name `jax.checkpoint`'s policy keeps under ``remat="layers"`` (`lockstep.training._steps`)
+LAYER_OUTPUT = "lockstep_layer_output"
+
+
+@contextlib.contextmanager
+def layer_outputs_named(model: Any) -> Iterator[None]:
+    """While tracing a step: the outputs of each of `model.layers` are named `LAYER_OUTPUT`
+    (`jax.ad_checkpoint.checkpoint_name`), so a checkpoint policy can keep them alone."""
+    from jax.ad_checkpoint import checkpoint_name
+
+    def named(call: Any) -> Any:
+        def call_named(*args: Any, **kwargs: Any) -> Any:
+            return jax.tree.map(lambda o: checkpoint_name(o, LAYER_OUTPUT) if isinstance(o, jax.Array) else o,
+                                call(*args, **kwargs))
+        return call_named
+
+    layers = list(getattr(model, "layers", []))
+    try:
+        for layer in layers:
+            layer.call = named(layer.call)  # an instance attribute over the class's method, for this trace
+        yield
+    finally:
+        for layer in layers:
+            vars(layer).pop("call", None)

@@ -15,6 +15,7 @@ draws. Batch statistics of Keras `BatchNormalization` layers are taken over the 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from collections.abc import Callable
 from typing import Any
@@ -25,7 +26,8 @@ import numpy as np
 
 from ..distribute import foreign_keras_distribution
 from ..engine import get_replica_context, held, host_value
-from ._keras_layers import activity_penalties_masked, check_activity_regularizers, check_supported, hook_batch_norm
+from ._keras_layers import (activity_penalties_masked, check_activity_regularizers, check_supported, hook_batch_norm,
+                            layer_outputs_named)
 
 #: Odd 32-bit constant (the golden ratio) that separates replicas' seeds.
 _REPLICA_SEED_STRIDE = 0x9E3779B9
@@ -101,6 +103,10 @@ class _FunctionalAdapter:
 
     def get_weights(self, params: Params) -> Any:
         return jax.tree.map(host_value, params["trainable"])
+
+    def layers_named(self) -> Any:
+        """A function has no layers: ``remat="layers"`` keeps nothing but its inputs (as "full")."""
+        return contextlib.nullcontext()
 
     def paths(self, params: Params) -> Any:
         """Each parameter's path (its keys joined by ``/``: ``"dense/w"``), a tree like `params`."""
@@ -185,6 +191,10 @@ class _KerasAdapter:
     def paths(self, params: Params) -> Any:
         """Each variable's Keras `variable.path`, a tree like `params`."""
         return keras_paths(self.model)
+
+    def layers_named(self) -> Any:
+        """A context in which the model's layers name their outputs (``remat="layers"``)."""
+        return layer_outputs_named(self.model)
 
     def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
         non_trainable = list(params["non_trainable"])

@@ -25,7 +25,7 @@ import jax
 import numpy as np
 
 from ..data import AccumulationGroup
-from ._executions import feed_of, make_program, runs
+from ._executions import compiled_program, feed_of, make_program, runs
 from ._steps import CHECK_VMA, EVAL_KINDS, PREDICT_KINDS
 from ._train_state import TrainState
 
@@ -47,6 +47,7 @@ class StepRunner:
         self._layout = layout
         self._programs: dict[tuple[Any, ...], Callable[..., Any]] = {}  # by `feed_of`'s key
         self._starts: dict[int, jax.Array] = {}  # batch numbers on the devices, placed once
+        self._calls: dict[tuple[Any, ...], int] = {}  # calls of each program
 
     def run(self, state: TrainState, updates: Sequence[AccumulationGroup]) -> TrainState:
         """`state` after the updates of one execution."""
@@ -56,8 +57,17 @@ class StepRunner:
             if program is None:
                 program = self._programs[program_key] = make_program(self._steps["gradient"], self._layout,
                                                                      self._engine, program_key)
+            self._calls[program_key] = self._calls.get(program_key, 0) + 1
             state = state.stepped(len(run), *program(state.params, state.opt_state, state.metric_state, feed))
         return state
+
+    def compiled(self) -> Any:
+        """XLA's executable of the training program called most often (the run of a full
+        execution's updates), for its memory and cost analyses; None before any update."""
+        if not self._calls:
+            return None
+        key = max(self._calls, key=self._calls.__getitem__)
+        return compiled_program(self._programs[key])
 
     def _start(self, i: int) -> jax.Array:
         """Batch number `i` as a replicated int32 on the devices (placed once)."""

@@ -14,6 +14,7 @@ the state layout combines them (`lockstep.training._placement`: a `psum`, or a r
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -24,6 +25,7 @@ import optax
 from ..engine import ReduceOp, all_reduce, get_replica_context
 from ..losses import masked_average_loss, times_sample_weight
 from ..metrics import Mean, MetricCollection
+from ._keras_layers import LAYER_OUTPUT
 
 Apply = Callable[[Any, Any, bool], tuple[Any, Any, jax.Array | None]]
 LossFn = Callable[[Any, Any], jax.Array]
@@ -34,6 +36,57 @@ CHECK_VMA = False
 #: The kinds of the steps' arguments and results (see `lockstep.engine._compiler`).
 EVAL_KINDS = ("replicated", "per_replica", "rows", "rows", "replicated")
 PREDICT_KINDS = ("replicated", "rows")
+
+
+#: `remat` names besides JAX's checkpoint policies (`jax.checkpoint_policies`): "full" saves only the
+#: step's inputs, "dots" what MaxText's "save dots" saves, "offload" moves those to host memory
+REMAT_ALIASES = {"full": None, "layers": "save_only_these_names", "dots": "dots_with_no_batch_dims_saveable",
+                 "offload": "offload_dot_with_no_batch_dims"}
+
+
+def checked_remat(remat: Any) -> str | None:
+    """`remat` when it names activation checkpointing lockstep knows (None or "none": off), else a
+    ValueError naming it and the choices.
+
+    >>> checked_remat("dots"), checked_remat(None)
+    ('dots', None)
+    """
+    if remat is None or remat == "none":
+        return None
+    policies = sorted(n for n in dir(jax.checkpoint_policies) if n.endswith("_saveable") or n.startswith("offload_dot"))
+    if not isinstance(remat, str) or (remat not in REMAT_ALIASES and remat not in policies):
+        raise ValueError(f"`remat` must be None, 'none', {', '.join(map(repr, REMAT_ALIASES))} or one of JAX's "
+                         f"checkpoint policies ({', '.join(policies)}), got remat={remat!r}.")
+    return remat
+
+
+def rematerialized(apply: Apply, remat: str | None,
+                   layers_named: Callable[[], Any] = contextlib.nullcontext) -> Apply:
+    """`apply` whose activations are recomputed in the backward pass rather than kept from the
+    forward pass (`jax.checkpoint`), keeping what `remat`'s policy saves ("full": nothing but the
+    inputs; "layers": each layer's output, which `layers_named()` names while the model is traced;
+    see `checked_remat`). The numbers are the same; the step computes the forward pass twice, or
+    in part.
+
+    >>> import jax.numpy as jnp
+    >>> apply = lambda p, x, training: (jnp.sin(x * p), [], None)
+    >>> jax.grad(lambda p: rematerialized(apply, "full")(p, jnp.ones(3), True)[0].sum())(2.0)
+    Array(-1.2484405, dtype=float32, weak_type=True)
+    """
+    if remat is None:
+        return apply
+    name = REMAT_ALIASES.get(remat, remat)
+    policy = None if name is None else getattr(jax.checkpoint_policies, name)
+    if name is not None and name.startswith("offload"):
+        policy = policy("device", "pinned_host")
+    if remat == "layers":
+        policy = policy(LAYER_OUTPUT)
+
+        def apply_named(params: Any, x: Any, training: bool) -> Any:
+            with layers_named():
+                return apply(params, x, training)
+        return jax.checkpoint(apply_named, policy=policy, static_argnums=(2,))
+    return jax.checkpoint(apply, policy=policy, static_argnums=(2,))
 
 
 def unpack(batch: Any) -> tuple[Any, Any, Any]:
@@ -180,9 +233,12 @@ def make_predict_step(apply: Apply) -> Callable[..., Any]:
 
 
 def make_steps(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,
-               num_replicas: int) -> dict[str, Callable[..., Any]]:
+               num_replicas: int, remat: str | None = None,
+               layers_named: Callable[[], Any] = contextlib.nullcontext) -> dict[str, Callable[..., Any]]:
     """The gradient, eval and predict steps of one model, loss and metrics (the update is the
-    state layout's, see `lockstep.training._executions`)."""
-    return {"gradient": make_gradient_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
+    state layout's, see `lockstep.training._executions`); the gradient step's forward pass
+    rematerialized as `remat` says (`rematerialized`)."""
+    return {"gradient": make_gradient_step(rematerialized(apply, remat, layers_named), loss_fn, loss_tracker,
+                                           metrics, num_replicas),
             "eval": make_eval_step(apply, loss_fn, loss_tracker, metrics, num_replicas),
             "predict": make_predict_step(apply)}

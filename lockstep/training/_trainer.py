@@ -62,7 +62,7 @@ from ._step_runner import StepRunner, checked_accumulation
 from ._weight_files import WeightFiles
 from ._weights import TrainerWeights
 from ._worker_settings import fit_settings
-from ._steps import make_steps, unpack
+from ._steps import checked_remat, make_steps, unpack
 
 
 def _strategy_for(model: Any, given: Any) -> Strategy:
@@ -174,14 +174,20 @@ class Trainer(TrainerWeights, WeightFiles):
       steps_per_execution: optimizer steps in one compiled call (Keras' name; default: a compiled
         Keras model's, else 1), each exactly the step taken alone; per-batch callbacks are called
         once a call, as in Keras (see `lockstep.training._executions`).
+      remat: activation checkpointing of the training step's forward pass: None (default), "full"
+        (only the inputs kept, the forward pass computed again for the gradient), "layers" (each
+        of a Keras model's layers' outputs kept, their insides computed again), "dots" (matrix
+        products kept, MaxText's "save dots"), "offload" (those moved to host memory) or a JAX
+        checkpoint policy's name; the numbers are the same.
     """
 
     def __init__(self, model: Any, optimizer: str | optax.GradientTransformation | None = None,
                  loss: str | Callable[..., Any] | None = None, metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
                  strategy: Strategy | None = None, seed: int = 0, batch_statistics: str = "global",
                  gradient_accumulation_steps: int = 1, dtype_policy: str | None = None,
-                 steps_per_execution: int | None = None):
+                 steps_per_execution: int | None = None, remat: str | None = None):
         self._accumulation = checked_accumulation(gradient_accumulation_steps)
+        self.remat = checked_remat(remat)
         self.seed = seed
         self.steps_per_execution = compiled_steps_per_execution(model, steps_per_execution)
         self.strategy = _strategy_for(model, strategy)
@@ -226,7 +232,7 @@ class Trainer(TrainerWeights, WeightFiles):
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
             self._runner = StepRunner(self._engine, make_steps(
                 self._placement.on_stored(apply), self._loss_fn, self._loss_tracker, self._metrics,
-                self.strategy.num_replicas_in_sync), self._placement)
+                self.strategy.num_replicas_in_sync, self.remat, self._adapter.layers_named), self._placement)
         return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
 
     def _initial_state(self, params: Any) -> None:
@@ -252,6 +258,18 @@ class Trainer(TrainerWeights, WeightFiles):
     def global_step(self) -> int:
         """Optimizer steps taken by the current (or last) `fit`."""
         return 0 if self._state is None else self._state.global_step
+
+    def step_memory(self) -> dict[str, int] | None:
+        """Bytes one device holds while the training step runs, as XLA compiled it (the program of
+        the last `fit`'s most frequent call): its arguments (state, batch), outputs, temporaries
+        (activations, gradients) and their peak sum; None before the first step."""
+        compiled = None if self._runner is None else self._runner.compiled()
+        if compiled is None:
+            return None
+        m = compiled.memory_analysis()
+        out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
+               "temporaries": m.temp_size_in_bytes}
+        return {**out, "peak": out["arguments"] + out["outputs"] - m.alias_size_in_bytes + out["temporaries"]}
 
     @property
     def train_state(self) -> TrainState:
