@@ -8,6 +8,7 @@ from ._callback_list import CallbackList as CallbackList
 from ._csv_logger import CSVLogger as CSVLogger
 from ._early_stopping import EarlyStopping as EarlyStopping
 from ._early_stopping import EarlyStoppingState as EarlyStoppingState
+from ._goodput import Goodput as Goodput
 from ._history import History as History
 from ._learning_rate_scheduler import LearningRateScheduler as LearningRateScheduler
 from ._model_checkpoint import ModelCheckpoint as ModelCheckpoint
@@ -26,6 +27,7 @@ __all__ = [
     "CallbackList",
     "EarlyStopping",
     "EarlyStoppingState",
+    "Goodput",
     "History",
     "LearningRateScheduler",
     "ModelCheckpoint",

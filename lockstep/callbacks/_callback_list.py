@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable
 from typing import Any
 
@@ -10,6 +11,12 @@ from ._callback import HOOKS, Callback
 from ._keras_callback import as_lockstep, is_keras_callback, overrides
 from ._progbar import ProgbarLogger
 from ._trainer_view import TrainerView
+
+
+#: the hooks of training whose time `seconds` counts (validation's and prediction's are not)
+TIMED = frozenset({"on_epoch_begin", "on_epoch_end", "on_train_batch_begin", "on_train_batch_end"})
+#: callbacks whose time is checkpoint time (lockstep's or Keras' of these names)
+CHECKPOINTERS = frozenset({"BackupAndRestore", "ModelCheckpoint"})
 
 
 class CallbackList:
@@ -28,6 +35,9 @@ class CallbackList:
         self.callbacks = [as_lockstep(cb) if is_keras_callback(cb) else cb for cb in callbacks]
         # those that back up the training state last, so the backup holds what the others did at that step
         self.callbacks.sort(key=lambda cb: bool(getattr(cb, "runs_last", False)))
+        self.seconds: dict[int, float] = {}  # each callback's time in the training hooks (`TIMED`), by id
+        self.checkpointers = {id(cb) for cb in self.callbacks if type(getattr(cb, "keras_callback", cb)).__name__
+                              in CHECKPOINTERS}
         for cb in self.callbacks:
             if not isinstance(cb, Callback):
                 raise TypeError(f"`callbacks` must hold lockstep or Keras callback objects, got {type(cb).__name__}.")
@@ -39,12 +49,21 @@ class CallbackList:
         if name not in HOOKS:
             raise AttributeError(name)
         # the hooks some callback overrides, bound once (a hook runs every step: keep it cheap)
-        bound = [getattr(cb, name) for cb in self.callbacks
+        bound = [(id(cb), getattr(cb, name)) for cb in self.callbacks
                  if getattr(type(cb), name) is not getattr(Callback, name) or name in vars(cb)]
+        seconds = self.seconds
 
         def call(*args: Any, **kwargs: Any) -> None:
-            for hook in bound:
+            for _, hook in bound:
                 hook(*args, **kwargs)
+
+        def timed(*args: Any, **kwargs: Any) -> None:  # (`Goodput` reads where the training time went)
+            for key, hook in bound:
+                start = time.perf_counter()
+                hook(*args, **kwargs)
+                seconds[key] = seconds.get(key, 0.0) + time.perf_counter() - start
+        if name in TIMED:
+            call = timed
         setattr(self, name, call)  # later lookups find the attribute and skip __getattr__
         return call
 

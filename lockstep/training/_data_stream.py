@@ -17,6 +17,7 @@ same data again (an unseeded shuffle, changed files) is an error, not a silent s
 from __future__ import annotations
 
 import dataclasses
+import time
 import warnings
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
@@ -100,6 +101,8 @@ class DataStream:
         self._carried: DataPosition | None = None  # the restored position, until a batch is consumed
         self._ended = False  # an epoch-long pass ran out: it stays the position until the next epoch
         self._warned = False
+        self.samples = 0  # real rows given to training (`Goodput`)
+        self.input_seconds = 0.0  # time spent waiting for the next batch
 
     def start(self, position: DataPosition) -> None:
         """Continue from `position` (a restored backup's)."""
@@ -132,7 +135,9 @@ class DataStream:
         while self._per_epoch is None or given < self._per_epoch:
             if self._batches is None:
                 self._batches = self._open()
+            waited = time.perf_counter()
             batch = next(self._batches, None)
+            self.input_seconds += time.perf_counter() - waited
             if batch is None:  # the pass ended
                 self._batches = None
                 if self._per_epoch is None:  # an epoch is a pass; a backup taken before the epoch's end
@@ -155,6 +160,7 @@ class DataStream:
             self._offset += 1
             given += 1
             self._last, self._carried = batch, None
+            self.samples += batch.num_real
             yield batch
 
     def _ran_out(self, epoch: int, given: int) -> None:

@@ -61,13 +61,14 @@ class StepRunner:
             state = state.stepped(len(run), *program(state.params, state.opt_state, state.metric_state, feed))
         return state
 
-    def compiled(self) -> Any:
+    def compiled(self) -> tuple[Any, int] | None:
         """XLA's executable of the training program called most often (the run of a full
-        execution's updates), for its memory and cost analyses; None before any update."""
+        execution's updates), for its memory and cost analyses, and the updates each call takes;
+        None before any update."""
         if not self._calls:
             return None
         key = max(self._calls, key=self._calls.__getitem__)
-        return compiled_program(self._programs[key])
+        return compiled_program(self._programs[key]), key[-2]
 
     def _start(self, i: int) -> jax.Array:
         """Batch number `i` as a replicated int32 on the devices (placed once)."""

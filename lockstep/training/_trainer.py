@@ -58,6 +58,7 @@ from ._restore import fit_start, initial_state, placed, snapshot, take_up
 from ._logs import LazyLogs, read_logs
 from ._train_state import TrainState
 from ._state_names import state_names
+from ._measures import TrainerMeasures
 from ._step_runner import StepRunner, checked_accumulation
 from ._weight_files import WeightFiles
 from ._weights import TrainerWeights
@@ -144,7 +145,7 @@ def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> Non
             "are weighted here.", UserWarning, stacklevel=3)
 
 
-class Trainer(TrainerWeights, WeightFiles):
+class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
     """Trains, evaluates and predicts with a model on a strategy, Keras style.
 
     Every number it reports — losses, metrics, evaluation results, predictions, callback
@@ -213,6 +214,7 @@ class Trainer(TrainerWeights, WeightFiles):
         self._state: TrainState | None = None  # the training state, replaced at each step; None until built
         self._resume: TrainState | None = None  # a restored state, whose position the next fit takes up
         self._stream, self._callbacks = None, []  # the last fit's data and callbacks, for `train_state`
+        self._cblist: CallbackList | None = None  # the last fit's, for `fit_counters`
 
     # --- building ------------------------------------------------------------------------
     def _build(self, batch: Any, arg: str) -> Callable[[Any, str], None]:
@@ -258,18 +260,6 @@ class Trainer(TrainerWeights, WeightFiles):
     def global_step(self) -> int:
         """Optimizer steps taken by the current (or last) `fit`."""
         return 0 if self._state is None else self._state.global_step
-
-    def step_memory(self) -> dict[str, int] | None:
-        """Bytes one device holds while the training step runs, as XLA compiled it (the program of
-        the last `fit`'s most frequent call): its arguments (state, batch), outputs, temporaries
-        (activations, gradients) and their peak sum; None before the first step."""
-        compiled = None if self._runner is None else self._runner.compiled()
-        if compiled is None:
-            return None
-        m = compiled.memory_analysis()
-        out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-               "temporaries": m.temp_size_in_bytes}
-        return {**out, "peak": out["arguments"] + out["outputs"] - m.alias_size_in_bytes + out["temporaries"]}
 
     @property
     def train_state(self) -> TrainState:
@@ -343,7 +333,7 @@ class Trainer(TrainerWeights, WeightFiles):
         cblist = CallbackList(cbs, self, params)
         self.stop_training = False
         self._stream = DataStream(self._engine, train, steps_per_epoch, self._accumulation, initial_epoch)
-        self._callbacks = cblist.callbacks
+        self._callbacks, self._cblist = cblist.callbacks, cblist
         self._state = fit_start(self._state, initial_epoch, seed, self._fresh_state(), train.batch_size,
                                 self._accumulation)
         logs: dict[str, Any] = {}

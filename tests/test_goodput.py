@@ -1,0 +1,110 @@
+"""`lockstep.callbacks.Goodput`: throughput counts real rows only (a replica holding none
+included), the step time's parts add up and land where the time went (a slow pipeline, a slow
+callback, backups), FLOPs per step match a hand count, MFU is FLOP/s over the peak."""
+
+import time
+
+import keras
+import numpy as np
+import pytest
+
+import lockstep as ls
+from lockstep.callbacks import Goodput
+
+N, BATCH = 13, 8  # padded to 16 rows an epoch on 4 replicas; the last batch leaves replica 3 without rows
+
+
+def _mlp(width=8):
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((6,)), keras.layers.Dense(width, activation="relu"), keras.layers.Dense(3)])
+
+
+def _data(n=N):
+    rng = np.random.default_rng(0)
+    return rng.normal(size=(n, 6)).astype("float32"), rng.integers(0, 3, n)
+
+
+def _fit(model, x, y, callbacks, **kw):
+    trainer = ls.Trainer(model, loss="sparse_categorical_crossentropy_from_logits", strategy=ls.MirroredStrategy(4))
+    history = trainer.fit(x, y, epochs=2, verbose=0, callbacks=callbacks, **kw).history
+    return trainer, history
+
+
+def test_samples_are_the_real_rows_and_the_parts_add_up_to_the_step():
+    x, y = _data()
+    goodput = Goodput()
+    _, history = _fit(_mlp(), x, y, [goodput], batch_size=BATCH)
+    for epoch in goodput.epochs:
+        steps = 2  # 13 rows in batches of 8
+        assert epoch["samples_per_s"] * epoch["step_s"] * steps == pytest.approx(N, rel=1e-9)  # not 16
+        parts = epoch["input_s"] + epoch["host_s"] + epoch["checkpoint_s"] + epoch["compute_s"]
+        assert parts == pytest.approx(epoch["step_s"], rel=1e-9)
+        assert "tokens_per_s" not in epoch and "mfu" not in epoch  # not a sequence; CPU: no known peak
+    assert history["samples_per_s"] == [e["samples_per_s"] for e in goodput.epochs]  # in the fit's logs
+
+
+def test_the_time_lands_where_it_went():
+    x, y = _data(48)
+
+    def slow_batches():
+        for i in range(0, 48, BATCH):
+            time.sleep(0.05)
+            yield x[i:i + BATCH], y[i:i + BATCH]
+
+    class Slow(ls.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            time.sleep(0.03)
+
+    goodput = Goodput()
+    _fit(_mlp(), list(slow_batches()), None, [goodput, Slow()])  # a list: no waiting
+    fast = goodput.epochs[-1]
+    goodput = Goodput()
+    _fit(_mlp(), _Reiterable(slow_batches), None, [goodput])
+    waited = goodput.epochs[-1]
+    assert waited["input_s"] >= 0.025 and waited["input_s"] > fast["input_s"]
+    assert fast["host_s"] >= 0.03 and fast["host_s"] > waited["host_s"]
+
+
+class _Reiterable:
+    def __init__(self, make):
+        self.make = make
+
+    def __iter__(self):
+        return self.make()
+
+
+def test_backups_count_as_checkpoint_time(tmp_path):
+    x, y = _data()
+    goodput = Goodput()
+    _fit(_mlp(), x, y, [goodput, ls.callbacks.BackupAndRestore(str(tmp_path), save_freq=1)], batch_size=BATCH)
+    assert goodput.epochs[-1]["checkpoint_s"] > 0
+
+
+def test_flops_per_step_match_a_hand_count_and_mfu_is_over_the_peak():
+    """A step of Dense(512 -> 512) on 64 rows: 2 x rows x weights FLOPs forward and as many for the
+    weights' gradient (the input's is not taken), on one device's 16 rows of the 4 replicas', as XLA
+    counts them (the loss and the update add a few percent)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(64, 512)).astype("float32"), rng.normal(size=(64, 512)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((512,)), keras.layers.Dense(512, use_bias=False)])
+    goodput = Goodput(peak_flops=1e12)
+    trainer = ls.Trainer(model, optimizer="sgd", loss="mse", strategy=ls.MirroredStrategy(4))
+    trainer.fit(x, y, batch_size=64, epochs=2, verbose=0, callbacks=[goodput])
+    epoch = goodput.epochs[-1]
+    hand = 4 * 16 * 512 * 512
+    assert hand <= epoch["flops_per_step"] <= 1.1 * hand
+    assert epoch["flop_per_s"] == pytest.approx(epoch["flops_per_step"] / epoch["step_s"])
+    assert epoch["mfu"] == pytest.approx(epoch["flop_per_s"] / 1e12)
+
+
+def test_sequences_report_tokens():
+    rng = np.random.default_rng(0)
+    x, y = rng.integers(0, 50, (12, 10)).astype("int32"), rng.integers(0, 3, 12)
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((10,), dtype="int32"), keras.layers.Embedding(50, 4),
+                              keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(3)])
+    goodput = Goodput()
+    _fit(model, x, y, [goodput], batch_size=8)
+    epoch = goodput.epochs[-1]
+    assert epoch["tokens_per_s"] == pytest.approx(10 * epoch["samples_per_s"])
