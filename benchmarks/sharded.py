@@ -123,8 +123,11 @@ def child(system: str, n: int, epochs: int, dump: str) -> dict:
     # the training step: the compiled module that moves the most bytes through collectives
     moved = max((collective_bytes(open(p).read()) for p in glob.glob(os.path.join(dump, "*after_optimizations.txt"))),
                 key=lambda c: sum(c.values()), default={})
+    estimate = ls.memory_estimate(model, "adam", strategy)
     return {**summary(times, n), "final_loss": history.history["loss"][-1], "param_bytes": params,
-            "collectives": moved, "device0_bytes": held}
+            "collectives": moved, "device0_bytes": held,
+            "estimated_bytes": estimate["parameters"] + estimate["optimizer_state"],
+            "estimated_total": estimate["total"], "step_memory": trainer.step_memory()}
 
 
 def run_child(system: str, n: int, epochs: int) -> dict | str:
@@ -177,6 +180,17 @@ def main() -> int:
             + " | ".join(f"{c.get(k, 0) / p:.2f}P" for k in ("all-reduce", "all-gather", "reduce-scatter"))
             + f" | **{sum(c.values()) / p:.2f}P** | {expected[SYSTEMS[system][1]]} | "
             f"{r0['device0_bytes'] / 2**20:.2f} MiB | {statistics.median(r['final_loss'] for r, _ in pairs):.4f} |")
+    memory = ["| system | estimated params + Adam | held by device 0 | estimate / held | estimated total "
+              "(with a step's gradients) | XLA's peak of the step | of which the step's inputs |",
+              "|---|---|---|---|---|---|---|"]
+    for system in names:
+        r0 = next((r for r in runs[system] if isinstance(r, dict)), None)
+        if r0 is None:
+            continue
+        m = r0["step_memory"]
+        memory.append(f"| {system} | {r0['estimated_bytes'] / 2**20:.2f} MiB | {r0['device0_bytes'] / 2**20:.2f} MiB | "
+                      f"{r0['estimated_bytes'] / r0['device0_bytes']:.3f} | {r0['estimated_total'] / 2**20:.2f} MiB | "
+                      f"{m['peak'] / 2**20:.2f} MiB | {m['arguments'] / 2**20:.2f} MiB |")
     p = next((r["param_bytes"] for rs in runs.values() for r in rs if isinstance(r, dict)), 0)
     lines = ["# Sharded models: ZeRO stages and a model axis against data parallelism", "",
              f"Machine: {machine()}. Command: `python benchmarks/sharded.py{' --quick' if args.quick else ''}` "
@@ -193,7 +207,13 @@ def main() -> int:
              "the sharded rows are faster here because data parallelism runs the whole Adam update on each of "
              "the 8 simulated devices (which share 2 cores), where ZeRO runs an eighth of it on each. With a "
              "model axis the step also moves activations between the model axis' devices (tensor parallelism: "
-             "the all-gathers beyond 1P and the small all-reduce)."]
+             "the all-gathers beyond 1P and the small all-reduce).", "",
+             "## `memory_estimate` against what the devices hold", "",
+             "`ls.memory_estimate(model, \"adam\", strategy)`, worked out before anything is placed, against the "
+             "bytes of parameters and Adam state device 0 holds after training, and its total (with a step's "
+             "gradients) against XLA's accounting of the compiled training step on one device "
+             "(`Trainer.step_memory()`: the step's inputs, which hold the state and a batch, its outputs and "
+             "its temporaries: activations and gradients).", "", *memory]
     write_report(args.out, lines)
     return 0
 
