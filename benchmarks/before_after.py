@@ -74,8 +74,8 @@ def main() -> int:
     lines = ["# lockstep fit before and after a change", "",
              f"Command: `python benchmarks/before_after.py --before {args.before} --batch {args.batch} --samples "
              f"{args.samples} --rounds {args.rounds} --models {args.models}` (after: {head.strip()}, with the "
-             f"working tree's changes); {args.samples} samples, global batch 256, {args.rounds} rounds in rotated "
-             "order, simulated CPU devices.", "",
+             f"working tree's changes); {args.samples} samples, global batch {args.batch}, {args.rounds} rounds in "
+             "rotated order, simulated CPU devices.", "",
              "| model | devices | before samples/s | after samples/s | speed ratio after/before (range) | "
              "CPU-time ratio before/after (range) |", "|---|---|---|---|---|---|", *rows, "",
              "Ratios above 1: the change is faster (or uses less CPU time per epoch)."]

@@ -16,13 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import statistics
 import subprocess
 import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import machine, write_report  # noqa: E402
+
 MODES = ["none", "full", "layers", "dots"]
 
 
@@ -97,8 +99,7 @@ def main() -> int:
     base = results["none"][0]["memory"]
     seq, layers, batch, steps, epochs = shape
     lines = ["# Activation checkpointing: bytes held by the training step and its time", "",
-             f"Machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cores, Python "
-             f"{platform.python_version()}, one CPU device. Command: `python benchmarks/remat.py"
+             f"Machine: {machine()}, one CPU device. Command: `python benchmarks/remat.py"
              f"{' --quick' if args.quick else ''}`, {time.perf_counter() - started:.0f} s; a Keras transformer "
              f"({layers} blocks, width 128, 4 heads, causal attention over {seq} tokens, vocabulary 1000), batch "
              f"{batch}, Adam; {rounds} interleaved round(s) of {epochs} epochs of {steps} steps (time: the median "
@@ -117,8 +118,7 @@ def main() -> int:
               "numbers: its buffer assignment keeps much of what the recomputation frees, so the bytes saved "
               "here are far from the 2x a layer-wise remat gives on accelerators; no GPU was available to "
               "measure that (benchmarks/gpu.py is the place)."]
-    with open(args.out, "w") as f:
-        f.write("\n".join(lines) + "\n")
+    write_report(args.out, lines)
     print("\n".join(lines))
     return 0
 

@@ -122,7 +122,8 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
     replica = micro_batched(gradient_step, layout, fetch, accumulation, stacked=kind != "placed")
     replicas = engine.mapped(replica,
                              ("replicated", "replicated", "per_replica", source_kinds, xs_kinds),
-                             (layout.gradient_kinds, "replicated", "per_replica"), check_vma=CHECK_VMA, with_batch=False)
+                             (layout.gradient_kinds, "replicated", "per_replica"), check_vma=CHECK_VMA,
+                             with_batch=False)
 
     def update(carry: Any, xs: Any, source: Any) -> Any:
         params, opt_state, metric_state = carry
@@ -175,8 +176,8 @@ def micro_batched(gradient_step: Callable[..., Any], layout: Any, fetch: Callabl
                   accumulation: int, stacked: bool) -> Callable[..., Any]:
     """A replica's ``(params, loss_scale, metric_state, source, xs) -> (grads, non_trainable,
     metric_state)`` for one update of `accumulation` batches (`xs`: stacked along a first axis, or
-    tuples of their data, masks and counts; `fetch(source, x)` gives one's data, mask and count): levanter's `microbatched`, with
-    the layout's reduction (see the module doc)."""
+    tuples of their data, masks and counts; `fetch(source, x)` gives one's data, mask and count):
+    levanter's `microbatched`, with the layout's reduction (see the module doc)."""
     top: list[Any] = []
 
     def one_batch(carry: Any, x: Any, source: Any, scale: Any) -> tuple[Any, Any]:
