@@ -47,6 +47,8 @@ class Replicated:
     plan: ShardingPlan | None = None
     #: gradient accumulators hold each replica's share (reduced per micro-batch), not its whole gradient
     shards_accumulators = False
+    #: the update runs inside the replicas' program (every replica holds the whole state), not outside it
+    update_in_replica = True
     #: how the replicas' gradient step returns the reduced gradients (`lockstep.engine`'s kinds)
     gradient_kinds: Any = "replicated"
 
@@ -138,6 +140,7 @@ class Sharded(Replicated):
         super().__init__(engine, optimizer)
         self.plan = plan
         self.shards_accumulators = plan.zero_stage >= 2  # stages 2 and 3: each replica accumulates its share
+        self.update_in_replica = False  # on the shards, as the compiler partitions it
         self.gradient_kinds = plan.gradient_specs()["trainable"]
         self._keras_owners = keras_owners  # a Keras optimizer's variables' parameters (`keras_state_owners`)
         self._param_shardings = plan.shardings("param")
