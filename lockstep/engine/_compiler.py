@@ -160,24 +160,6 @@ class RunCompiler:
         entry = self._entry(call, lambda: self._compile_declared(call, out_kinds, check_vma))
         return self._run(entry, call)
 
-    def bind(self, fn: Callable[..., Any], kinds: Any, out_kinds: Any, *, check_vma: bool = True
-             ) -> Callable[..., Any]:
-        """`fn` as a callable ``(*args) -> outputs`` for arguments of the kinds `kinds` (a pytree
-        prefix of the arguments, every leaf an array) and no batch in the replica context: one
-        compiled program (a `jax.jit` keeping an executable per signature), called without
-        `call_declared`'s per-call work (flattening the arguments, the cache key) — for a step called
-        thousands of times. The workers of a job agree on each new program, so there it is
-        `call_declared`.
-        """
-        if self._agree is not None:
-            return lambda *args: self.call_declared(fn, args, kinds, out_kinds, check_vma=check_vma)
-        entry = _Entry()
-        entry.call = jax.jit(self.mapped(fn, kinds, out_kinds, check_vma=check_vma, with_batch=False))
-        with self._lock:
-            self._entries[(fn, "bound")] = entry  # counted by `compile_counts`
-        compiled = entry.call
-        return lambda *args: self._tracked(compiled(*args))
-
     def jit(self, fn: Callable[..., Any], out_shardings: Any) -> Callable[..., Any]:
         """`jax.jit(fn, out_shardings=out_shardings)` run as this compiler's own programs are: the
         workers of a job agree on each new signature of its arguments before it runs, and its

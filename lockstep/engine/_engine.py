@@ -104,11 +104,6 @@ class Engine:
         """
         return self._compiler.call_declared(fn, args, kinds, out_kinds, mask=mask, count=count, check_vma=check_vma)
 
-    def bind(self, fn: Callable[..., Any], kinds: Any, out_kinds: Any, check_vma: bool = True) -> Callable[..., Any]:
-        """`fn` compiled once as a callable of arrays of the kinds `kinds` (`run_arrays`' without a
-        batch), for a step called thousands of times; see `RunCompiler.bind`."""
-        return self._compiler.bind(fn, kinds, out_kinds, check_vma=check_vma)
-
     def mapped(self, fn: Callable[..., Any], kinds: Any, out_kinds: Any, check_vma: bool = True,
                with_batch: bool = True) -> Callable[..., Any]:
         """`fn` on every replica as an uncompiled `shard_map` of ``(*args, mask, count)``, for a

@@ -184,8 +184,11 @@ def compiled_program(call: Callable[..., Any]) -> Any:
     signature = getattr(call, "signature", None)
     if signature is None:
         return None
-    compiled, args = signature
-    return compiled.lower(*args).compile()
+    executable = getattr(call, "executable", None)
+    if executable is None or executable[0] is not signature:  # compiled once (Goodput asks every epoch)
+        compiled, args = signature
+        executable = call.executable = (signature, compiled.lower(*args).compile())  # type: ignore[attr-defined]
+    return executable[1]
 
 
 def micro_batched(gradient_step: Callable[..., Any], layout: Any, fetch: Callable[[Any, Any], Any],
