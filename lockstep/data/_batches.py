@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from ..engine import BatchRows, ResidentArrays, ResidentBatch, ResidentPass, fits_on_devices, padded_per_replica
+from ..engine import BatchRows, ResidentBatch, ResidentPass, fits_on_devices, padded_per_replica
 from ._adapter import DataAdapter
 
 if TYPE_CHECKING:
@@ -34,7 +33,6 @@ class Batches(DataAdapter):
         self.seed = seed
         self.drop_remainder = drop_remainder
         self.epoch = 0
-        self._resident: tuple[Any, ResidentArrays] | None = None  # (engine, the arrays on its devices)
 
     @property
     def num_samples(self) -> int:
@@ -88,18 +86,17 @@ class Batches(DataAdapter):
         return BatchRows(hi - lo, read, lambda: read(0, 1))
 
     def resident_pass(self, engine: "Engine", epoch: int, start: int = 0) -> Iterator[ResidentBatch] | None:
-        """Pass `epoch` from batch `start` as batches whose rows stay on `engine`'s devices (the
-        arrays are placed there once, each pass's order as one small table), every batch padded to
-        the full batch's shape; None when the arrays are too large to keep on every device."""
+        """Pass `epoch` from batch `start` as batches whose rows lie on `engine`'s devices (the
+        pass is placed at once, each replica's rows on its devices), every batch padded to the
+        full batch's shape; None when the arrays are too large to place a pass of at once."""
         if not fits_on_devices(self._leaves):
             return None
-        if self._resident is None or self._resident[0] is not engine:
-            self._resident = (engine, ResidentArrays(engine.distributor, self._leaves, self._treedef))
         order, b = self.order(epoch), self.batch_size
         padded = padded_per_replica(b, engine.num_replicas) * engine.num_replicas
-        whole = ResidentPass(engine.distributor, self._resident[1], [order[i * b:(i + 1) * b] for i in range(len(self))],
-                             padded, functools.partial(self._batch_rows, order))
-        return (whole.batch(i) for i in range(start, len(self)))
+        whole = ResidentPass(engine.distributor, self._leaves, self._treedef,
+                             [order[i * b:(i + 1) * b] for i in range(start, len(self))], padded,
+                             lambda i: self._batch_rows(order, start + i))
+        return (whole.batch(i) for i in range(len(self) - start))
 
 
 def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int = 0,

@@ -43,10 +43,9 @@ from ._state_updates import RecordingFunction as RecordingFunction
 from ._compiler import note_new_function as note_new_function
 from ._placement import DistributedBatch as DistributedBatch
 from ._resident import fits_on_devices as fits_on_devices
-from ._resident import gather as gather
-from ._resident import ResidentArrays as ResidentArrays
 from ._resident import ResidentBatch as ResidentBatch
 from ._resident import ResidentPass as ResidentPass
+from ._resident import take_step as take_step
 from ._sharding import fit_to as fit_to
 from ._sharding import shard_bytes as shard_bytes
 from ._sharding import ShardingConfig as ShardingConfig
@@ -72,7 +71,6 @@ __all__ = [
     "Engine",
     "fit_to",
     "fits_on_devices",
-    "gather",
     "gather_stacked",
     "get_replica_context",
     "held",
@@ -88,9 +86,9 @@ __all__ = [
     "reduce_stacked",
     "ReduceOp",
     "replica_context",
-    "ResidentArrays",
     "ResidentBatch",
     "ResidentPass",
+    "take_step",
     "shard_bytes",
     "ShardingConfig",
     "ShardingPlan",

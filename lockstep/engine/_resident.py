@@ -1,23 +1,25 @@
-"""Resident rows: in-memory arrays placed on every device once, from which compiled steps gather
-each step's rows themselves, so that a training step costs the host no copy and no transfer.
+"""Resident rows: in-memory arrays whose pass is placed on the devices at its start, each replica's
+rows on its devices once (its share of the batch axis), from which compiled steps take each step's
+rows themselves, so that a training step costs the host no copy and no transfer.
 
-A pass over the arrays is one small index table (`ResidentPass`: a row of sample indices per
-batch, padded as `_layout` pads a global batch, and each batch's real count), placed once per
-pass. Step `i` of the pass reads row `i` inside the compiled program (`gather`): each replica takes
-its slice of the row, gathers those samples from the resident arrays and builds its mask from the
-real count, which gives exactly the rows, padding and mask that placing the batch from the host
-gives (`BatchDistributor.global_batch`).
+A pass (`ResidentPass`) is each replica's rows of every batch, in step order (a replica's rows of
+batch `i` are its slice of the batch padded as `_layout` pads a global batch), split over the
+batch axis, and each batch's real count. Step `i` of the pass reads its rows inside the compiled
+program (`take_step`): each replica slices its block of step `i` and builds its mask from the real
+count, which gives exactly the rows, padding and mask that placing the batch from the host gives
+(`BatchDistributor.global_batch`). A device holds its replica's share of the pass, not the data.
 
 >>> import jax, numpy as np
 >>> from lockstep.engine import Engine
 >>> engine = Engine(jax.devices()[:2])
 >>> x = np.arange(5.0) * 10
->>> arrays = ResidentArrays(engine.distributor, [x], jax.tree.structure(0))
 >>> batches = [np.array([4, 0, 2]), np.array([1, 3])]
 >>> read = lambda i: BatchRows(len(batches[i]), lambda a, b: x[batches[i][a:b]], lambda: x[:1])
->>> one_pass = ResidentPass(engine.distributor, arrays, batches, padded=4, rows_of=read)
->>> np.asarray(one_pass.table).tolist(), np.asarray(one_pass.counts).tolist()
-([[4, 0, 2, 4], [1, 3, 1, 1]], [3.0, 2.0])
+>>> one_pass = ResidentPass(engine.distributor, [x], jax.tree.structure(0), batches, padded=4, rows_of=read)
+>>> [np.asarray(s.data).tolist() for s in one_pass.leaves[0].addressable_shards]  # each replica's rows, step by step
+[[40.0, 0.0, 10.0, 30.0], [20.0, 40.0, 10.0, 10.0]]
+>>> np.asarray(one_pass.counts).tolist()
+[3.0, 2.0]
 >>> one_pass.batch(1).step.counts.tolist()   # real rows per replica
 [2, 0]
 >>> np.asarray(one_pass.batch(1).placed().data).tolist()   # the same rows, placed from the host
@@ -36,49 +38,46 @@ import numpy as np
 
 from ._layout import BatchRows, StepInfo, rows_digest, to_numpy
 
-#: Largest in-memory training data (all arrays together, in MiB) that `fit` keeps on every device
-#: and slices there; larger data is sliced on the host and placed step by step. 0 turns it off.
+#: Largest in-memory training data (all arrays together, in MiB) that `fit` places a pass of at
+#: once (each device its replica's share); larger data is placed batch by batch. 0 turns it off.
 RESIDENT_LIMIT_MB = float(os.environ.get("LOCKSTEP_RESIDENT_DATA_MB", "256"))
 
 
 def fits_on_devices(leaves: Sequence[Any]) -> bool:
-    """Whether arrays of these sizes are kept on every device (see `RESIDENT_LIMIT_MB`)."""
+    """Whether a pass over arrays of these sizes is placed at once (see `RESIDENT_LIMIT_MB`)."""
     return sum(np.asarray(x).nbytes for x in leaves) <= RESIDENT_LIMIT_MB * 2**20
 
 
-class ResidentArrays:
-    """In-memory data (the leaves of a pytree whose arrays share their first dimension, and its
-    structure `treedef`) on every device."""
-
-    def __init__(self, distributor: Any, leaves: Sequence[np.ndarray], treedef: Any):
-        self.leaves = tuple(distributor.put_copies([np.asarray(x) for x in leaves]))  # every worker's are the same
-        self.treedef = treedef
-
-
 class ResidentPass:
-    """One pass's batches over `arrays`: the sample indices of batch `i` are `indices[i]`, padded
-    to `padded` rows (padding repeats the batch's first sample, as `_layout.pad_and_mask` does);
-    `rows_of(i)` reads batch `i` on the host (for its checksum, or to place it as a whole)."""
+    """One pass's batches over in-memory `leaves` (of a pytree of structure `treedef`): the sample
+    indices of batch `i` are `indices[i]`, padded to `padded` rows (padding repeats the batch's
+    first sample, as `_layout.pad_and_mask` does); each replica's rows of every batch are placed
+    on its devices (`leaves`, split over the batch axis: this worker reads only its replicas'
+    rows); `rows_of(i)` reads batch `i` on the host (for its checksum, or to place it as a whole)."""
 
-    def __init__(self, distributor: Any, arrays: ResidentArrays, indices: Sequence[np.ndarray], padded: int,
-                 rows_of: Callable[[int], BatchRows]):
+    def __init__(self, distributor: Any, leaves: Sequence[np.ndarray], treedef: Any, indices: Sequence[np.ndarray],
+                 padded: int, rows_of: Callable[[int], BatchRows]):
         r = distributor.num_replicas
         if padded % r:
             raise ValueError(f"a resident pass needs `padded` divisible by the {r} replicas, got padded={padded}.")
-        self.arrays = arrays
+        self.treedef = treedef
         self.per_replica = padded // r
         self.padded = padded
         self._distributor = distributor
         self._rows_of = rows_of
         ids = distributor.local_replica_ids
         self._lo, self._hi = ids[0] * self.per_replica, (ids[-1] + 1) * self.per_replica
-        table = np.empty((len(indices), padded), np.int32)
+        table = np.empty((len(indices), padded), np.int64)
         counts = np.empty(len(indices), np.float32)
         for i, idx in enumerate(indices):
             table[i] = idx[0]
             table[i, :len(idx)] = idx
             counts[i] = len(idx)
-        self.table, self.counts = distributor.put_copies((table, counts))
+        # replica-major: replica j's rows of batch 0, batch 1, ...; this worker's replicas only
+        mine = table.reshape(len(indices), r, self.per_replica)[:, ids[0]:ids[-1] + 1].transpose(1, 0, 2).reshape(-1)
+        self.leaves = tuple(distributor.place_split([np.take(np.asarray(x), mine, axis=0) for x in leaves],
+                                                    table.size))
+        self.counts = distributor.put_copies(counts)
         self._num_real = counts.astype(np.int64)
         self._steps: dict[int, StepInfo] = {}
 
@@ -107,8 +106,8 @@ class ResidentPass:
 
 
 class ResidentBatch:
-    """Batch `index` of a `ResidentPass`: its rows stay on the devices until a step gathers them
-    (`gather`). It has a `DistributedBatch`'s layout (`step`, `num_real`) and checksum (`digest`);
+    """Batch `index` of a `ResidentPass`: its rows stay on the devices until a step takes them
+    (`take_step`). It has a `DistributedBatch`'s layout (`step`, `num_real`) and checksum (`digest`);
     `placed()` makes the `DistributedBatch` itself, for steps that take arrays.
     """
 
@@ -130,14 +129,13 @@ class ResidentBatch:
         return self.pass_.placed(self.index)
 
 
-def gather(treedef: Any, leaves: Sequence[jax.Array], table: jax.Array, counts: jax.Array, i: jax.Array,
-           per_replica: int, axis_name: str) -> tuple[Any, jax.Array, jax.Array]:
-    """Inside a replica: its rows of batch `i` of a pass (`table`, `counts`) gathered from the
-    resident `leaves` into the data's structure (`treedef`), its mask (1.0 real, 0.0 padding) and
-    the batch's real count."""
+def take_step(treedef: Any, leaves: Sequence[jax.Array], counts: jax.Array, i: jax.Array, per_replica: int,
+              axis_name: str) -> tuple[Any, jax.Array, jax.Array]:
+    """Inside a replica: its rows of batch `i` of a pass (its block of the pass's `leaves`, the
+    real counts `counts`) in the data's structure (`treedef`), its mask (1.0 real, 0.0 padding)
+    and the batch's real count."""
     r = jax.lax.axis_index(axis_name)
-    row = jax.lax.dynamic_index_in_dim(table, i, keepdims=False)
-    mine = jax.lax.dynamic_slice_in_dim(row, r * per_replica, per_replica)
     count = jax.lax.dynamic_index_in_dim(counts, i, keepdims=False)
     mask = (r * per_replica + jnp.arange(per_replica) < count).astype(jnp.float32)
-    return jax.tree.unflatten(treedef, [x[mine] for x in leaves]), mask, count
+    rows = [jax.lax.dynamic_slice_in_dim(x, i * per_replica, per_replica) for x in leaves]
+    return jax.tree.unflatten(treedef, rows), mask, count

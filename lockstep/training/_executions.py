@@ -3,7 +3,7 @@
 An execution (`steps_per_execution`, Keras' name) is a list of consecutive updates
 (`AccumulationGroup`s: one batch each, or the k batches of gradient accumulation). It splits into
 *runs* of updates that one program takes together (`runs`): batches of one resident pass
-(`lockstep.engine._resident`: the program gathers their rows itself), or placed batches of one
+(`lockstep.engine._resident`: the program takes their rows itself), or placed batches of one
 shape; an update whose batches differ in shape, or come from two passes, is a run of its own.
 
 A run's program (`make_program`) is one `jax.jit` made from the gradient step and the state
@@ -38,7 +38,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from ..data import AccumulationGroup, accumulation_groups
-from ..engine import ResidentBatch, gather, get_replica_context, replica_context
+from ..engine import ResidentBatch, get_replica_context, replica_context, take_step
 from ._precision import loss_scale_of
 from ._steps import CHECK_VMA
 
@@ -90,13 +90,13 @@ def runs(updates: Sequence[AccumulationGroup]) -> list[tuple[tuple[Any, ...] | N
 def feed_of(run: Sequence[AccumulationGroup], key: tuple[Any, ...] | None, start: Callable[[int], jax.Array]
             ) -> tuple[Any, Any]:
     """(what the program of `run` reads its batches from, the program's key): a resident pass's
-    arrays, index table and first batch number (`start(i)`: batch number i on the devices), or
+    rows (each replica's share), real counts and first batch number (`start(i)`: batch number i on the devices), or
     every batch's data, mask and count (placed from the host where a batch is resident but the run
     is not a resident one)."""
     if key is not None and key[0] == "resident":
         whole = run[0].batches[0].pass_
-        feed = (whole.arrays.leaves, whole.table, whole.counts, start(run[0].batches[0].index))
-        return feed, ("resident", whole.arrays.treedef, whole.per_replica, len(run), key[2])
+        feed = (whole.leaves, whole.counts, start(run[0].batches[0].index))
+        return feed, ("resident", whole.treedef, whole.per_replica, len(run), key[2])
     batches = [b.placed() if isinstance(b, ResidentBatch) else b for u in run for b in u.batches]
     feed = (tuple(b.data for b in batches), tuple(b.mask for b in batches), tuple(b.count for b in batches))
     return feed, ("stacked" if key is not None and len(batches) > 1 else "placed", len(run), len(run[0].batches))
@@ -112,10 +112,10 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
     axis = engine.batch_axis
     if kind == "resident":
         treedef, per_replica = rest[:2]
-        source_kinds, xs_kinds = "replicated", "replicated"
+        source_kinds, xs_kinds = ("rows", "replicated"), "replicated"
 
         def fetch(source: Any, i: jax.Array) -> tuple[Any, Any, Any]:
-            return gather(treedef, *source, i, per_replica, axis)
+            return take_step(treedef, *source, i, per_replica, axis)
     else:
         source_kinds = "replicated"
         xs_kinds = (P(None, axis), P(None, axis), "replicated") if kind == "stacked" else ("rows", "rows", "replicated")
@@ -150,7 +150,8 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
     def program(params: Any, opt_state: Any, metric_state: Any, feed: Any) -> Any:
         carry = (params, opt_state, metric_state)
         if kind == "resident":
-            *source, start = feed
+            *rest, start = feed
+            source = tuple(rest)
             xs = (start + jnp.arange(length * accumulation, dtype=jnp.int32)).reshape(length, accumulation)
         elif kind == "stacked":
             source = None
