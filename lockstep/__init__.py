@@ -41,8 +41,8 @@ _EXPORTS: dict[str, str] = {
     "Strategy": ".distribute._strategy",
     "TPUStrategy": ".distribute._tpu",
     "StrategyExtended": ".distribute._extended",
-    "DeviceMesh": ".distribute._mesh",
-    "LayoutMap": ".distribute._mesh",
+    "DeviceMesh": ".sharding._mesh",
+    "LayoutMap": ".sharding._mesh",
     "ShardedStrategy": ".distribute._sharded",
     "memory_estimate": ".training",
     "ValueContext": ".distribute._strategy",
@@ -145,8 +145,8 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .distribute._strategy import Strategy as Strategy
     from .distribute._tpu import TPUStrategy as TPUStrategy
     from .distribute._extended import StrategyExtended as StrategyExtended
-    from .distribute._mesh import DeviceMesh as DeviceMesh
-    from .distribute._mesh import LayoutMap as LayoutMap
+    from .sharding._mesh import DeviceMesh as DeviceMesh
+    from .sharding._mesh import LayoutMap as LayoutMap
     from .distribute._sharded import ShardedStrategy as ShardedStrategy
     from .distribute._strategy import ValueContext as ValueContext
     from .distribute._strategy import get_strategy as get_strategy

@@ -22,9 +22,9 @@ import jax
 from jax.sharding import NamedSharding
 
 from .._errors import UsageError
-from ..engine import BATCH_AXIS, ShardingConfig
+from ..engine import BATCH_AXIS
+from ..sharding import ShardingConfig, as_layout_map, as_mesh
 from ._joining import join
-from ._mesh import as_layout_map, as_mesh
 from ._strategy import Strategy
 
 

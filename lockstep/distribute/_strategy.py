@@ -21,7 +21,8 @@ from jax.sharding import Mesh
 from .._errors import UsageError
 from ..data import IterableBatches, ReplicaBatches, adapt
 from ..engine import BATCH_AXIS, gather_stacked, note_new_function, reduce_replicated, reduce_stacked, split_rows
-from ..engine import DistributedBatch, RecordingFunction, ReduceOp, ShardingConfig, get_replica_context
+from ..engine import DistributedBatch, RecordingFunction, ReduceOp, get_replica_context
+from ..sharding import ShardingConfig
 from . import _scope
 from ._cross_device_ops import checked_cross_device_ops
 from ._datasets import DistributedDataset, InputContext

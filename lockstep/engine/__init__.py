@@ -46,11 +46,6 @@ from ._resident import fits_on_devices as fits_on_devices
 from ._resident import ResidentBatch as ResidentBatch
 from ._resident import ResidentPass as ResidentPass
 from ._resident import take_step as take_step
-from ._sharding import fit_to as fit_to
-from ._sharding import shard_bytes as shard_bytes
-from ._sharding import ShardingConfig as ShardingConfig
-from ._sharding import ShardingPlan as ShardingPlan
-from ._sharding import VariableLayout as VariableLayout
 from ._engine import BATCH_AXIS as BATCH_AXIS
 from ._engine import Engine as Engine
 
@@ -69,7 +64,6 @@ __all__ = [
     "DIGEST_MODULUS",
     "DistributedBatch",
     "Engine",
-    "fit_to",
     "fits_on_devices",
     "gather_stacked",
     "get_replica_context",
@@ -89,12 +83,8 @@ __all__ = [
     "ResidentBatch",
     "ResidentPass",
     "take_step",
-    "shard_bytes",
-    "ShardingConfig",
-    "ShardingPlan",
     "split_rows",
     "spread",
     "StepInfo",
     "to_varying",
-    "VariableLayout",
 ]

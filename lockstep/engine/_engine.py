@@ -20,7 +20,6 @@ from ._cross_replica import ReplicatedCall, gather_stacked, spread
 from ._layout import StepInfo
 from ._placement import BatchDistributor
 from ._replica_context import ReplicaContext
-from ._sharding import ShardingConfig, ShardingPlan
 
 #: The default name of the mesh axis over which rows are split and replicas reduce.
 BATCH_AXIS = "batch"
@@ -52,7 +51,7 @@ class Engine:
     """
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, owner: Any = None, *, mesh: Mesh | None = None,
-                 batch_axis: str = BATCH_AXIS, sharding: ShardingConfig | None = None):
+                 batch_axis: str = BATCH_AXIS, split_model_axes: bool = False):
         if (devices is None) == (mesh is None):
             raise ValueError("give an `Engine` one of `devices` (a 1-D mesh) and `mesh`, got "
                              f"{'both' if mesh is not None else 'neither'}.")
@@ -63,14 +62,12 @@ class Engine:
         self.mesh = mesh
         self.batch_axis = batch_axis
         self.owner = owner
-        #: how a sharded model's variables are laid out (None: replicated on every device)
-        self.sharding = sharding
         self.distributor = BatchDistributor(mesh, batch_axis, self)
         self.num_replicas = self.distributor.num_replicas
         self.replicated_call = ReplicatedCall(mesh)
         self._compiler = RunCompiler(mesh, batch_axis, lambda mask, count, typed: ReplicaContext(
             self.num_replicas, mask, count, typed, owner, axis_name=batch_axis),
-            manual_axes=_manual_axes(mesh, batch_axis, sharding))
+            manual_axes=_manual_axes(mesh, batch_axis, split_model_axes))
 
     @property
     def num_local_replicas(self) -> int:
@@ -114,12 +111,6 @@ class Engine:
         """`jax.jit(fn, out_shardings=...)` on global arrays, which the workers of a job agree on
         and whose calls count among the steps in flight; see `RunCompiler.jit`."""
         return self._compiler.jit(fn, out_shardings)
-
-    def plan(self, params: Any, paths: Any, trainable: Any) -> ShardingPlan | None:
-        """The layouts of a model's parameters (trees of arrays, path strings and trainable flags)
-        under this engine's `sharding`, or None when it replicates them."""
-        return None if self.sharding is None else self.sharding.plan(self.mesh, self.batch_axis, params, paths,
-                                                                     trainable)
 
     def place(self, tree: Any, shardings: Any) -> Any:
         """Host arrays (a tree) laid out as `shardings` (a tree alike of `NamedSharding`s): each
@@ -180,13 +171,13 @@ class Engine:
         return jax.tree.map(lambda v: gather_stacked(self.replicated_call, v, step, 0), tree)
 
 
-def _manual_axes(mesh: Mesh, batch_axis: str, sharding: ShardingConfig | None) -> frozenset[str]:
-    """The axes replica functions see one device of (`shard_map`'s axis_names; empty: all). A
-    sharded model's steps leave the model axes to the compiler, which lays their shards out
-    (tensor parallelism), unless the batch axis has one device: XLA's SPMD partitioner then
+def _manual_axes(mesh: Mesh, batch_axis: str, split_model_axes: bool) -> frozenset[str]:
+    """The axes replica functions see one device of (`shard_map`'s axis_names; empty: all). With
+    `split_model_axes` (a sharded model's) steps leave the model axes to the compiler, which lays
+    their shards out (tensor parallelism), unless the batch axis has one device: XLA's SPMD partitioner then
     refuses a collective over it ("Cross-partition allreduce must be in (partial) manual
     partitioning mode"), so the step sees whole parameters (gathered along the model axes)."""
-    if sharding is None or dict(zip(mesh.axis_names, mesh.devices.shape))[batch_axis] == 1:
+    if not split_model_axes or dict(zip(mesh.axis_names, mesh.devices.shape))[batch_axis] == 1:
         return frozenset()
     return frozenset({batch_axis})
 

@@ -1,6 +1,6 @@
 """Where a `Trainer` keeps its weights and optimizer state: replicated on every device
 (`Replicated`), or laid out by a sharded strategy's plan (`Sharded`: tensor-parallel rules and
-ZeRO stages, `lockstep.engine._sharding`), and the compiled steps such a layout needs.
+ZeRO stages, `lockstep.sharding`), and the compiled steps such a layout needs.
 
 A sharded step is one `jax.jit` around two parts. The replicas' part (a `shard_map` over the
 batch axis only; the model axes stay the compiler's, which lays out their shards) computes each
@@ -10,7 +10,7 @@ shards, as the compiler partitions any optax transform (a global-norm clip inclu
 moves about 2P bytes (P gathered or all-gathered, P reduce-scattered) and equals the replicated
 step up to the order of the gradient's sums.
 
-A variable that its splits do not divide is stored padded with zeros (`_sharding`'s module doc):
+A variable that its splits do not divide is stored padded with zeros (`lockstep.sharding`'s plan):
 the model sees it cut to its shape (`on_stored`), so its gradient comes out padded with zeros;
 the update runs on the variables', gradients' and optimizer state's own shapes and is padded
 again; what leaves the trainer (`unpadded_params`, `unpadded_state`: Keras variables, backups) has
@@ -30,7 +30,8 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ..distribute import get_strategy
-from ..engine import ShardingPlan, VariableLayout, fit_to, shard_bytes, spread
+from ..engine import spread
+from ..sharding import ShardingPlan, VariableLayout, fit_to, shard_bytes
 from ._model import keras_paths
 from ._optimizers import KerasOptimizerState, get_optimizer, is_keras_optimizer, keras_state_owners
 from ._steps import replicas_axis, updated
@@ -133,7 +134,7 @@ class Replicated:
 
 
 class Sharded(Replicated):
-    """Weights and optimizer state laid out by `plan` (see `lockstep.engine._sharding`)."""
+    """Weights and optimizer state laid out by `plan` (see `lockstep.sharding`)."""
 
     def __init__(self, engine: Any, optimizer: optax.GradientTransformation, plan: ShardingPlan,
                  keras_owners: list[int | None] | None = None):
