@@ -13,7 +13,7 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .distribute import _joining, _scope  # standard library only: `import lockstep.launch` stays free of JAX
+from .distribute import _scope  # standard library only: `import lockstep.launch` stays free of JAX
 
 __version__ = "0.1.0"
 
@@ -43,7 +43,7 @@ _EXPORTS: dict[str, str] = {
     "StrategyExtended": ".distribute._extended",
     "DeviceMesh": ".sharding._mesh",
     "LayoutMap": ".sharding._mesh",
-    "ShardedStrategy": ".distribute._sharded",
+    "ShardedStrategy": ".cluster._sharded",
     "memory_estimate": ".training",
     "ValueContext": ".distribute._strategy",
     "get_strategy": ".distribute._strategy",
@@ -78,13 +78,6 @@ def _keras_fit_through_lockstep(keras: Any) -> None:
     install(keras)
 
 
-def _join_cluster(cluster_resolver: Any, failure_timeout: float | None) -> Any:
-    """A sharded strategy's workers joined as a multi-worker strategy's are (`lockstep.cluster`)."""
-    from .cluster._multi_worker import join
-
-    return join(cluster_resolver, failure_timeout)
-
-
 def _keras_metrics_in_run(keras: Any) -> None:
     """Keras metrics made in a lockstep scope update exactly inside `strategy.run` (`lockstep.metrics`)."""
     from .metrics._keras_in_run import install
@@ -92,11 +85,9 @@ def _keras_metrics_in_run(keras: Any) -> None:
     install(keras)
 
 
-# the composition root connects the scopes (`distribute`) to training, and sharded strategies to
-# the cluster, which build on them
+# the composition root connects the scopes (`distribute`) to training and metrics, which build on them
 _scope.KERAS_HOOKS.append(_keras_fit_through_lockstep)
 _scope.KERAS_HOOKS.append(_keras_metrics_in_run)
-_joining.JOIN_HOOKS.append(_join_cluster)
 
 
 def __getattr__(name: str) -> Any:
@@ -147,7 +138,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .distribute._extended import StrategyExtended as StrategyExtended
     from .sharding._mesh import DeviceMesh as DeviceMesh
     from .sharding._mesh import LayoutMap as LayoutMap
-    from .distribute._sharded import ShardedStrategy as ShardedStrategy
+    from .cluster._sharded import ShardedStrategy as ShardedStrategy
     from .distribute._strategy import ValueContext as ValueContext
     from .distribute._strategy import get_strategy as get_strategy
     from .distribute._strategy import has_strategy as has_strategy

@@ -1,5 +1,6 @@
-"""Everything that touches `jax.distributed`: `MultiWorkerMirroredStrategy` and its cluster
-watchdog (`_multi_worker`), the cluster resolvers (environment, TF_CONFIG, SLURM: `_resolvers`), what the workers agree
+"""Everything that touches `jax.distributed`: the strategies whose workers join a job,
+`MultiWorkerMirroredStrategy` and its cluster watchdog (`_multi_worker`) and `ShardedStrategy`
+(`_sharded`: a model laid out over a mesh that may span workers), the cluster resolvers (environment, TF_CONFIG, SLURM: `_resolvers`), what the workers agree
 on (`_agreement`), who is present (`_roll_call`) and the coordination service's entries
 (`_coordination`). Public names are re-exported from `lockstep`.
 """

@@ -22,10 +22,10 @@ import jax
 from jax.sharding import NamedSharding
 
 from .._errors import UsageError
+from ..distribute import Strategy
 from ..engine import BATCH_AXIS
 from ..sharding import ShardingConfig, as_layout_map, as_mesh
-from ._joining import join
-from ._strategy import Strategy
+from ._multi_worker import join
 
 
 class ShardedStrategy(Strategy):
