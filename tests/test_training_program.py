@@ -11,9 +11,11 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import lockstep as ls
+from lockstep.data import accumulation_groups
 from lockstep.metrics import Mean, MetricCollection
 from lockstep.training._executions import make_program, runs
 from lockstep.training._placement import placement_for
+from lockstep.training._step_runner import StepRunner
 from lockstep.training._steps import make_gradient_step
 from lockstep.training._train_state import TrainState
 
@@ -109,3 +111,42 @@ def test_the_step_counters_move_by_the_updates_taken():
     assert (after.epoch, after.step, after.global_step) == (1, 7, 12)
     assert (after.params, after.opt_state, after.metric_state) == ({"trainable": []}, ("o",), {"loss": 1})
     assert (state.step, state.global_step) == (4, 9)  # unchanged: a new state
+
+
+@pytest.mark.parametrize("kind", ["replicated", "zero3"])
+@pytest.mark.parametrize("accumulation", [1, 2])
+def test_the_runner_takes_an_execution_of_resident_and_placed_batches_as_numpy_steps(kind, accumulation):
+    """`StepRunner.run` on one execution whose updates come from a resident pass and a placed one
+    (two programs, one call each): the weights of NumPy's SGD steps on the same rows, in order.
+    11 rows in batches of 4 (4, 4, 3) on 4 replicas, then a batch of 1 row (3 replicas without rows)."""
+    engine = _strategy(kind).extended
+    rng = np.random.default_rng(7)
+    w, b = rng.normal(size=(5, 3)).astype(np.float32), rng.normal(size=(3,)).astype(np.float32)
+    x, y = rng.normal(size=(11, 5)).astype(np.float32), rng.normal(size=(11, 3)).astype(np.float32)
+    x1, y1 = rng.normal(size=(1, 5)).astype(np.float32), rng.normal(size=(1, 3)).astype(np.float32)
+    params = {"trainable": {"w": w, "b": b}, "non_trainable": {}}
+    layout = placement_for(engine, optax.sgd(LR), params, {"trainable": {"w": "w", "b": "b"}, "non_trainable": {}})
+    tracker, metrics = Mean(), MetricCollection({})
+    steps = {"gradient": make_gradient_step(layout.on_stored(_apply), _loss, tracker, metrics, engine.num_replicas)}
+    runner = StepRunner(engine, steps, layout)
+    resident = list(ls.data.batches((x, y), 4).resident_pass(engine, 0))
+    placed = list(ls.data.batches((x1, y1), 4).distributed(engine, 0, fixed_padding=True))
+    updates = list(accumulation_groups([*resident, *placed], accumulation))
+    placed_params = layout.params(params)
+    state = TrainState(params=placed_params, opt_state=layout.init_opt_state(placed_params),
+                       metric_state=engine.per_replica_copies({"loss": tracker.init()}), epoch=0, step=0,
+                       global_step=0, seed=0, callbacks={})
+    state = runner.run(state, updates)
+    rows = [(x[:4], y[:4]), (x[4:8], y[4:8]), (x[8:], y[8:]), (x1, y1)]
+    for i in range(0, len(rows), accumulation):
+        group = rows[i:i + accumulation]
+        w, b = _numpy_step(w, b, [r[0] for r in group], [r[1] for r in group])
+    got = layout.unpadded_params(state.params)["trainable"]
+    np.testing.assert_allclose(np.asarray(got["w"]), w, rtol=3e-5, atol=3e-6)
+    np.testing.assert_allclose(np.asarray(got["b"]), b, rtol=3e-5, atol=3e-6)
+    assert (state.step, state.global_step) == (len(updates), len(updates))
+    executable, per_call = runner.compiled()
+    # k = 1: the resident run of 3 updates, then the placed one; k = 2: one update of 2 resident
+    # batches, then one of a resident and a placed batch (unrolled); each program called once
+    assert per_call == {1: 3, 2: 1}[accumulation]
+    assert executable.memory_analysis() is not None

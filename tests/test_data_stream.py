@@ -1,0 +1,129 @@
+"""`DataStream` on its own: the batches of each epoch (resident or placed), the position a backup
+stores and a resume from it, passes that end inside an epoch, and data that runs out or changed.
+
+Every batch is checked against NumPy: its real rows are the rows of the pass's order (the seed's
+permutation of that pass), in order, whatever the number of replicas (a replica may get no row).
+"""
+
+import warnings
+
+import jax
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from lockstep.data import IterableBatches, batches
+from lockstep.engine import Engine, ResidentBatch
+from lockstep.training import DataPosition
+from lockstep.training._data_stream import DataStream
+
+
+def _rows(batch):
+    """The real rows of a distributed or resident batch, in order, on the host."""
+    placed = batch.placed() if isinstance(batch, ResidentBatch) else batch
+    data, mask = np.asarray(placed.data), np.asarray(placed.mask)
+    assert mask.sum() == batch.num_real
+    return data[mask > 0]
+
+
+def _expected(x, batch_size, order):
+    return [x[order[i:i + batch_size]] for i in range(0, len(order), batch_size)]
+
+
+def _data(n):
+    return np.arange(n * 2, dtype=np.float32).reshape(n, 2)
+
+
+@settings(max_examples=12, deadline=None)
+@given(n=st.integers(1, 23), batch_size=st.integers(1, 9), replicas=st.sampled_from([1, 2, 3, 8]),
+       resident=st.booleans())
+def test_each_epoch_gives_the_rows_of_its_pass_in_order(n, batch_size, replicas, resident):
+    x = _data(n)
+    engine = Engine(jax.devices()[:replicas])
+    train = batches(x, batch_size, shuffle=True, seed=5)
+    stream = DataStream(engine, train, None, 1, resident=resident)
+    for epoch in range(2):
+        got = [_rows(b) for b in stream.epoch(epoch)]
+        want = _expected(x, batch_size, train.order(epoch))
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+    assert stream.samples == 2 * n
+
+
+@settings(max_examples=10, deadline=None)
+@given(n=st.integers(2, 19), batch_size=st.integers(1, 5), replicas=st.sampled_from([1, 2, 4]),
+       taken=st.integers(1, 6), resident=st.booleans())
+def test_a_resume_from_the_position_gives_the_remaining_batches(n, batch_size, replicas, taken, resident):
+    x = _data(n)
+    engine = Engine(jax.devices()[:replicas])
+    train = batches(x, batch_size, shuffle=True, seed=1)
+    total = -(-n // batch_size)
+    taken = min(taken, total)
+    first = DataStream(engine, train, None, 1, resident=resident)
+    epoch = first.epoch(0)
+    for _ in range(taken):
+        next(epoch)
+    position = first.position()
+    assert (position.pass_index, position.offset) == (0, taken)
+    assert position.fingerprint is not None
+    again = DataStream(engine, batches(x, batch_size, shuffle=True, seed=1), None, 1, resident=resident)
+    again.start(DataPosition.from_json(position.to_json()))
+    rest = [_rows(b) for b in again.epoch(0, done=taken)]
+    want = _expected(x, batch_size, train.order(0))[taken:]
+    assert len(rest) == len(want)
+    for a, b in zip(rest, want):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_resume_on_changed_data_is_refused():
+    engine = Engine(jax.devices()[:2])
+    x = _data(10)
+    first = DataStream(engine, batches(x, 3, shuffle=True, seed=1), None, 1)
+    epoch = first.epoch(0)
+    next(epoch), next(epoch)
+    position = first.position()
+    changed = DataStream(engine, batches(x + 1, 3, shuffle=True, seed=1), None, 1)
+    changed.start(position)
+    with pytest.raises(ValueError, match="cannot resume: the training data differs"):
+        next(changed.epoch(0, done=2))
+
+
+def test_steps_per_epoch_goes_on_into_the_next_pass_with_a_warning():
+    engine = Engine(jax.devices()[:4])
+    x = _data(7)
+    train = batches(x, 3, shuffle=True, seed=2)  # passes of 3 batches (3, 3, 1 rows)
+    stream = DataStream(engine, train, 2, 1)
+    want = _expected(x, 3, train.order(0)) + _expected(x, 3, train.order(1))
+    got = [_rows(b) for b in stream.epoch(0)]
+    with pytest.warns(UserWarning, match="ended inside epoch 2"):
+        got += [_rows(b) for b in stream.epoch(1)]
+    assert len(got) == 4
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
+    assert (stream.position().pass_index, stream.position().offset) == (1, 1)
+
+
+def test_a_one_shot_iterator_that_runs_out_is_an_error():
+    engine = Engine(jax.devices()[:2])
+    one_shot = IterableBatches(iter([_data(4), _data(4)]))
+    stream = DataStream(engine, one_shot, 3, 1)
+    with pytest.raises(ValueError, match="ran out after 2 of `steps_per_epoch=3` steps"):
+        list(stream.epoch(0))
+
+
+def test_resident_and_placed_batches_are_alike():
+    """A resident pass's batch, placed from the host, is the batch the placed pass gives."""
+    engine = Engine(jax.devices()[:8])
+    x = _data(13)
+    train = batches(x, 5, shuffle=True, seed=3)
+    resident = list(DataStream(engine, train, None, 1, resident=True).epoch(0))
+    placed = list(DataStream(engine, train, None, 1, resident=False).epoch(0))
+    assert all(isinstance(b, ResidentBatch) for b in resident)
+    for r, p in zip(resident, placed):
+        assert r.step.counts.tolist() == p.step.counts.tolist()
+        with warnings.catch_warnings():
+            np.testing.assert_array_equal(np.asarray(r.placed().data), np.asarray(p.data))
+            np.testing.assert_array_equal(np.asarray(r.placed().mask), np.asarray(p.mask))
+        assert r.digest() == p.digest()
