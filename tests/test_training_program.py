@@ -150,3 +150,27 @@ def test_the_runner_takes_an_execution_of_resident_and_placed_batches_as_numpy_s
     # batches, then one of a resident and a placed batch (unrolled); each program called once
     assert per_call == {1: 3, 2: 1}[accumulation]
     assert executable.memory_analysis() is not None
+
+
+def test_a_function_jitted_over_the_state_is_compiled_once_for_every_step():
+    """The step count is a leaf of the state's pytree and the loop's record its static part, which
+    a step leaves alone (flax's `TrainState`): jitting over states of several steps traces once."""
+    traced = []
+
+    @jax.jit
+    def f(state):
+        traced.append(1)
+        return state.global_step + state.params["trainable"][0].sum()
+
+    state = TrainState(params={"trainable": [np.ones(2, np.float32)]}, opt_state=(), metric_state=None, epoch=3,
+                       step=1, global_step=5, seed=0, callbacks={"EarlyStopping.0": {"wait": 1}})
+    for _ in range(3):
+        assert float(f(state)) == state.global_step + 2
+        state = state.stepped(1, state.params, (), None)
+    assert len(traced) == 1
+    assert (state.epoch, state.step, state.global_step) == (3, 4, 8)
+    ended = state.replace(epoch=4, step=0)  # an epoch's end: a new loop record, the count goes on
+    assert (ended.epoch, ended.step, ended.global_step, ended.loop.epoch_start) == (4, 0, 8, 8)
+    assert ended.callbacks == {"EarlyStopping.0": {"wait": 1}} and state.epoch == 3
+    with pytest.raises(TypeError, match="no field"):
+        state.replace(epochs=1)

@@ -8,10 +8,11 @@ from ._state_names import StateNames as StateNames
 from ._steps import make_eval_step as make_eval_step
 from ._steps import make_predict_step as make_predict_step
 from ._steps import make_gradient_step as make_gradient_step
+from ._train_state import LoopRecord as LoopRecord
 from ._train_state import TrainState as TrainState
 from ._train_state import flatten_train_state as flatten_train_state
 from ._train_state import unflatten_train_state as unflatten_train_state
 from ._trainer import Trainer as Trainer
 
-__all__ = ["DataPosition", "FunctionalModel", "StateNames", "TrainState", "Trainer", "flatten_train_state", "get_optimizer", "make_eval_step",
+__all__ = ["DataPosition", "FunctionalModel", "LoopRecord", "StateNames", "TrainState", "Trainer", "flatten_train_state", "get_optimizer", "make_eval_step",
            "make_gradient_step", "make_predict_step", "memory_estimate", "unflatten_train_state"]

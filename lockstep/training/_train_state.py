@@ -26,25 +26,16 @@ import numpy as np
 from ._data_stream import DataPosition
 from ._state_names import StateNames
 
-@dataclasses.dataclass(frozen=True)
-class TrainState:
-    """Everything a `fit` needs to continue exactly where it was: read it with
-    `trainer.train_state`, put it back with `trainer.restore(state)`.
-
-    Checkpoints (`BackupAndRestore`) save this pytree and nothing else, so a new piece of state
-    cannot be forgotten by backups.
+@dataclasses.dataclass(frozen=True, eq=False)
+class LoopRecord:
+    """The loop's bookkeeping of a `fit` in progress: where it is and what made it. A checkpoint
+    stores it as JSON (the callbacks' arrays aside), beside the step's arrays. It changes between
+    epochs and at backups, never with a step.
 
     Attributes:
-      params: ``{"trainable": ..., "non_trainable": ...}``, arrays replicated on every device.
-      opt_state: the optax optimizer state, replicated.
-      metric_state: the running loss and metric states of the epoch in progress, one entry per
-        replica (global arrays whose leading axis is the replica), or None outside `fit`. Restored
-        onto another number of replicas (W x R taken, W' x R' now), the entries are reduced with
-        each field's declared reduction and the result goes to the first replica, the empty state
-        to the others; on the same number they are restored as they were (bit for bit).
       epoch: epochs completed.
-      step: optimizer steps completed in the epoch in progress.
-      global_step: optimizer steps taken in this `fit` (over all epochs).
+      epoch_start: the `global_step` at which the epoch in progress started (the state's `step`,
+        steps completed in the epoch, is the difference).
       seed: the seed of `fit`'s shuffling (the order of an epoch derives from seed and epoch).
       callbacks: each callback's `get_state()`, keyed by class name and rank among callbacks of
         that class (``"EarlyStopping.0"``).
@@ -58,32 +49,91 @@ class TrainState:
       names: the name of every array of `params` and `opt_state` and what the model and the
         optimizer are (`StateNames`), so a checkpoint is restored by name and checked; None:
         matched by position.
+    """
+
+    epoch: int = 0
+    epoch_start: int = 0
+    seed: int = 0
+    callbacks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
+    batch_size: int | None = None
+    accumulation: int = 1
+    data: DataPosition | None = None
+    names: StateNames | None = None
+
+
+_LOOP_FIELDS = frozenset(f.name for f in dataclasses.fields(LoopRecord)) - {"epoch_start"}
+
+
+@dataclasses.dataclass(frozen=True, init=False)
+class TrainState:
+    """Everything a `fit` needs to continue exactly where it was: read it with
+    `trainer.train_state`, put it back with `trainer.restore(state)`.
+
+    As flax's ``TrainState``: the step's arrays (`params`, `opt_state`, `metric_state`) and the
+    count of optimizer steps (`global_step`), which only `stepped` moves (a pytree of these: the
+    count is a leaf, so a function jitted over the state is not compiled again each step); the
+    loop's bookkeeping (epoch, seed, callbacks' states, data position, names) is its `loop`, a
+    `LoopRecord` (the pytree's static part, changed between epochs only), whose fields it also
+    shows as its own (``state.epoch``); `step`, the steps completed in the epoch in progress, is
+    `global_step` less the loop's `epoch_start`. Checkpoints
+    (`BackupAndRestore`) save this and nothing else, so a new piece of state cannot be forgotten
+    by backups.
+
+    Attributes:
+      params: ``{"trainable": ..., "non_trainable": ...}``, arrays replicated on every device (or
+        laid out by a sharded strategy's plan).
+      opt_state: the optax optimizer state, laid out alike.
+      metric_state: the running loss and metric states of the epoch in progress, one entry per
+        replica (global arrays whose leading axis is the replica), or None outside `fit`. Restored
+        onto another number of replicas (W x R taken, W' x R' now), the entries are reduced with
+        each field's declared reduction and the result goes to the first replica, the empty state
+        to the others; on the same number they are restored as they were (bit for bit).
+      global_step: optimizer steps taken in this `fit` (over all epochs).
+      loop: the loop's `LoopRecord`.
+
+    Built from the step's arrays and the loop's fields by keyword:
 
     >>> import lockstep as ls
     >>> s = ls.TrainState(params={"trainable": [], "non_trainable": []}, opt_state=(), metric_state=None,
     ...                   epoch=2, step=5, global_step=25, seed=0, callbacks={})
-    >>> (s.epoch, s.step, s.global_step)
-    (2, 5, 25)
+    >>> (s.epoch, s.step, s.global_step, s.loop.epoch)
+    (2, 5, 25, 2)
     """
 
     params: Any
     opt_state: Any
     metric_state: Any
-    epoch: int
-    step: int
     global_step: int
-    seed: int
-    callbacks: dict[str, dict[str, Any]]
-    batch_size: int | None = None
-    accumulation: int = 1
-    data: DataPosition | None = None
-    names: StateNames | None = None
+    loop: LoopRecord
     #: names of the metric state's arrays in `to_arrays` start with this (one entry per replica along axis 0)
     METRIC_STATE_PREFIX: ClassVar[str] = "metrics/"
 
+    def __init__(self, params: Any, opt_state: Any, metric_state: Any, global_step: int = 0,
+                 loop: LoopRecord | None = None, step: int = 0, **loop_fields: Any):
+        unknown = loop_fields.keys() - _LOOP_FIELDS
+        if unknown:
+            raise TypeError(f"TrainState has no field {sorted(unknown)}; its fields are {sorted(_FIELDS)}.")
+        if loop is not None and (loop_fields or step):
+            raise TypeError(f"give TrainState `loop` or its fields {sorted(loop_fields)}, not both.")
+        if loop is None:
+            loop = LoopRecord(epoch_start=global_step - step, **loop_fields)
+        for name, value in (("params", params), ("opt_state", opt_state), ("metric_state", metric_state),
+                            ("global_step", global_step), ("loop", loop)):
+            object.__setattr__(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:  # the loop's fields, read as the state's own
+        if name in _LOOP_FIELDS:
+            return getattr(self.__dict__["loop"], name)
+        raise AttributeError(f"'TrainState' object has no attribute {name!r}")
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed in the epoch in progress."""
+        return self.global_step - self.loop.epoch_start
+
     def replace(self, **changes: Any) -> TrainState:
-        """A copy with `changes` applied (fields only: a step replaces the state thousands of times
-        a second, so this is a shallow copy rather than `dataclasses.replace`).
+        """A copy with `changes` applied, to the step's arrays or the loop's fields (a shallow copy
+        rather than `dataclasses.replace`: a step replaces the state thousands of times a second).
 
         Raises:
           TypeError: a name in `changes` is not a field.
@@ -91,15 +141,19 @@ class TrainState:
         unknown = changes.keys() - _FIELDS
         if unknown:
             raise TypeError(f"TrainState has no field {sorted(unknown)}; its fields are {sorted(_FIELDS)}.")
+        step = changes.pop("step", self.step)
+        loop = {k: changes.pop(k) for k in list(changes) if k in _LOOP_FIELDS}
         new = object.__new__(TrainState)
         new.__dict__.update(self.__dict__)
         new.__dict__.update(changes)
+        if loop or new.global_step - step != self.loop.epoch_start:
+            new.__dict__["loop"] = dataclasses.replace(self.loop, epoch_start=new.global_step - step, **loop)
         return new
 
     def stepped(self, n: int, params: Any, opt_state: Any, metric_state: Any) -> TrainState:
         """This state after `n` optimizer updates that gave `params`, `opt_state` and
         `metric_state` (flax's `apply_gradients`, the update already made by the compiled
-        program): the only way `step` and `global_step` move.
+        program): the only way `global_step` (and with it `step`) moves; the loop's record stays.
 
         >>> import lockstep as ls
         >>> s = ls.TrainState(params={}, opt_state=(), metric_state=None, epoch=0, step=3, global_step=7,
@@ -108,8 +162,10 @@ class TrainState:
         >>> (t.step, t.global_step, t.params)
         (5, 9, {'trainable': []})
         """
-        return self.replace(params=params, opt_state=opt_state, metric_state=metric_state, step=self.step + n,
-                            global_step=self.global_step + n)
+        new = object.__new__(TrainState)
+        new.__dict__.update(params=params, opt_state=opt_state, metric_state=metric_state,
+                            global_step=self.global_step + n, loop=self.loop)
+        return new
 
     def to_arrays(self) -> tuple[dict[str, Any], dict[str, Any]]:
         """`flatten_train_state(self)`: what a checkpoint stores (named arrays, JSON)."""
@@ -120,16 +176,28 @@ class TrainState:
         return unflatten_train_state(arrays, meta, self)
 
 
-jax.tree_util.register_dataclass(
-    TrainState, data_fields=["params", "opt_state", "metric_state", "callbacks"],
-    meta_fields=["epoch", "step", "global_step", "seed", "batch_size", "accumulation", "data", "names"])
+_STEP_FIELDS = ("params", "opt_state", "metric_state", "global_step")
+
+
+def _train_state_flatten(state: TrainState) -> tuple[tuple[Any, ...], LoopRecord]:
+    return tuple(state.__dict__[k] for k in _STEP_FIELDS), state.loop
+
+
+def _train_state_unflatten(loop: LoopRecord, children: Any) -> TrainState:
+    new = object.__new__(TrainState)
+    new.__dict__.update(zip(_STEP_FIELDS, children), loop=loop)
+    return new
+
+
+# a pytree of the step's arrays and its count; the loop's record is its static part
+jax.tree_util.register_pytree_node(TrainState, _train_state_flatten, _train_state_unflatten)
 
 
 _PREFIX = {"params": "params", "opt_state": "opt_state"}
 METRIC_STATE_PREFIX = TrainState.METRIC_STATE_PREFIX
 
 
-_FIELDS = frozenset(f.name for f in dataclasses.fields(TrainState))
+_FIELDS = frozenset({*_STEP_FIELDS, "loop", "step"}) | _LOOP_FIELDS
 
 def _split_state(state: dict[str, Any], prefix: str, arrays: dict[str, Any]) -> dict[str, Any]:
     """JSON-able entries stay; lists of arrays move to `arrays` and leave a marker."""
