@@ -97,7 +97,7 @@ def test_early_stopping_across_a_restart_stops_at_the_same_epoch(tmp_path):
 WRITER = textwrap.dedent("""
     import sys, numpy as np
     from lockstep.checkpoint import TrainingCheckpointer
-    store = TrainingCheckpointer(sys.argv[1])
+    store = TrainingCheckpointer(sys.argv[1], async_save=sys.argv[2] == "async")
     step = (store.latest_step() or 0) + 1
     big = np.zeros((512, 512), np.float32)
     while True:
@@ -112,13 +112,14 @@ WRITER = textwrap.dedent("""
 KILLS = int(os.environ.get("LOCKSTEP_FAULT_TRIALS", "6"))
 
 
-def test_killing_the_saving_process_repeatedly_never_leaves_a_partial_checkpoint(tmp_path):
+@pytest.mark.parametrize("mode", ["sync", "async"])  # async: killed while a background write goes on
+def test_killing_the_saving_process_repeatedly_never_leaves_a_partial_checkpoint(tmp_path, mode):
     rng = np.random.default_rng(0)
     directory = tmp_path / "ckpt"
     seen = []
     env = {**os.environ, "XLA_FLAGS": ""}
     for trial in range(KILLS):
-        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(directory)], stdout=subprocess.PIPE, text=True,
+        proc = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), mode], stdout=subprocess.PIPE, text=True,
                                 env=env)
         try:
             assert proc.stdout.readline().startswith("saved")

@@ -28,8 +28,10 @@ class BackupAndRestore(Callback):
     progress, the `History`, and every callback's state (EarlyStopping's wait / best / best
     weights, ModelCheckpoint's best value, ReduceLROnPlateau's counters). On `fit`, an existing
     backup is restored and training continues from that exact step, so the finished run equals
-    an uninterrupted one. Writes go through orbax-checkpoint (atomic: a crash leaves the last
-    complete backup); a backup damaged on disk afterwards is detected by its checksums, set aside
+    an uninterrupted one. Writes go through orbax-checkpoint, in the background while training
+    goes on (`async_save`: a save takes the arrays off the devices and returns; a backup still
+    being written is finished before the next, at the end of `fit` and before a preempted
+    worker exits), and atomic: a crash, during a write too, leaves the last complete backup; a backup damaged on disk afterwards is detected by its checksums, set aside
     with a warning, and the newest intact one is used. A backup is the trainer's `TrainState` (`trainer.train_state`), restored
     with `trainer.restore`. Callback states are matched by class and order among callbacks of
     that class, so a restart may add or drop callbacks; a new one starts fresh. Its hooks run after
@@ -45,19 +47,22 @@ class BackupAndRestore(Callback):
       save_freq: ``"epoch"``, or a number of training steps between backups (with
         ``steps_per_execution=k``, at the end of the call in which a multiple of it is reached).
       delete_checkpoint: delete the backups when `fit` finishes.
+      async_save: write backups in the background (orbax's async checkpointing); False: each
+        save returns when its backup is committed.
     """
 
     #: `fit` calls its hooks after every other callback's (see `CallbackList`)
     runs_last = True
 
     def __init__(self, backup_dir: str | os.PathLike[str], save_freq: str | int = "epoch",
-                 delete_checkpoint: bool = True):
+                 delete_checkpoint: bool = True, async_save: bool = True):
         super().__init__()
         if save_freq != "epoch" and (isinstance(save_freq, bool) or not isinstance(save_freq, int) or save_freq < 1):
             raise ValueError(f"`save_freq` must be 'epoch' or a positive integer, got save_freq={save_freq!r}.")
         self.backup_dir = os.fspath(backup_dir)
         self.save_freq = save_freq
         self.delete_checkpoint = delete_checkpoint
+        self.async_save = bool(async_save)
         self._store: TrainingCheckpointer | None = None
         self._preempted = threading.Event()
         self._old_handler: Any = None
@@ -69,7 +74,7 @@ class BackupAndRestore(Callback):
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         from ..checkpoint import TrainingCheckpointer
 
-        self._store = TrainingCheckpointer(self.backup_dir)
+        self._store = TrainingCheckpointer(self.backup_dir, async_save=self.async_save)
         self._saved_step = None
         self._preempted.clear()
         if jax.process_count() == 1 and threading.current_thread() is threading.main_thread():
@@ -141,9 +146,15 @@ class BackupAndRestore(Callback):
     def save_and_exit(self) -> None:
         """Saves a backup at the agreed step and ends the process with `PREEMPTED_EXIT_CODE`."""
         self._save()
+        self.wait()  # committed before the process ends
         print(f"lockstep: preempted: backup saved at step {self.trainer.global_step if self.trainer else '?'}; "
               f"exiting with code {PREEMPTED_EXIT_CODE}.", flush=True)
         raise SystemExit(PREEMPTED_EXIT_CODE)
+
+    def wait(self) -> None:
+        """Returns when every backup saved so far is committed (every worker calls it together)."""
+        if self._store is not None:
+            self._store.wait()
 
     # --- restoring ---------------------------------------------------------------------------
     def _restore_latest(self) -> None:

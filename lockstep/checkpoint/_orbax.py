@@ -3,7 +3,13 @@ checksums.
 
 A checkpoint is a step directory holding two items: ``arrays`` (a flat dict of arrays, each
 worker writing the shards it holds) and ``meta`` (JSON). Orbax writes into a temporary
-directory and renames it when complete, so a reader only ever sees whole checkpoints. The meta
+directory and renames it when complete, so a reader only ever sees whole checkpoints. With
+`async_save` a save returns at once and the write goes on in the background while training
+continues: in one process a writer thread takes the arrays as they are (JAX arrays do not change;
+host arrays are copied), waits for them, checksums and writes them; with several workers, orbax's
+async checkpointing copies them off the devices first (its barriers and the checksums of arrays
+spread over workers are collectives, which stay on the training thread). The rename still comes
+last, so a process killed while writing leaves the previous checkpoint the newest. The meta
 also holds a CRC-32 of every array and of the rest of the meta, checked on restore: a checkpoint
 damaged on disk afterwards (truncated, bit-flipped, zeroed, garbled) is reported as
 `DamagedCheckpointError`, never restored.
@@ -11,6 +17,7 @@ damaged on disk afterwards (truncated, bit-flipped, zeroed, garbled) is reported
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import os
 import shutil
@@ -93,9 +100,13 @@ class TrainingCheckpointer:
     >>> step = c.latest_step(); arrays, meta = c.restore(step)
     >>> step, arrays["w"].tolist(), meta["epoch"]
     (3, [0.0, 1.0, 2.0, 3.0], 1)
+    >>> later = ck.TrainingCheckpointer(c.directory, async_save=True)
+    >>> w = np.arange(4.0); later.save(4, {"w": w}, {"epoch": 2}); w[:] = -1   # written as it was at save
+    >>> later.wait(); later.restore(later.latest_step())[0]["w"].tolist()
+    [0.0, 1.0, 2.0, 3.0]
     """
 
-    def __init__(self, directory: str | os.PathLike[str], max_to_keep: int = 2):
+    def __init__(self, directory: str | os.PathLike[str], max_to_keep: int = 2, async_save: bool = False):
         import orbax.checkpoint as ocp
 
         self._ocp = ocp
@@ -103,27 +114,57 @@ class TrainingCheckpointer:
         # Deleting a step in place is not atomic (a kill midway leaves a listed, broken step), so
         # old steps are first renamed into a trash folder, which is purged separately.
         self._trash = os.path.join(self.directory, _TRASH)
-        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep, enable_async_checkpointing=False,
+        self.async_save = async_save
+        # one process writes from its own thread; several workers through orbax's async checkpointing
+        self._writer = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lockstep-backup")
+                        if async_save and jax.process_count() == 1 else None)
+        self._pending: concurrent.futures.Future[None] | None = None
+        options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
+                                               enable_async_checkpointing=async_save and self._writer is None,
                                                cleanup_tmp_directories=True, create=True, todelete_subdir=_TRASH)
         handlers = {"arrays": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()}
         self._manager = ocp.CheckpointManager(self.directory, options=options, item_handlers=handlers)
 
     def latest_step(self) -> int | None:
         """The newest complete checkpoint's step, or None."""
+        self.wait()
         self._manager.reload()
         return self._manager.latest_step()
 
     def all_steps(self) -> list[int]:
         """Every complete checkpoint's step, oldest first."""
+        self.wait()
         self._manager.reload()
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
-        """Writes checkpoint `step` (every worker calls this together); returns when it is committed."""
+        """Writes checkpoint `step` (every worker calls this together); returns when it is
+        committed, or with `async_save` once its arrays are taken (a save still being written is
+        finished first: `wait`)."""
+        self.wait()  # the previous save committed and its deletions purged: nothing moves into the trash now
+        if self.async_save:  # host arrays are the caller's to change once this returns: written as they are now
+            arrays = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
+        if self._writer is not None:
+            self._pending = self._writer.submit(self._write, step, arrays, meta)
+            return
+        self._write(step, arrays, meta)
+        if not self.async_save:
+            self.wait()
+
+    def _write(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         args = self._ocp.args
         meta = {**meta, _CHECKSUMS: checksums(arrays, meta, primary_only=True)}
         self._manager.save(step, args=args.Composite(arrays=args.StandardSave(arrays), meta=args.JsonSave(meta)),
                            force=True)
+        if self._writer is not None:
+            self._manager.wait_until_finished()
+
+    def wait(self) -> None:
+        """Returns when every save made so far is committed (at once for synchronous saves); an
+        error of a background write is raised here."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
         self._manager.wait_until_finished()
         self._purge()
 
@@ -143,6 +184,7 @@ class TrainingCheckpointer:
             be decoded, or what is read differs from its checksums. Other errors (a transient
             read error, memory) are raised as they are.
         """
+        self.wait()
         args = self._ocp.args
         shardings = shardings or {}
         try:
@@ -178,6 +220,7 @@ class TrainingCheckpointer:
         Raises:
           OSError: the checkpoint could not be moved (on worker 0, after every worker has waited).
         """
+        self.wait()
         aside = os.path.join(self.directory, DAMAGED, str(step))
         n = 1
         while os.path.exists(aside):
@@ -205,12 +248,19 @@ class TrainingCheckpointer:
         # the steps this manager saved or read, not a fresh listing: a worker listing the directory
         # after the chief's first deletion would call `delete` fewer times, and orbax's barriers in
         # `delete` would then pair different calls on different workers (a flaky failure)
+        self.wait()
         for step in self._manager.all_steps():
             self._manager.delete(step)
         self._manager.wait_until_finished()
         self._purge()
 
     def close(self) -> None:
-        self._manager.close()
+        """Finishes the saves in progress (an error of a background write is raised) and closes."""
+        try:
+            self.wait()
+        finally:
+            if self._writer is not None:
+                self._writer.shutdown()
+            self._manager.close()
 
 

@@ -32,8 +32,10 @@ class Chaos(ls.callbacks.Callback):
 
     def on_train_batch_end(self, batch, logs=None):
         self.count += 1
-        if mode in ("kill", "es") and attempt == 0 and self.count == 42 and rank == workers - 1:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if mode in ("kill", "es") and attempt == 0 and self.count == 42:
+            backup.wait()  # the backup of step 40, written in the background, committed: the newest
+            if rank == workers - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
         if mode == "term":
             print(f"step {self.count}", flush=True)
             time.sleep(0.15)
@@ -41,7 +43,8 @@ class Chaos(ls.callbacks.Callback):
 
 x, y = common.data()
 t = common.trainer(strategy)
-callbacks = [ls.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=5), Chaos()]
+backup = ls.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=5)
+callbacks = [backup, Chaos()]
 kwargs = {}
 epochs = 4
 if mode == "es":

@@ -22,11 +22,13 @@ import common  # noqa: E402
 
 
 class Chaos(ls.callbacks.Callback):
-    def __init__(self, rank, attempt, damage_dir=None):
+    def __init__(self, rank, attempt, backup, damage_dir=None):
         super().__init__()
-        self.rank, self.attempt, self.damage_dir = rank, attempt, damage_dir
+        self.rank, self.attempt, self.backup, self.damage_dir = rank, attempt, backup, damage_dir
 
     def on_train_batch_begin(self, batch, logs=None):  # after step 58 and its backup, before the next step
+        if self.attempt == 0 and self.model.global_step == 58:
+            self.backup.wait()  # the backup of step 58, written in the background, committed on every worker
         if self.rank == 1 and self.attempt == 0 and self.model.global_step == 58:
             if self.damage_dir:
                 for f in pathlib.Path(self.damage_dir, "58").glob("arrays/**/d/*"):
@@ -52,7 +54,7 @@ if __name__ == "__main__":
     backup = ls.callbacks.BackupAndRestore(os.path.join(out_dir, "backup"), save_freq=2)
     damage = "damage" in sys.argv[2:]
     k = int(next((a.split("=")[1] for a in sys.argv[2:] if a.startswith("k=")), 1))
-    t, hist = run(strategy, [backup, Chaos(rank, attempt, os.path.join(out_dir, "backup") if damage else None)], k)
+    t, hist = run(strategy, [backup, Chaos(rank, attempt, backup, os.path.join(out_dir, "backup") if damage else None)], k)
     if rank == 0:
         common.save_result(out_dir, t, hist, backup.restored_from)
     print(f"worker {rank} finished (attempt {attempt})", flush=True)

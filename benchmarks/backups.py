@@ -1,0 +1,149 @@
+"""Backups written in the background (`BackupAndRestore(async_save=True)`, the default) against
+synchronous ones and none: how much a backup stalls training, side by side in one run.
+
+    python benchmarks/backups.py             # writes benchmarks/BACKUPS.md
+    python benchmarks/backups.py --quick     # a smoke run
+
+Each mode trains the same MLP (about 64 MB of weights and Adam state) with `Trainer.fit` on one
+device, a backup every `--every` steps, in its own child process, the modes interleaved over
+rounds. A step's time is the wall time between the ends of consecutive steps; the stall of a mode
+is its median epoch time over that of no backups, within a round, and the steps that follow a
+backup are reported apart (the save itself, and the steps during which it is written).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench import machine, write_report  # noqa: E402
+
+MODES = ["none", "sync", "async"]
+
+
+def child(mode: str, width: int, batch: int, steps: int, epochs: int, every: int) -> dict:
+    os.environ["KERAS_BACKEND"] = "jax"
+    import keras
+    import numpy as np
+
+    import lockstep as ls
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((784,)), keras.layers.Dense(width, activation="relu"),
+                              keras.layers.Dense(width, activation="relu"), keras.layers.Dense(10)])
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(batch * steps, 784)).astype("float32")
+    y = rng.integers(0, 10, batch * steps)
+    ends: list[float] = []
+    epoch_times: list[float] = []
+    in_backups: list[float] = []
+
+    class Timer(ls.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.start = time.perf_counter()
+
+        def on_train_batch_end(self, batch, logs=None):
+            ends.append(time.perf_counter())
+
+        def on_epoch_end(self, epoch, logs=None):
+            epoch_times.append(time.perf_counter() - self.start)
+
+    trainer = ls.Trainer(model, optimizer="adam", loss="sparse_categorical_crossentropy_from_logits",
+                         strategy=ls.OneDeviceStrategy())
+    callbacks: list = [Timer()]
+    with tempfile.TemporaryDirectory() as backup_dir:
+        if mode != "none":
+            backup = ls.callbacks.BackupAndRestore(backup_dir, save_freq=every, async_save=mode == "async")
+            hook = backup.on_train_batch_end
+
+            def timed(batch, logs=None):  # the time the training thread spends in the backup's hook
+                start = time.perf_counter()
+                hook(batch, logs)
+                in_backups.append(time.perf_counter() - start)
+            backup.on_train_batch_end = timed
+            callbacks.insert(0, backup)
+        trainer.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, callbacks=callbacks)
+    state_bytes = sum(np.asarray(w).nbytes for w in model.weights) * 3  # weights + Adam's two moments
+    step_times = [b - a for a, b in zip(ends, ends[1:])][steps:]  # after the first epoch (compiling)
+    # the interval after the end of step s holds the save of step s (BackupAndRestore's hooks run last)
+    after_backup = [t for i, t in enumerate(step_times) if (i + steps + 1) % every == 0]
+    others = [t for i, t in enumerate(step_times) if (i + steps + 1) % every != 0]
+    saves = [t for t in in_backups if t > 1e-3] or [0.0]
+    return {"epoch_s": statistics.median(epoch_times[1:]), "state_mb": state_bytes / 2**20,
+            "in_save_ms": 1e3 * statistics.median(saves),
+            "step_after_backup_ms": 1e3 * statistics.median(after_backup),
+            "step_other_ms": 1e3 * statistics.median(others)}
+
+
+def _table(results: dict[str, list[dict]], every: int) -> list[str]:
+    base = [res["epoch_s"] for res in results["none"]]
+    lines = ["| backups | state written | epoch s (median) | epoch time / no backups (range) | training thread "
+             "in a save, ms | a step with a save, ms | other steps, ms |", "|---|---|---|---|---|---|---|"]
+    for mode in MODES:
+        rows = results[mode]
+        ratios = [res["epoch_s"] / b for res, b in zip(rows, base)]
+        label = {"none": "none", "sync": "synchronous (`async_save=False`)",
+                 "async": "in the background (`async_save=True`, default)"}[mode]
+        lines.append(f"| {label} | {rows[0]['state_mb']:.0f} MB every {every} steps | "
+                     f"{statistics.median(r['epoch_s'] for r in rows):.3f} | {statistics.median(ratios):.3f} "
+                     f"({min(ratios):.3f}-{max(ratios):.3f}) | {statistics.median(r['in_save_ms'] for r in rows):.1f} | "
+                     f"{statistics.median(r['step_after_backup_ms'] for r in rows):.1f} | "
+                     f"{statistics.median(r['step_other_ms'] for r in rows):.1f} |")
+    return lines
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--child", nargs=6, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--every", default="8,32", help="steps between backups (a table for each)")
+    parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "BACKUPS.md"))
+    args = parser.parse_args()
+    if args.child:
+        mode, *numbers = args.child
+        print(json.dumps(child(mode, *map(int, numbers))))
+        return 0
+    width, batch, steps, epochs = (256, 64, 8, 2) if args.quick else (2048, 256, 32, 4)
+    cadences = [4] if args.quick else [int(e) for e in args.every.split(",")]
+    rounds = 1 if args.quick else args.rounds
+    started = time.perf_counter()
+    env = {**os.environ, "PYTHONPATH": ROOT, "KERAS_BACKEND": "jax"}
+    tables: list[str] = []
+    for every in cadences:
+        results: dict[str, list[dict]] = {m: [] for m in MODES}
+        for r in range(rounds):
+            for mode in MODES:
+                out = subprocess.run([sys.executable, __file__, "--child", mode, str(width), str(batch), str(steps),
+                                      str(epochs), str(every)], capture_output=True, text=True, env=env, check=True)
+                results[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
+                print(mode, every, f"round {r + 1}", results[mode][-1], flush=True)
+        tables += [f"### A backup every {every} steps", "", *_table(results, every), ""]
+    report = ["# Backups in the background: how much a backup stalls training", "",
+              f"Machine: {machine()}. Command: `python benchmarks/backups.py{' --quick' if args.quick else ''}`, "
+              f"{time.perf_counter() - started:.0f} s; an MLP (784-{width}-{width}-10) trained with Adam by "
+              f"`Trainer.fit` on one device, batch {batch}, {steps} steps an epoch, {epochs} epochs (the first, "
+              f"compiling, left out), `BackupAndRestore(save_freq=...)`; {rounds} interleaved round(s), each "
+              "mode in its own process, medians.", "", *tables,
+              "The training thread's time in a save is what `BackupAndRestore`'s hook takes when it saves "
+              "(synchronous: it waits for the steps queued before the save, whose state it saves, and writes; "
+              "in the background: it hands the arrays to the writer thread). A step's time is the wall time "
+              "between the ends of consecutive steps; \"a step with a save\" is the one in which a backup is "
+              "saved (steps are dispatched ahead, so it also holds the steps queued before it). On this machine "
+              "the background writer (checksums, orbax's tensorstore write) shares the 2 cores with the training "
+              "step, so what is left of the stall in the epoch time is CPU time, not waiting: with the step on an "
+              "accelerator the host's cores are free for it."]
+    write_report(args.out, report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

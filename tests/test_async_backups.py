@@ -1,0 +1,103 @@
+"""Backups written in the background (`BackupAndRestore(async_save=True)`, the default): training
+goes on while a backup is written, the backup holds the state of its step (not of a later one), a
+write that fails is reported and never leaves a backup that a resume would take, and a resume
+from a background backup equals the uninterrupted run."""
+
+import threading
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import lockstep as ls
+from lockstep.checkpoint import TrainingCheckpointer
+
+import common
+
+
+class _SlowWriter:
+    """Makes every background write of `TrainingCheckpointer` start `delay` s late and notes when
+    each write (by step) ended, and on which thread."""
+
+    def __init__(self, monkeypatch, delay):
+        original = TrainingCheckpointer._write
+        self.threads, self.ended = set(), {}
+
+        def slow(store, step, *args):
+            self.threads.add(threading.current_thread().name)
+            time.sleep(delay)
+            original(store, step, *args)
+            self.ended[step] = time.perf_counter()
+        monkeypatch.setattr(TrainingCheckpointer, "_write", slow)
+
+
+class _StopAt(ls.callbacks.Callback):
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.model.global_step == self.at:
+            raise KeyboardInterrupt
+
+
+def _fit(callbacks, epochs=2):
+    x, y = common.data(200)
+    t = common.trainer(ls.MirroredStrategy(2))
+    hist = t.fit(x, y, batch_size=32, epochs=epochs, seed=3, verbose=0, callbacks=callbacks)
+    return t, hist
+
+
+def test_training_goes_on_while_a_backup_is_written_and_the_backup_holds_its_steps_state(monkeypatch, tmp_path):
+    writer = _SlowWriter(monkeypatch, 0.3)
+    backup = ls.callbacks.BackupAndRestore(tmp_path, save_freq=3, delete_checkpoint=False)
+    returned = {}  # global step -> when the backup's hook returned
+    states = {}
+
+    class Keep(ls.callbacks.Callback):  # each step's weights, to compare with the backup of that step
+        def on_train_batch_end(self, batch, logs=None):
+            states[self.model.global_step] = [np.asarray(w) for w in jax.tree.leaves(self.model.get_weights())]
+
+    class Returned(ls.callbacks.Callback):  # runs after the backup's hooks (which run last), at the next step
+        def on_train_batch_begin(self, batch, logs=None):
+            returned[self.model.global_step] = time.perf_counter()
+    _fit([backup, Keep(), Returned()], epochs=1)  # 7 steps: backups at 3 and 6
+    assert writer.threads == {"lockstep-backup_0"}  # written by the writer's thread
+    assert returned[3] < writer.ended[3]  # training went on (step 4 began) before the backup of step 3 was written
+    assert returned[6] > writer.ended[3]  # the save of step 6 waited for it: one backup in flight at a time
+    store = TrainingCheckpointer(tmp_path)
+    assert store.all_steps() == [3, 6]
+    arrays, _ = store.restore(3)
+    store.close()
+    saved = [arrays[k] for k in sorted(arrays) if k.startswith("params/")]
+    for a, b in zip(saved, states[3]):  # step 3's weights, though training went on while it was written
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_failed_background_write_is_an_error_and_leaves_no_backup(monkeypatch, tmp_path):
+    original = TrainingCheckpointer._write
+
+    def half(store, step, arrays, meta):
+        if step == 6:
+            raise OSError("disk full (made up)")
+        return original(store, step, arrays, meta)
+    monkeypatch.setattr(TrainingCheckpointer, "_write", half)
+    backup = ls.callbacks.BackupAndRestore(tmp_path, save_freq=3, delete_checkpoint=False)
+    with pytest.raises(OSError, match="disk full"):
+        _fit([backup], epochs=2)  # reported at the next save (step 9) or the end of fit
+    store = TrainingCheckpointer(tmp_path)
+    assert 6 not in store.all_steps() and 3 in store.all_steps()
+    store.close()
+
+
+def test_a_resume_from_a_background_backup_equals_the_uninterrupted_run(tmp_path):
+    ref, ref_hist = _fit([], epochs=2)
+    with pytest.raises(KeyboardInterrupt):
+        _fit([ls.callbacks.BackupAndRestore(tmp_path, save_freq=4), _StopAt(9)], epochs=2)
+    backup = ls.callbacks.BackupAndRestore(tmp_path, save_freq=4)
+    t, hist = _fit([backup], epochs=2)
+    assert backup.restored_from == 8
+    for a, b in zip(jax.tree.leaves(t.get_weights()), jax.tree.leaves(ref.get_weights())):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert hist.history == ref_hist.history
