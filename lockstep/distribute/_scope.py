@@ -118,6 +118,7 @@ def _enter_keras_distribution(strategy: "Strategy") -> Any:
     distribution.strategy = weakref.ref(strategy)
     keras.distribution.set_distribution(distribution)
     _values_from_worker_0(keras)
+    _laid_out_from_the_host()
     for hook in KERAS_HOOKS:
         hook(keras)
     return previous
@@ -167,7 +168,7 @@ def _values_from_worker_0(keras: Any) -> None:
     to hold the same value: an unseeded initialiser fails). A non-trainable scalar made in the
     scope (a learning rate, a momentum: a setting) is compared instead: `WorkersDisagreeError` names
     it and every worker's value. Installed once; a no-op in one process."""
-    if _PUT:
+    if "distribute_tensor" in _PUT:
         return
     try:
         from keras.src.backend.jax import core, distribution_lib
@@ -193,6 +194,34 @@ def _values_from_worker_0(keras: Any) -> None:
                       else broadcast_from_chief(value))
         return original(tensor, layout)
     distribution_lib.distribute_tensor = distribute_tensor
+
+
+def _laid_out_from_the_host() -> None:
+    """A host value (NumPy, an h5py dataset: what `load_weights`, `load_model` and `set_weights`
+    assign) given to a Keras variable that a sharded strategy lays out goes from the host straight
+    to its shards, each device receiving only its slice: Keras' JAX variables otherwise make it a
+    whole array on the default device first, so that device would hold every variable whole in
+    turn (a model that outgrows a device could not be loaded). Installed once."""
+    if "convert_to_tensor" in _PUT:
+        return
+    try:
+        from keras.src.backend.common.stateless_scope import in_stateless_scope
+        from keras.src.backend.jax import core
+    except ImportError:  # another Keras layout: Keras' own path stays
+        return
+    import jax
+    import numpy as np
+
+    _PUT["convert_to_tensor"] = original = core.JaxVariable._convert_to_tensor
+
+    def _convert_to_tensor(variable: Any, value: Any, dtype: Any = None) -> Any:
+        layout = getattr(variable, "_layout", None)
+        sharding = getattr(layout, "backend_layout", layout)
+        if (isinstance(sharding, jax.sharding.NamedSharding) and not sharding.is_fully_replicated
+                and not isinstance(value, jax.Array) and hasattr(value, "__array__") and not in_stateless_scope()):
+            return np.asarray(value, dtype=None if dtype is None else jax.numpy.dtype(dtype))  # placed by the layout
+        return original(variable, value, dtype)
+    core.JaxVariable._convert_to_tensor = _convert_to_tensor
 
 
 def _same_on_every_worker(value: Any, path: str) -> Any:
