@@ -152,9 +152,10 @@ class BackupAndRestore(Callback):
         raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def wait(self) -> None:
-        """Returns when every backup saved so far is committed (every worker calls it together)."""
+        """Returns when every backup saved so far is committed, as every worker then knows (every
+        worker calls it together: a barrier)."""
         if self._store is not None:
-            self._store.wait()
+            self._store.wait(everywhere=True)
 
     # --- restoring ---------------------------------------------------------------------------
     def _restore_latest(self) -> None:

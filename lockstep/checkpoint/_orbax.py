@@ -159,14 +159,17 @@ class TrainingCheckpointer:
         if self._writer is not None:
             self._manager.wait_until_finished()
 
-    def wait(self) -> None:
+    def wait(self, everywhere: bool = False) -> None:
         """Returns when every save made so far is committed (at once for synchronous saves); an
-        error of a background write is raised here."""
+        error of a background write is raised here. `everywhere`: and every worker knows it (a
+        barrier after the commit, which worker 0 makes: every worker must call this together)."""
         pending, self._pending = self._pending, None
         if pending is not None:
             pending.result()
         self._manager.wait_until_finished()
         self._purge()
+        if everywhere:
+            self._barrier("lockstep backups committed")
 
     def _purge(self) -> None:
         if jax.process_index() == 0:
