@@ -29,9 +29,10 @@ class BackupAndRestore(Callback):
     weights, ModelCheckpoint's best value, ReduceLROnPlateau's counters). On `fit`, an existing
     backup is restored and training continues from that exact step, so the finished run equals
     an uninterrupted one. Writes go through orbax-checkpoint, in the background while training
-    goes on (`async_save`: a save takes the arrays off the devices and returns; a backup still
-    being written is finished before the next, at the end of `fit` and before a preempted
-    worker exits), and atomic: a crash, during a write too, leaves the last complete backup; a backup damaged on disk afterwards is detected by its checksums, set aside
+    goes on (`async_save`: a save hands the step's arrays to a writer and returns; a backup
+    still being written is finished before the next, at the end of `fit` and before a
+    preempted worker exits), and atomic: a crash, during a write too, leaves the last complete
+    backup; a backup damaged on disk afterwards is detected by its checksums, set aside
     with a warning, and the newest intact one is used. A backup is the trainer's `TrainState` (`trainer.train_state`), restored
     with `trainer.restore`. Callback states are matched by class and order among callbacks of
     that class, so a restart may add or drop callbacks; a new one starts fresh. Its hooks run after
@@ -47,8 +48,9 @@ class BackupAndRestore(Callback):
       save_freq: ``"epoch"``, or a number of training steps between backups (with
         ``steps_per_execution=k``, at the end of the call in which a multiple of it is reached).
       delete_checkpoint: delete the backups when `fit` finishes.
-      async_save: write backups in the background (orbax's async checkpointing); False: each
-        save returns when its backup is committed.
+      async_save: write backups in the background (a writer thread in one process, orbax's
+        async checkpointing with several workers); False: each save returns when its backup is
+        committed.
     """
 
     #: `fit` calls its hooks after every other callback's (see `CallbackList`)

@@ -150,8 +150,7 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
     def program(params: Any, opt_state: Any, metric_state: Any, feed: Any) -> Any:
         carry = (params, opt_state, metric_state)
         if kind == "resident":
-            *rest, start = feed
-            source = tuple(rest)
+            source, start = feed[:-1], feed[-1]
             xs = (start + jnp.arange(length * accumulation, dtype=jnp.int32)).reshape(length, accumulation)
         elif kind == "stacked":
             source = None
