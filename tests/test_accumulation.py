@@ -113,8 +113,8 @@ class InterruptedBatches(ls.data.Batches):
     def rows(self, epoch, start=0):
         return self._stopping(super().rows(epoch, start), epoch, start)
 
-    def resident_pass(self, engine, epoch, start=0):
-        return self._stopping(super().resident_pass(engine, epoch, start), epoch, start)
+    def resident_pass(self, engine, epoch, start=0, ahead=False):
+        return self._stopping(super().resident_pass(engine, epoch, start, ahead), epoch, start)
 
 
 def test_a_run_stopped_in_the_middle_of_a_group_resumes_from_the_last_update_exactly(tmp_path):

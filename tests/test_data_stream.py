@@ -5,6 +5,7 @@ Every batch is checked against NumPy: its real rows are the rows of the pass's o
 permutation of that pass), in order, whatever the number of replicas (a replica may get no row).
 """
 
+import threading
 import warnings
 
 import jax
@@ -127,3 +128,27 @@ def test_resident_and_placed_batches_are_alike():
             np.testing.assert_array_equal(np.asarray(r.placed().data), np.asarray(p.data))
             np.testing.assert_array_equal(np.asarray(r.placed().mask), np.asarray(p.mask))
         assert r.digest() == p.digest()
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_the_next_pass_is_placed_ahead_once_and_taken(monkeypatch, shuffle, replicas):
+    """`fit`'s stream asks for the next pass ahead: it is placed once (in the background), taken by
+    the next epoch, and holds that epoch's rows; without shuffling every pass is the same one,
+    placed once for the whole fit; the last epoch places nothing after it."""
+    x = _data(11)
+    engine = Engine(jax.devices()[:replicas])
+    train = batches(x, 4, shuffle=shuffle, seed=3)
+    placed = []
+    place = type(train)._place_pass
+    monkeypatch.setattr(train, "_place_pass", lambda e, epoch, start: placed.append(
+        (epoch, threading.current_thread().name.startswith("lockstep-next-pass"))) or place(train, e, epoch, start))
+    stream = DataStream(engine, train, None, 1, epochs=3)
+    for epoch in range(3):
+        got = [_rows(b) for b in stream.epoch(epoch)]
+        want = _expected(x, 4, train.order(epoch))
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            np.testing.assert_array_equal(a, b)
+    assert placed == ([(0, False), (1, True), (2, True)] if shuffle else [(0, False)])
+    assert train._next_pass is None or not shuffle

@@ -52,9 +52,11 @@ class DataAdapter:
             padded = padded_per_replica(self.batch_size, engine.num_replicas) * engine.num_replicas
         return engine.distributor.distribute(self.host_pass(epoch, start, state), self.per_worker, padded)
 
-    def resident_pass(self, engine: "Engine", epoch: int, start: int = 0) -> Iterator["ResidentBatch"] | None:
+    def resident_pass(self, engine: "Engine", epoch: int, start: int = 0,
+                      ahead: bool = False) -> Iterator["ResidentBatch"] | None:
         """Pass `epoch` from batch `start` as batches whose rows stay on `engine`'s devices (see
-        `lockstep.engine._resident`), for in-memory data that fits there; else None."""
+        `lockstep.engine._resident`), for in-memory data that fits there; else None. `ahead`: the
+        next pass will be asked for too (it may be placed in the background meanwhile)."""
         return None
 
     def with_check(self, check: Callable[[Any, int], None], labels: bool = True) -> "DataAdapter":

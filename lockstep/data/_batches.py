@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
 import jax
 import numpy as np
 
-from ..engine import BatchRows, ResidentBatch, ResidentPass, fits_on_devices, padded_per_replica
+from ..engine import BatchRows, ResidentBatch, ResidentPass, fits_on_devices, padded_per_replica, place_ahead
 from ._adapter import DataAdapter
 
 if TYPE_CHECKING:
@@ -33,6 +34,7 @@ class Batches(DataAdapter):
         self.seed = seed
         self.drop_remainder = drop_remainder
         self.epoch = 0
+        self._next_pass: tuple[Any, int, int, Future[ResidentPass]] | None = None  # (engine, pass, start, placing)
 
     @property
     def num_samples(self) -> int:
@@ -85,19 +87,36 @@ class Batches(DataAdapter):
                                                       for leaf in self._leaves])
         return BatchRows(hi - lo, read, lambda: read(0, 1))
 
-    def resident_pass(self, engine: "Engine", epoch: int, start: int = 0) -> Iterator[ResidentBatch] | None:
+    def resident_pass(self, engine: "Engine", epoch: int, start: int = 0,
+                      ahead: bool = False) -> Iterator[ResidentBatch] | None:
         """Pass `epoch` from batch `start` as batches whose rows lie on `engine`'s devices (the
         pass is placed at once, each replica's rows on its devices), every batch padded to the
-        full batch's shape; None when the arrays are too large to place a pass of at once."""
+        full batch's shape; None when the arrays are too large to place a pass of at once.
+        `ahead`: the next pass (`epoch + 1` from its start) is placed in the background meanwhile,
+        and a later call for it takes it (without shuffling every pass is the same: it is kept)."""
         if not fits_on_devices(self._leaves):
             return None
+        pass_of = (lambda e: e) if self.shuffle else (lambda e: 0)
+        waiting, self._next_pass = self._next_pass, None
+        if waiting is not None and waiting[0] is engine and waiting[1:3] == (pass_of(epoch), start):
+            whole = waiting[3].result()
+        else:
+            whole = self._place_pass(engine, epoch, start)
+        if ahead and (pass_of(epoch + 1), 0) == (pass_of(epoch), start):
+            done: Future[ResidentPass] = Future()
+            done.set_result(whole)
+            self._next_pass = (engine, pass_of(epoch), start, done)
+        elif ahead:
+            self._next_pass = (engine, pass_of(epoch + 1), 0,
+                               place_ahead(lambda: self._place_pass(engine, epoch + 1, 0)))
+        return (whole.batch(i) for i in range(len(whole)))
+
+    def _place_pass(self, engine: "Engine", epoch: int, start: int) -> ResidentPass:
         order, b = self.order(epoch), self.batch_size
         padded = padded_per_replica(b, engine.num_replicas) * engine.num_replicas
-        whole = ResidentPass(engine.distributor, self._leaves, self._treedef,
-                             [order[i * b:(i + 1) * b] for i in range(start, len(self))], padded,
-                             lambda i: self._batch_rows(order, start + i))
-        return (whole.batch(i) for i in range(len(self) - start))
-
+        return ResidentPass(engine.distributor, self._leaves, self._treedef,
+                            [order[i * b:(i + 1) * b] for i in range(start, len(self))], padded,
+                            lambda i: self._batch_rows(order, start + i))
 
 def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int = 0,
             drop_remainder: bool = False) -> Batches:

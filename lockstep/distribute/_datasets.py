@@ -106,8 +106,8 @@ class DistributedDataset(DataAdapter):
                 "a new generator).")
         return self._data.distributed(self._engine, epoch, start, state, fixed_padding)
 
-    def resident_pass(self, engine: Engine, epoch: int, start: int = 0) -> Any:
-        return self._data.resident_pass(self._engine, epoch, start)
+    def resident_pass(self, engine: Engine, epoch: int, start: int = 0, ahead: bool = False) -> Any:
+        return self._data.resident_pass(self._engine, epoch, start, ahead)
 
     def with_check(self, check: Callable[[Any, int], None], labels: bool = True) -> "DistributedDataset":
         return DistributedDataset(self._engine, self._data.with_check(check, labels))

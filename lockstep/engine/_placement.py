@@ -15,8 +15,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._cross_replica import allgather_sizes, batch_digests
-from ._layout import (BatchRows, StepInfo, batch_checksum, batch_length, pad_and_mask, padded_per_replica, rows_digest,
-                      to_numpy)
+from ._layout import (BatchRows, StepInfo, aligned_take, batch_checksum, batch_length, pad_and_mask, padded_per_replica,
+                      rows_digest, to_numpy)
 from ._prefetch import prefetch, prefetch_depth
 
 
@@ -187,6 +187,24 @@ class BatchDistributor:
         if jax.process_count() == 1:
             return jax.device_put(local, self.split)
         return [jax.make_array_from_process_local_data(self.split, x, (global_rows, *x.shape[1:])) for x in local]
+
+    def place_taken(self, leaves: list[np.ndarray], rows: np.ndarray, global_rows: int) -> list[jax.Array]:
+        """`place_split([np.take(x, rows, axis=0) for x in leaves], global_rows)` (`rows`: this
+        process's rows, in replica order), each replica's block gathered straight into a buffer
+        that its devices take as they are (on the CPU, without copying it again)."""
+        first = self.local_replica_ids[0] * (global_rows // self.num_replicas)
+        placed = []
+        for x in leaves:
+            shape = (global_rows, *x.shape[1:])
+            blocks: dict[tuple[int, int], np.ndarray] = {}
+            arrays = []
+            for device, index in self.split.addressable_devices_indices_map(shape).items():
+                lo, hi, _ = index[0].indices(global_rows)
+                if (lo, hi) not in blocks:
+                    blocks[lo, hi] = aligned_take(x, rows[lo - first:hi - first])
+                arrays.append(jax.device_put(blocks[lo, hi], device, may_alias=True))
+            placed.append(jax.make_array_from_single_device_arrays(shape, self.split, arrays))
+        return placed
 
     def global_batch(self, batch: Any, padded_size: int | None = None) -> DistributedBatch:
         """One global batch (the same on every worker), padded to `padded_size` rows at least.

@@ -8,6 +8,9 @@ batch axis, and each batch's real count. Step `i` of the pass reads its rows ins
 program (`take_step`): each replica slices its block of step `i` and builds its mask from the real
 count, which gives exactly the rows, padding and mask that placing the batch from the host gives
 (`BatchDistributor.global_batch`). A device holds its replica's share of the pass, not the data.
+Each replica's block is gathered on the host straight into a buffer its devices use as is (on the
+CPU, no second copy), and `fit` places the next pass in the background (`place_ahead`) while the
+current one trains.
 
 >>> import jax, numpy as np
 >>> from lockstep.engine import Engine
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import jax
@@ -41,6 +45,16 @@ from ._layout import BatchRows, StepInfo, rows_digest, to_numpy
 #: Largest in-memory training data (all arrays together, in MiB) that `fit` places a pass of at
 #: once (each device its replica's share); larger data is placed batch by batch. 0 turns it off.
 RESIDENT_LIMIT_MB = float(os.environ.get("LOCKSTEP_RESIDENT_DATA_MB", "256"))
+
+
+_PLACER = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lockstep-next-pass")
+
+
+def place_ahead(make: Callable[[], "ResidentPass"]) -> "Future[ResidentPass]":
+    """`make()` run on a background thread: the next pass is gathered on the host and placed on the
+    devices while the current one trains (as a pipeline's prefetch; it holds no lock and runs no
+    collective, so it never waits on the step). Its error, if any, is raised by `result()`."""
+    return _PLACER.submit(make)
 
 
 def fits_on_devices(leaves: Sequence[Any]) -> bool:
@@ -75,8 +89,7 @@ class ResidentPass:
             counts[i] = len(idx)
         # replica-major: replica j's rows of batch 0, batch 1, ...; this worker's replicas only
         mine = table.reshape(len(indices), r, self.per_replica)[:, ids[0]:ids[-1] + 1].transpose(1, 0, 2).reshape(-1)
-        self.leaves = tuple(distributor.place_split([np.take(np.asarray(x), mine, axis=0) for x in leaves],
-                                                    table.size))
+        self.leaves = tuple(distributor.place_taken([np.asarray(x) for x in leaves], mine, table.size))
         self.counts = distributor.put_copies(counts)
         self._num_real = counts.astype(np.int64)
         self._steps: dict[int, StepInfo] = {}

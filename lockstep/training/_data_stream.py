@@ -87,8 +87,10 @@ class DataStream:
     """The training batches of a `fit`, epoch by epoch, and the position in them."""
 
     def __init__(self, engine: "Engine", train: DataAdapter, steps_per_epoch: int | None, k: int,
-                 first_pass: int = 0, resident: bool = True):
+                 first_pass: int = 0, resident: bool = True, epochs: int | None = None):
         self._engine = engine
+        # the last pass `fit` will read, when an epoch is a pass: no pass after it is placed ahead
+        self._last_pass = None if steps_per_epoch is not None or epochs is None else epochs - 1
         self._resident = resident  # in-memory data that fits stays on the devices (`ResidentBatch`es)
         self._train = train
         self._steps = steps_per_epoch
@@ -182,7 +184,8 @@ class DataStream:
         state = self._my_iterator_state(restored) if restored is not None and o > 0 else None
         if state is not None:  # a pipeline set to its saved position: nothing to read again
             return train.distributed(self._engine, p, o, state, fixed_padding=True)
-        batches = train.resident_pass(self._engine, p, o - check) if self._resident else None
+        ahead = self._last_pass is None or p < self._last_pass
+        batches = train.resident_pass(self._engine, p, o - check, ahead) if self._resident else None
         if batches is None:
             batches = train.distributed(self._engine, p, o - check, fixed_padding=True)
         if check:

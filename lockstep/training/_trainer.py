@@ -332,7 +332,8 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         cbs.append(history)
         cblist = CallbackList(cbs, self, params)
         self.stop_training = False
-        self._stream = DataStream(self._engine, train, steps_per_epoch, self._accumulation, initial_epoch)
+        self._stream = DataStream(self._engine, train, steps_per_epoch, self._accumulation, initial_epoch,
+                                  epochs=epochs)
         self._callbacks, self._cblist = cblist.callbacks, cblist
         self._state = fit_start(self._state, initial_epoch, seed, self._fresh_state(), train.batch_size,
                                 self._accumulation)
