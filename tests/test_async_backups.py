@@ -3,6 +3,7 @@ goes on while a backup is written, the backup holds the state of its step (not o
 write that fails is reported and never leaves a backup that a resume would take, and a resume
 from a background backup equals the uninterrupted run."""
 
+import os
 import threading
 import time
 
@@ -101,3 +102,56 @@ def test_a_resume_from_a_background_backup_equals_the_uninterrupted_run(tmp_path
     for a, b in zip(jax.tree.leaves(t.get_weights()), jax.tree.leaves(ref.get_weights())):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert hist.history == ref_hist.history
+
+
+def test_model_checkpoint_writes_in_the_background_each_file_holding_its_epochs_weights(monkeypatch, tmp_path):
+    """`ModelCheckpoint(async_save=True)` (the default): the next epoch begins before the file of
+    the last one is written, one write in flight, and every file holds the weights of its epoch,
+    as a synchronous `ModelCheckpoint` writes them; `fit` returns with every file written."""
+    import lockstep.training._weight_files as weight_files
+    original, threads, ended = weight_files.save_tree, set(), {}
+
+    def slow(path, tree, **extra):
+        threads.add(threading.current_thread().name)
+        time.sleep(0.3)
+        original(path, tree, **extra)
+        ended[path] = time.perf_counter()
+    monkeypatch.setattr(weight_files, "save_tree", slow)
+    began, weights = {}, {}
+
+    class Keep(ls.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            began[epoch] = time.perf_counter()
+
+        def on_epoch_end(self, epoch, logs=None):
+            weights[epoch] = [np.asarray(w) for w in jax.tree.leaves(self.model.get_weights())]
+    background = ls.callbacks.ModelCheckpoint(str(tmp_path / "bg-{epoch}.npz"), save_weights_only=True)
+    _fit([Keep(), background], epochs=3)
+    assert threads == {"lockstep-model-checkpoint_0"}
+    assert began[1] < ended[str(tmp_path / "bg-1.npz")]  # epoch 2 began before epoch 1's file was written
+    assert began[2] > ended[str(tmp_path / "bg-1.npz")]  # epoch 2's save waited for it
+    monkeypatch.setattr(weight_files, "save_tree", original)
+    now = ls.callbacks.ModelCheckpoint(str(tmp_path / "now-{epoch}.npz"), save_weights_only=True, async_save=False)
+    t, _ = _fit([now], epochs=3)
+    like = t.get_weights()
+    for epoch in range(3):
+        got, _ = ls.checkpoint.load_tree(tmp_path / f"bg-{epoch + 1}.npz", like)
+        want, _ = ls.checkpoint.load_tree(tmp_path / f"now-{epoch + 1}.npz", like)
+        for a, b, c in zip(jax.tree.leaves(got), jax.tree.leaves(want), weights[epoch]):
+            np.testing.assert_array_equal(a, c)
+            np.testing.assert_array_equal(a, b)
+
+
+def test_a_failed_model_checkpoint_write_is_raised_and_leaves_the_file_before_it(monkeypatch, tmp_path):
+    import lockstep.training._weight_files as weight_files
+    original = weight_files.save_tree
+    path = tmp_path / "w.npz"
+
+    def fails_second(p, tree, **extra):
+        if os.path.exists(p):
+            raise OSError("disk full")
+        original(p, tree, **extra)
+    monkeypatch.setattr(weight_files, "save_tree", fails_second)
+    with pytest.raises(OSError, match="disk full"):
+        _fit([ls.callbacks.ModelCheckpoint(str(path), save_weights_only=True)], epochs=3)
+    assert os.path.exists(path) and not [f for f in os.listdir(tmp_path) if f != "w.npz"]  # no stray temporary file

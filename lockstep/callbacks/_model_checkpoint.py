@@ -1,4 +1,5 @@
-"""`ModelCheckpoint`: atomic saves of the weights (or the whole training state), written by worker 0."""
+"""`ModelCheckpoint`: atomic saves of the weights (or the whole training state), written by worker 0,
+in the background while training goes on."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import numpy as np
 
+from ..checkpoint import BackgroundWriter
 from ._monitor import MonitorCallback
 
 
@@ -15,6 +17,10 @@ class ModelCheckpoint(MonitorCallback):
 
     Writes are atomic (a temporary file renamed into place), so a crash during a save leaves the
     previous file intact. Only process 0 writes; the decision to save comes from global values.
+    With `async_save` (the default) the weights are taken at the save and the file is written on a
+    thread of its own while training goes on (one write in flight: the next save, the end of
+    `fit` and `wait()` wait for it); a `.keras` file is written at once (Keras reads the model as
+    it writes).
 
     Args:
       filepath: may hold ``{epoch}`` (1-based, as in Keras) and log fields such as
@@ -27,11 +33,13 @@ class ModelCheckpoint(MonitorCallback):
       save_freq: ``"epoch"`` or a number of training steps (with ``steps_per_execution=k``, at the
         end of the call in which a multiple of it is reached, as Keras counts).
       initial_value_threshold: the value to beat first, with `save_best_only`.
+      async_save: write `.npz` files in the background (False: each save returns once written).
     """
 
     def __init__(self, filepath: str | os.PathLike[str], monitor: str = "val_loss", verbose: int = 0,
                  save_best_only: bool = False, save_weights_only: bool = False, mode: str = "auto",
-                 save_freq: str | int = "epoch", initial_value_threshold: float | None = None):
+                 save_freq: str | int = "epoch", initial_value_threshold: float | None = None,
+                 async_save: bool = True):
         super().__init__(monitor, mode)
         if save_freq != "epoch" and (not isinstance(save_freq, int) or save_freq < 1):
             raise ValueError(f"`save_freq` must be 'epoch' or a positive integer, got save_freq={save_freq!r}.")
@@ -45,6 +53,15 @@ class ModelCheckpoint(MonitorCallback):
         self._steps = 0
         self._first = 0  # the first step of the call in progress
         self._epoch = 0
+        self._writer = BackgroundWriter("lockstep-model-checkpoint") if async_save else None
+
+    def wait(self) -> None:
+        """Returns when every file saved so far is written; raises the error of a write that failed."""
+        if self._writer is not None:
+            self._writer.wait()
+
+    def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
+        self.wait()
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._steps = 0
@@ -78,9 +95,9 @@ class ModelCheckpoint(MonitorCallback):
         path = self.format_path(epoch, logs)
         # every worker saves (a sharded model's weights are gathered from all), worker 0 alone writes
         if self.save_weights_only:
-            self.trainer.save_weights(path)
+            self.trainer.save_weights(path, writer=self._writer)
         else:
-            self.trainer.save(path, epoch=epoch + 1)
+            self.trainer.save(path, epoch=epoch + 1, writer=self._writer)
 
     def format_path(self, epoch: int, logs: dict[str, Any]) -> str:
         fields = {k: float(np.asarray(v)) for k, v in logs.items() if np.ndim(v) == 0}

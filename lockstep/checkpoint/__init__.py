@@ -7,5 +7,6 @@ from ._atomic import load_tree as load_tree
 from ._atomic import save_tree as save_tree
 from ._orbax import DamagedCheckpointError as DamagedCheckpointError
 from ._orbax import TrainingCheckpointer as TrainingCheckpointer
+from ._writer import BackgroundWriter as BackgroundWriter
 
-__all__ = ["DamagedCheckpointError", "TrainingCheckpointer", "atomic_path", "atomic_write", "load_tree", "save_tree"]
+__all__ = ["BackgroundWriter", "DamagedCheckpointError", "TrainingCheckpointer", "atomic_path", "atomic_write", "load_tree", "save_tree"]

@@ -17,7 +17,6 @@ damaged on disk afterwards (truncated, bit-flipped, zeroed, garbled) is reported
 
 from __future__ import annotations
 
-import concurrent.futures
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ import jax
 import numpy as np
 
 from ..engine import host_value
+from ._writer import BackgroundWriter
 
 
 _TRASH = "trash"
@@ -116,9 +116,7 @@ class TrainingCheckpointer:
         self._trash = os.path.join(self.directory, _TRASH)
         self.async_save = async_save
         # one process writes from its own thread; several workers through orbax's async checkpointing
-        self._writer = (concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="lockstep-backup")
-                        if async_save and jax.process_count() == 1 else None)
-        self._pending: concurrent.futures.Future[None] | None = None
+        self._writer = BackgroundWriter("lockstep-backup") if async_save and jax.process_count() == 1 else None
         options = ocp.CheckpointManagerOptions(max_to_keep=max_to_keep,
                                                enable_async_checkpointing=async_save and self._writer is None,
                                                cleanup_tmp_directories=True, create=True, todelete_subdir=_TRASH)
@@ -145,7 +143,7 @@ class TrainingCheckpointer:
         if self.async_save:  # host arrays are the caller's to change once this returns: written as they are now
             arrays = {k: np.array(v) if isinstance(v, np.ndarray) else v for k, v in arrays.items()}
         if self._writer is not None:
-            self._pending = self._writer.submit(self._write, step, arrays, meta)
+            self._writer.submit(self._write, step, arrays, meta)
             return
         self._write(step, arrays, meta)
         if not self.async_save:
@@ -163,9 +161,8 @@ class TrainingCheckpointer:
         """Returns when every save made so far is committed (at once for synchronous saves); an
         error of a background write is raised here. `everywhere`: and every worker knows it (a
         barrier after the commit, which worker 0 makes: every worker must call this together)."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.result()
+        if self._writer is not None:
+            self._writer.wait()
         self._manager.wait_until_finished()
         self._purge()
         if everywhere:

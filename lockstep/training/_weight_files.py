@@ -13,7 +13,7 @@ from typing import Any, Protocol
 
 import jax
 
-from ..checkpoint import atomic_path, load_tree, save_tree
+from ..checkpoint import BackgroundWriter, atomic_path, load_tree, save_tree
 from ..engine import host_value, spread
 
 
@@ -42,11 +42,19 @@ def _opt_state_on_host(trainer: HasWeights) -> Any:
     return jax.tree.map(host_value, trainer.train_state.opt_state)
 
 
-def save_weights(trainer: HasWeights, path: str) -> None:
+def _write_tree(writer: BackgroundWriter | None, path: str, tree: Any, **extra: Any) -> None:
+    """Worker 0 writes `tree` (host arrays, its own) to `path`, now or with `writer` in the background."""
+    if jax.process_index() != 0:
+        return
+    if writer is None:
+        save_tree(path, tree, **extra)
+    else:
+        writer.submit(save_tree, path, tree, **extra)
+
+
+def save_weights(trainer: HasWeights, path: str, writer: BackgroundWriter | None = None) -> None:
     """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
-    weights = trainer.get_weights()
-    if jax.process_index() == 0:
-        save_tree(path, weights)
+    _write_tree(writer, path, trainer.get_weights())
 
 
 def load_weights(trainer: HasWeights, path: str) -> None:
@@ -55,21 +63,21 @@ def load_weights(trainer: HasWeights, path: str) -> None:
     trainer.set_weights(_load_weights(path, like, _opt_state_on_host(trainer)))
 
 
-def save(trainer: HasWeights, path: str, epoch: int | None = None) -> None:
+def save(trainer: HasWeights, path: str, epoch: int | None = None, writer: BackgroundWriter | None = None) -> None:
     """Writes the training state atomically: a Keras `.keras` file for a Keras model and a
-    `.keras` path; else weights, optimizer state and epoch (`.npz` layout)."""
+    `.keras` path (Keras reads the model's variables as it writes: always now); else weights,
+    optimizer state and epoch (`.npz` layout)."""
     if path.endswith(".keras") and hasattr(trainer.model, "save"):
+        if writer is not None:
+            writer.wait()  # files are written in the order they were saved
         trainer.sync_model()  # the weights and the Keras optimizer's state, as Keras saves them
         with whole_on_host(trainer.model) as writes:
             if writes:
                 with atomic_path(path) as tmp:
                     trainer.model.save(tmp)
         return
-    weights = trainer.get_weights()
     extra = {} if epoch is None else {"epoch": epoch}
-    state = {"weights": weights, "opt_state": _opt_state_on_host(trainer)}
-    if jax.process_index() == 0:
-        save_tree(path, state, **extra)
+    _write_tree(writer, path, {"weights": trainer.get_weights(), "opt_state": _opt_state_on_host(trainer)}, **extra)
 
 
 class _Writing(threading.local):
@@ -109,15 +117,17 @@ def whole_on_host(model: Any) -> Iterator[bool]:
 class WeightFiles:
     """The `Trainer`'s weight-file methods (Keras' names), on its public API only."""
 
-    def save_weights(self: HasWeights, path: str) -> None:
-        """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
-        save_weights(self, path)
+    def save_weights(self: HasWeights, path: str, writer: BackgroundWriter | None = None) -> None:
+        """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them.
+        `writer`: the file is written in the background by it (the weights are taken now)."""
+        save_weights(self, path, writer)
 
     def load_weights(self: HasWeights, path: str) -> None:
         """Reads weights written by `save_weights` (or by `save`)."""
         load_weights(self, path)
 
-    def save(self: HasWeights, path: str, epoch: int | None = None) -> None:
+    def save(self: HasWeights, path: str, epoch: int | None = None, writer: BackgroundWriter | None = None) -> None:
         """Writes the training state atomically: a `.keras` file for a Keras model and a `.keras`
-        path; else weights, optimizer state and epoch (`.npz` layout)."""
-        save(self, path, epoch)
+        path; else weights, optimizer state and epoch (`.npz` layout). `writer`: an `.npz` file is
+        written in the background by it (the state is taken now)."""
+        save(self, path, epoch, writer)
