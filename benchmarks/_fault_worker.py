@@ -105,7 +105,11 @@ class Chaos(ls.callbacks.Callback):
             threading.Timer(delay, lambda: (fault_now(), os.kill(os.getpid(), signal.SIGKILL))).start()
             time.sleep(0.0)
         if scenario == "damagekill" and self.count == 16:  # the newest backup (step 15) damaged on disk, then dead
-            for f in pathlib.Path(out_dir, "backup", "15").glob("arrays/**/d/*"):
+            written = pathlib.Path(out_dir, "backup", "15")  # renamed into place once committed (written in the background)
+            deadline = time.time() + 60
+            while not list(written.glob("arrays/**/d/*")) and time.time() < deadline:
+                time.sleep(0.01)
+            for f in written.glob("arrays/**/d/*"):
                 data = bytearray(f.read_bytes())
                 data[len(data) // 2] ^= 0x10
                 f.write_bytes(bytes(data))

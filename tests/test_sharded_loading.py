@@ -1,8 +1,8 @@
-"""Loading weights into a sharded model places each variable straight into its shards: Keras'
-`load_weights` (`.weights.h5`), `keras.models.load_model` (`.keras`) and `set_weights` in a
-`ShardedStrategy`'s scope never make a variable that the strategy splits whole on one device
-(Keras' JAX variables would put it on the default device first), and the loaded values are the
-saved ones."""
+"""Building and loading a sharded model places each variable straight into its shards: building
+in a `ShardedStrategy`'s scope (each initialiser run by a program that writes each device's shard),
+Keras' `load_weights` (`.weights.h5`), `keras.models.load_model` (`.keras`) and `set_weights` never
+make a variable that the strategy splits whole on one device (Keras' JAX variables would put it on
+the default device first), and the values are the initialiser's and the saved ones."""
 
 import jax
 import keras
@@ -56,13 +56,27 @@ def test_weights_go_from_the_host_straight_into_their_shards(tmp_path, whole_on_
                 model.load_weights(tmp_path / "m.weights.h5")
             else:
                 model.set_weights(want)
-    # building initialises small variables whole on one device (Keras shards an initialiser's output
-    # from 250 MB over the mesh): one at a time, never a loaded value
-    for whole in whole_on_one_device:
-        assert not any(whole.shape == w.shape and np.array_equal(whole, w) for w in want)
+    assert not whole_on_one_device  # neither an initialiser's value (building) nor a loaded one
     split = [v for v in model.weights if not v.value.sharding.is_fully_replicated]
     assert len(split) >= 4  # the kernels and biases that ZeRO-3 splits over the 8 devices
     for v in split:
         assert {s.data.size for s in v.value.addressable_shards} == {v.value.size // 8}
+    for got, w in zip(model.get_weights(), want):
+        np.testing.assert_array_equal(np.asarray(got), w)
+
+
+@pytest.mark.parametrize("zero_stage,mesh", [(3, (8, 1)), (3, (4, 2)), (3, (2, 4))])
+def test_building_in_the_scope_makes_each_shard_where_it_lies_with_keras_own_values(whole_on_one_device, zero_stage,
+                                                                                    mesh):
+    """The initial weights equal Keras' own (the same seed, built outside any scope), bit for bit."""
+    keras.utils.set_random_seed(7)
+    want = [np.asarray(w) for w in _model().get_weights()]
+    strategy = ls.ShardedStrategy(mesh=ls.DeviceMesh(mesh, ("batch", "model")), zero_stage=zero_stage,
+                                  min_shard_size=1, max_replicated_fraction=1.0)
+    keras.utils.set_random_seed(7)
+    with strategy.scope():
+        model = _model()
+    assert not whole_on_one_device
+    assert any(not v.value.sharding.is_fully_replicated for v in model.weights)
     for got, w in zip(model.get_weights(), want):
         np.testing.assert_array_equal(np.asarray(got), w)

@@ -167,7 +167,8 @@ def _values_from_worker_0(keras: Any) -> None:
     worker 0's value, as TF's multi-worker variables do (JAX would otherwise require every worker
     to hold the same value: an unseeded initialiser fails). A non-trainable scalar made in the
     scope (a learning rate, a momentum: a setting) is compared instead: `WorkersDisagreeError` names
-    it and every worker's value. Installed once; a no-op in one process."""
+    it and every worker's value. In one process a split variable is made in its shards (see
+    `should_shard_at_init` below). Installed once."""
     if "distribute_tensor" in _PUT:
         return
     try:
@@ -177,8 +178,13 @@ def _values_from_worker_0(keras: Any) -> None:
     _PUT["distribute_tensor"] = original = distribution_lib.distribute_tensor
     _PUT["should_shard_at_init"] = at_init = core.should_shard_at_init
 
-    def should_shard_at_init(layout: Any, shape: Any) -> bool:  # a large variable: made by a sharded program,
-        return False if _spans_workers(layout) else at_init(layout, shape)  # which would skip worker 0's value
+    def should_shard_at_init(layout: Any, shape: Any) -> bool:
+        """Whether Keras makes the variable by a program that writes each shard where it lies. A
+        split variable is (in one process): no device ever holds it whole (Keras does so only from
+        250 MB on). Never across workers: each would draw its own shards, not worker 0's value."""
+        if _spans_workers(layout):
+            return False
+        return not getattr(layout, "is_fully_replicated", True) or at_init(layout, shape)
     core.should_shard_at_init = should_shard_at_init
 
     def distribute_tensor(tensor: Any, layout: Any) -> Any:
