@@ -14,7 +14,9 @@ rotated each round); ratios are taken within a round. Per row:
   reduce-scatter, in units of P (the parameters' bytes). Convention: an all-gather moves its whole
   result, a reduce-scatter its whole operand, an all-reduce twice its operand (a reduce-scatter
   then an all-gather), so data parallelism is 2P, and DeepSpeed's accounting gives ZeRO-1/2 2P and
-  ZeRO-3 3P (the parameters gathered for the forward and again for the backward pass);
+  ZeRO-3 3P (the parameters gathered for the forward and again for the backward pass); hybrid
+  sharding (HSDP) gathers and reduce-scatters within a copy and all-reduces the shards between the
+  copies (its all-reduce counted on the shard);
 * the bytes of parameters and optimizer state device 0 holds (its arrays' shards).
 """
 
@@ -35,13 +37,16 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import EpochTimer, ROOT, lockstep_timer, machine, make_data, summary, write_report  # noqa: E402
 
 DEVICES = 8
-#: row name -> (mesh shape (batch, model) or None for MirroredStrategy, ZeRO stage, layout rules)
+#: row name -> (mesh shape (batch, model), or (replica, batch, model) for hybrid sharding, or None
+#: for MirroredStrategy; ZeRO stage; layout rules)
 SYSTEMS = {
     "data parallel (MirroredStrategy)": (None, 0, {}),
     "ZeRO-1 (8 x 1)": ((8, 1), 1, {}),
     "ZeRO-2 (8 x 1)": ((8, 1), 2, {}),
     "ZeRO-3 (8 x 1)": ((8, 1), 3, {}),
     "ZeRO-3 + model axis (4 x 2)": ((4, 2), 3, {".*dense_[12]/kernel": (None, "model")}),
+    "HSDP: 2 copies x ZeRO-3 over 4 (2 x 4 x 1)": ((2, 4, 1), 3, {}),
+    "HSDP + model axis (2 x 2 x 2)": ((2, 2, 2), 3, {".*dense_[12]/kernel": (None, "model")}),
 }
 _BYTES = {"f64": 8, "s64": 8, "u64": 8, "f32": 4, "s32": 4, "u32": 4, "bf16": 2, "f16": 2, "s16": 2, "u16": 2,
           "s8": 1, "u8": 1, "pred": 1}
@@ -102,11 +107,13 @@ def child(system: str, n: int, epochs: int, dump: str) -> dict:
     if shape is None:
         strategy = ls.MirroredStrategy(DEVICES)
     else:
-        mesh = ls.DeviceMesh(shape, ("batch", "model"))
+        hybrid = len(shape) == 3
+        mesh = ls.DeviceMesh(shape, ("replica", "batch", "model")[3 - len(shape):])
         layout = ls.LayoutMap(mesh)
         for key, axes in rules.items():
             layout[key] = axes
-        strategy = ls.ShardedStrategy(mesh=mesh, layout_map=layout, zero_stage=stage)
+        strategy = ls.ShardedStrategy(mesh=mesh, layout_map=layout, zero_stage=stage,
+                                      replica_dim_name="replica" if hybrid else None)
     x, y = make_data(n, "mlp")
     with strategy.scope():
         model = mlp()

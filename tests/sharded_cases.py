@@ -89,7 +89,11 @@ COMPILE = dict(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy
 
 
 def sharded_strategy(shape, stage, rules=RULES, **kw):
-    mesh = ls.DeviceMesh(shape, ("batch", "model"))
+    """A (batch, model) mesh, or a (replica, batch, model) one: hybrid sharding, whole copies
+    along "replica" and ZeRO along "batch"."""
+    if len(shape) == 3:
+        kw.setdefault("replica_dim_name", "replica")
+    mesh = ls.DeviceMesh(shape, ("replica", "batch", "model")[3 - len(shape):])
     layout = ls.LayoutMap(mesh)
     for key, axes in rules.items():
         layout[key] = axes

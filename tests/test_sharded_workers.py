@@ -56,7 +56,9 @@ def _check_fit(tmp_path, i, case, got):
             np.testing.assert_array_equal(got[f"{written}{j}"], w)
 
 
-FIT_CASES = [{"model": "odd", "shape": [2, 2], "stage": 3, "mode": "fit"}]  # (30, 7) split over model: padded
+FIT_CASES = [{"model": "odd", "shape": [2, 2], "stage": 3, "mode": "fit"},  # (30, 7) split over model: padded
+             # hybrid sharding: a whole copy on each worker, ZeRO over its 2 devices; worker 1 holds no row
+             {"model": "mlp", "shape": [2, 2, 1], "stage": 3, "n": 2, "mode": "fit"}]
 MORE_FIT_CASES = [{"model": "mlp", "shape": [4, 1], "stage": 2, "n": 1, "mode": "fit"},  # worker 1 holds no row
                   {"model": "cnn", "shape": [4, 1], "stage": 3, "mode": "fit"},
                   {"model": "lstm", "shape": [2, 2], "stage": 1, "mode": "fit"},
@@ -88,11 +90,12 @@ def test_two_workers_equal_keras_own_fit_and_backups_move_between_one_process_an
         _check_fit(tmp_path, i, case, got[i])
 
     whole, _ = keras_fit(odd, x, y)  # the uninterrupted run
-    restored = np.load(tmp_path / "case1_restored.npz")  # the one-process backup, on two workers
+    at = len(FIT_CASES)  # the resume case
+    restored = np.load(tmp_path / f"case{at}_restored.npz")  # the one-process backup, on two workers
     assert len(restored.files) == len(saved)
     for j, a in enumerate(saved):
         np.testing.assert_array_equal(restored[f"arr_{j}"], a)
-    assert_weights_close([got[1][f"w{j}"] for j in range(len(whole))], whole, atol=5e-6)
+    assert_weights_close([got[at][f"w{j}"] for j in range(len(whole))], whole, atol=5e-6)
 
     # the two workers' backup (a (4, 1) mesh at stage 1), resumed in one process on one device
     with ls.OneDeviceStrategy().scope():

@@ -38,6 +38,11 @@ class ShardedStrategy(Strategy):
       layout_map: rules from variable paths (regular expressions, fully matched) to one mesh
         axis or None per dimension; a `LayoutMap`, Keras' `LayoutMap` or a dict.
       batch_dim_name: the mesh axis along which rows are split (Keras' name).
+      replica_dim_name: hybrid sharding (HSDP, FSDP2's replicate x shard mesh): a mesh axis of
+        whole copies of the ZeRO-sharded model, typically across nodes, while `batch_dim_name`
+        runs within one. Rows are split along both (this one major); ZeRO splits along
+        `batch_dim_name` only, and a step reduce-scatters each gradient along it, then sums the
+        shards along this axis. None (default): every replica along `batch_dim_name`.
       zero_stage: 0 (none), 1 (optimizer state), 2 (and gradients) or 3 (and parameters: FSDP),
         split along the batch axis.
       min_shard_size: variables with fewer elements stay whole along the batch axis.
@@ -60,12 +65,20 @@ class ShardedStrategy(Strategy):
 
     def __init__(self, mesh: Any, layout_map: Any = None, batch_dim_name: str = BATCH_AXIS, zero_stage: int = 0,
                  min_shard_size: int = 1024, shard_dim: str = "largest", max_replicated_fraction: float = 0.02,
-                 cluster_resolver: Any = None, failure_timeout: float | None = None):
+                 cluster_resolver: Any = None, failure_timeout: float | None = None,
+                 replica_dim_name: str | None = None):
         device_mesh = as_mesh(mesh)
         # a mesh whose devices are still to be found spans the job's workers: join them first
         joins = cluster_resolver is not None or not device_mesh.resolved
         self.cluster_resolver, self.failure_timeout, agreement = (join(cluster_resolver, failure_timeout) if joins
                                                               else (None, failure_timeout, None))
+        for name, axis in (("replica_dim_name", replica_dim_name), ("batch_dim_name", batch_dim_name)):
+            if axis is not None and axis not in device_mesh.axis_names:
+                raise UsageError(f"`{name}` {axis!r} is not an axis of the mesh, whose axes are "
+                                 f"{device_mesh.axis_names}.")
+        if replica_dim_name == batch_dim_name:
+            raise UsageError(f"`replica_dim_name` and `batch_dim_name` must be two mesh axes, got {batch_dim_name!r} "
+                             "for both.")
         if batch_dim_name not in device_mesh.axis_names:
             raise UsageError(f"`batch_dim_name` {batch_dim_name!r} is not an axis of the mesh, whose axes are "
                              f"{device_mesh.axis_names}.")
@@ -77,10 +90,11 @@ class ShardedStrategy(Strategy):
                              "jax.distributed.initialize (or keras.distribution.initialize) yourself.")
         rules = tuple(as_layout_map(layout_map).items())
         config = ShardingConfig(rules, zero_stage, int(min_shard_size), shard_dim, float(max_replicated_fraction))
-        config.check(dict(zip(device_mesh.axis_names, device_mesh.shape)), batch_dim_name)
+        batch_axis = batch_dim_name if replica_dim_name is None else (replica_dim_name, batch_dim_name)
+        config.check(dict(zip(device_mesh.axis_names, device_mesh.shape)), batch_axis)
         self.device_mesh = device_mesh
         self.zero_stage = zero_stage
-        super().__init__(mesh=device_mesh.jax_mesh, batch_axis=batch_dim_name, sharding=config)
+        super().__init__(mesh=device_mesh.jax_mesh, batch_axis=batch_axis, sharding=config)
         if agreement is not None:
             self.extended.agree_on_programs(agreement)
 

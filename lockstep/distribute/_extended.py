@@ -28,7 +28,7 @@ class StrategyExtended(Engine):
     """
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, owner: Any = None, *, mesh: Mesh | None = None,
-                 batch_axis: str = BATCH_AXIS, sharding: ShardingConfig | None = None):
+                 batch_axis: str | tuple[str, ...] = BATCH_AXIS, sharding: ShardingConfig | None = None):
         super().__init__(devices, owner, mesh=mesh, batch_axis=batch_axis, split_model_axes=sharding is not None)
         #: how the strategy lays a model's variables out (None: replicated on every device)
         self.sharding = sharding

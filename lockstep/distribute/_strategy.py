@@ -46,7 +46,7 @@ class Strategy:
     """
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, *, mesh: Mesh | None = None,
-                 batch_axis: str = BATCH_AXIS, sharding: ShardingConfig | None = None):
+                 batch_axis: str | tuple[str, ...] = BATCH_AXIS, sharding: ShardingConfig | None = None):
         _scope.check_keras_backend()
         self._extended = StrategyExtended(None if devices is None else tuple(devices), owner=self, mesh=mesh,
                                           batch_axis=batch_axis, sharding=sharding)

@@ -46,7 +46,7 @@ ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 CACHE_SIZE = 256
 
 
-def spec(kind: Any, batch_axis: str) -> P:
+def spec(kind: Any, batch_axis: str | tuple[str, ...]) -> P:
     """Where an argument or output of `kind` lies on the mesh: rows and per-replica entries split
     over `batch_axis`, replicated values on every device (a mesh's other axes hold copies), a
     `PartitionSpec` as it says.
@@ -121,7 +121,7 @@ class RunCompiler:
     `context(mask, count, typed)` makes each call's replica context (`typed`: traced with
     replication typing)."""
 
-    def __init__(self, mesh: Mesh, batch_axis: str, context: Callable[[Any, Any, bool], ReplicaContext],
+    def __init__(self, mesh: Mesh, batch_axis: str | tuple[str, ...], context: Callable[[Any, Any, bool], ReplicaContext],
                  manual_axes: frozenset[str] = frozenset()):
         self._mesh = mesh
         self._axis = batch_axis
@@ -405,7 +405,7 @@ class _Call:
         return (describe(self.fn, [k for k in self.kinds if k != "static"], [signature(x) for x in self.dynamic])
                 + f" {[type(x).__name__ for x in self.statics]} {not self.context} {self.key[-1]}")
 
-    def in_specs(self, batch_axis: str) -> tuple[list[P], list[P]]:
+    def in_specs(self, batch_axis: str | tuple[str, ...]) -> tuple[list[P], list[P]]:
         """Where the arrays and the context (mask split by rows, count replicated) lie."""
         return ([spec(k, batch_axis) for k in self.kinds if k != "static"],
                 [P(batch_axis), P()][:len(self.context)])
@@ -458,12 +458,12 @@ def _kinds_of(kinds: Any, args: Any, treedef: Any, arrays: tuple[bool, ...]) -> 
     return found
 
 
-def _as_kinds(out_kinds: Any, out: Any, batch_axis: str) -> Any:
+def _as_kinds(out_kinds: Any, out: Any, batch_axis: str | tuple[str, ...]) -> Any:
     """A replica's outputs shaped for the kinds `out_kinds` (a pytree prefix of them) declares."""
     return jax.tree.map(lambda k, sub: jax.tree.map(functools.partial(_as_kind, k, batch_axis), sub), out_kinds, out)
 
 
-def _as_kind(kind: Any, batch_axis: str, x: Any) -> jax.Array:
+def _as_kind(kind: Any, batch_axis: str | tuple[str, ...], x: Any) -> jax.Array:
     """An output leaf shaped for its declared kind (per-replica values get a leading replica axis;
     a shard, declared by its `PartitionSpec`, is as the replica made it)."""
     x = jnp.asarray(x)

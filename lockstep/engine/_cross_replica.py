@@ -23,19 +23,28 @@ from ._layout import StepInfo, rows_digest
 from ._reduce_op import ReduceOp
 
 # --- inside a replica ----------------------------------------------------------------------
-def varies(x: Any, axis_name: str) -> bool:
-    """Whether a traced value inside `shard_map` may differ along the mesh axis `axis_name`."""
+def axis_names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
+    """The mesh axes of a collective's `axis_name` (one name, or a tuple of them: replicas laid
+    along several axes, as in hybrid sharding)."""
+    return (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+
+
+def varies(x: Any, axis_name: str | tuple[str, ...]) -> bool:
+    """Whether a traced value inside `shard_map` may differ along the mesh axis `axis_name` (each
+    of them, for a tuple)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
-    if mat is not None:
-        return axis_name in mat.varying
-    vma = getattr(aval, "vma", None)  # older JAX spelling
-    return True if vma is None else axis_name in vma
+    varying = mat.varying if mat is not None else getattr(aval, "vma", None)  # (older JAX spelling)
+    return True if varying is None else all(a in varying for a in axis_names(axis_name))
 
 
-def to_varying(x: jax.Array, axis_name: str) -> jax.Array:
-    """`x` typed as differing along `axis_name` (a no-op when it already does)."""
-    return jax.lax.pcast(x, axis_name, to="varying") if not varies(x, axis_name) else x
+def to_varying(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
+    """`x` typed as differing along `axis_name` (a no-op where it already does)."""
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)
+    varying = mat.varying if mat is not None else getattr(aval, "vma", None)
+    missing = tuple(a for a in axis_names(axis_name) if varying is not None and a not in varying)
+    return jax.lax.pcast(x, missing, to="varying") if missing else x
 
 
 def lowest(dtype: Any) -> Any:

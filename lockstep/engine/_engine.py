@@ -1,13 +1,15 @@
 """The engine: plain arrays on a `jax.sharding.Mesh` with named axes. It holds the mesh, batch
 placement, the `run` compiler and reading per-replica arrays back. Rows are split and reductions
-run over one named axis, the batch axis (``"batch"`` by default, `BATCH_AXIS`): data parallelism
-is the mesh with that axis alone; a mesh with more axes holds a copy of each replica's work along
-the others, which is where model parallelism lays its shards. It knows no strategy: the
+run over one named axis, the batch axis (``"batch"`` by default, `BATCH_AXIS`), or a tuple of
+axes whose devices together hold the replicas (hybrid sharding: replicas across nodes and within
+them); data parallelism is the mesh with that axis alone; a mesh with more axes holds a copy of
+each replica's work along the others, which is where model parallelism lays its shards. It knows no strategy: the
 `tf.distribute` face (`lockstep.distribute`) is built on it.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -16,7 +18,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh
 
 from ._compiler import RunCompiler
-from ._cross_replica import ReplicatedCall, gather_stacked, spread
+from ._cross_replica import ReplicatedCall, axis_names, gather_stacked, spread
 from ._layout import StepInfo
 from ._placement import BatchDistributor
 from ._replica_context import ReplicaContext
@@ -51,14 +53,17 @@ class Engine:
     """
 
     def __init__(self, devices: Sequence[jax.Device] | None = None, owner: Any = None, *, mesh: Mesh | None = None,
-                 batch_axis: str = BATCH_AXIS, split_model_axes: bool = False):
+                 batch_axis: str | tuple[str, ...] = BATCH_AXIS, split_model_axes: bool = False):
         if (devices is None) == (mesh is None):
             raise ValueError("give an `Engine` one of `devices` (a 1-D mesh) and `mesh`, got "
                              f"{'both' if mesh is not None else 'neither'}.")
+        if not isinstance(batch_axis, str):  # replicas along several axes (hybrid sharding), the first major
+            batch_axis = tuple(batch_axis) if len(batch_axis) != 1 else batch_axis[0]
         if mesh is None:
-            mesh = Mesh(np.asarray(devices, dtype=object), (batch_axis,), axis_types=(AxisType.Auto,))
-        if batch_axis not in mesh.axis_names:
-            raise ValueError(f"`batch_axis` {batch_axis!r} is not an axis of `mesh`, whose axes are {mesh.axis_names}.")
+            mesh = Mesh(np.asarray(devices, dtype=object), axis_names(batch_axis), axis_types=(AxisType.Auto,))
+        if not batch_axis or any(a not in mesh.axis_names for a in axis_names(batch_axis)):
+            raise ValueError(f"`batch_axis` {batch_axis!r} is not an axis of `mesh` (or a tuple of its axes), whose axes "
+                             f"are {mesh.axis_names}.")
         self.mesh = mesh
         self.batch_axis = batch_axis
         self.owner = owner
@@ -171,15 +176,16 @@ class Engine:
         return jax.tree.map(lambda v: gather_stacked(self.replicated_call, v, step, 0), tree)
 
 
-def _manual_axes(mesh: Mesh, batch_axis: str, split_model_axes: bool) -> frozenset[str]:
+def _manual_axes(mesh: Mesh, batch_axis: str | tuple[str, ...], split_model_axes: bool) -> frozenset[str]:
     """The axes replica functions see one device of (`shard_map`'s axis_names; empty: all). With
     `split_model_axes` (a sharded model's) steps leave the model axes to the compiler, which lays
     their shards out (tensor parallelism), unless the batch axis has one device: XLA's SPMD partitioner then
     refuses a collective over it ("Cross-partition allreduce must be in (partial) manual
     partitioning mode"), so the step sees whole parameters (gathered along the model axes)."""
-    if not split_model_axes or dict(zip(mesh.axis_names, mesh.devices.shape))[batch_axis] == 1:
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    if not split_model_axes or math.prod(sizes[a] for a in axis_names(batch_axis)) == 1:
         return frozenset()
-    return frozenset({batch_axis})
+    return frozenset(axis_names(batch_axis))
 
 
 def _one_copy_each(stacked: jax.Array) -> list[Any]:

@@ -54,7 +54,7 @@ _LOOPS = {"scan": (1, "init"), "while_loop": (2, "init_val"), "fori_loop": (3, "
 
 
 @contextlib.contextmanager
-def loops_vary_their_carry(axis_name: str) -> Iterator[None]:
+def loops_vary_their_carry(axis_name: str | tuple[str, ...]) -> Iterator[None]:
     """While tracing a replica function: `jax.lax` loops retry with an initial carry typed as
     varying along the replicas' mesh axis `axis_name`."""
     global _users

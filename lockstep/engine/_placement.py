@@ -6,6 +6,7 @@ worker keeping only its replicas' rows (`BatchDistributor`), and the placed batc
 from __future__ import annotations
 
 import collections
+import math
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._cross_replica import allgather_sizes, batch_digests
+from ._cross_replica import allgather_sizes, axis_names, batch_digests
 from ._layout import (BatchRows, StepInfo, aligned_take, batch_checksum, batch_length, pad_and_mask, padded_per_replica,
                       rows_digest, to_numpy)
 from ._prefetch import prefetch, prefetch_depth
@@ -130,17 +131,20 @@ class BatchDistributor:
 
     A replica is one index along `batch_axis`, the devices at that index (one on a 1-D mesh); a
     worker holds a replica when it holds one of its devices. A worker's replicas must be
-    contiguous along the axis, as `jax.distributed`'s device order makes them.
+    contiguous along the axis, as `jax.distributed`'s device order makes them. A tuple of axes
+    numbers the replicas along them together, the first axis major (as `PartitionSpec` splits).
     """
 
-    def __init__(self, mesh: Mesh, batch_axis: str, engine: Any = None):
+    def __init__(self, mesh: Mesh, batch_axis: str | tuple[str, ...], engine: Any = None):
         self._engine = engine  # what the batches it makes say holds them
         self.replicated = NamedSharding(mesh, P())
         self.split = NamedSharding(mesh, P(batch_axis))
         self.devices = list(mesh.devices.flat)
-        by_replica = np.moveaxis(mesh.devices, mesh.axis_names.index(batch_axis), 0)
+        axes = axis_names(batch_axis)
+        at = [mesh.axis_names.index(a) for a in axes]
+        by_replica = np.moveaxis(mesh.devices, at, list(range(len(at))))
         owners = []  # the worker holding each replica
-        for replica in by_replica.reshape(len(by_replica), -1):
+        for replica in by_replica.reshape(math.prod(by_replica.shape[:len(at)]), -1):
             workers = {d.process_index for d in replica}
             if len(workers) > 1:
                 raise ValueError(f"`mesh` {dict(mesh.shape)} puts devices of workers {sorted(workers)} at one index of "

@@ -25,7 +25,7 @@ class ReplicaContext:
     """
 
     def __init__(self, num_replicas: int, mask: jax.Array | None, global_count: jax.Array | None = None,
-                 typed: bool = True, strategy: Any = None, *, axis_name: str):
+                 typed: bool = True, strategy: Any = None, *, axis_name: str | tuple[str, ...]):
         self._num_replicas = num_replicas
         self._axis_name = axis_name
         self._strategy = strategy  # what `run` was called on, handed back as `.strategy` (tf.distribute's API)
@@ -45,7 +45,7 @@ class ReplicaContext:
         return self._strategy
 
     @property
-    def axis_name(self) -> str:
+    def axis_name(self) -> str | tuple[str, ...]:
         """The mesh axis along which the replicas lie (the engine's batch axis): the axis name for
         `jax.lax` collectives over replicas inside `run`.
 

@@ -143,7 +143,7 @@ class ResidentBatch:
 
 
 def take_step(treedef: Any, leaves: Sequence[jax.Array], counts: jax.Array, i: jax.Array, per_replica: int,
-              axis_name: str) -> tuple[Any, jax.Array, jax.Array]:
+              axis_name: str | tuple[str, ...]) -> tuple[Any, jax.Array, jax.Array]:
     """Inside a replica: its rows of batch `i` of a pass (its block of the pass's `leaves`, the
     real counts `counts`) in the data's structure (`treedef`), its mask (1.0 real, 0.0 padding)
     and the batch's real count."""

@@ -162,20 +162,29 @@ def _with_axis(axes: tuple[str | None, ...], dim: int | None, axis: str) -> P:
     return P(*out)
 
 
+def _names(batch_axis: str | tuple[str, ...]) -> tuple[str, ...]:
+    return (batch_axis,) if isinstance(batch_axis, str) else tuple(batch_axis)
+
+
 class ShardingPlan:
     """The layouts of every variable of one model (`variables`, in the order of the parameter
-    tree's leaves) on `mesh`, whose rows lie along `batch_axis`; see the module doc."""
+    tree's leaves) on `mesh`, whose rows lie along `batch_axis`; see the module doc. A tuple of
+    batch axes is hybrid sharding (HSDP): ZeRO splits along the last (`zero_axis`, within a node),
+    the others hold whole copies (`replica_axes`, across nodes)."""
 
-    def __init__(self, mesh: Mesh, batch_axis: str, zero_stage: int, variables: list[VariableLayout],
+    def __init__(self, mesh: Mesh, batch_axis: str | tuple[str, ...], zero_stage: int, variables: list[VariableLayout],
                  treedef: Any):
         self.mesh = mesh
         self.batch_axis = batch_axis
+        self.zero_axis = _names(batch_axis)[-1]
+        self.replica_axes = _names(batch_axis)[:-1]
         self.zero_stage = zero_stage
         self.variables = variables
         self.treedef = treedef
 
     @classmethod
-    def make(cls, mesh: Mesh, batch_axis: str, named: Mapping[str, Any] | Any, rules: Mapping[str, Any],
+    def make(cls, mesh: Mesh, batch_axis: str | tuple[str, ...], named: Mapping[str, Any] | Any,
+             rules: Mapping[str, Any],
              zero_stage: int, min_shard_size: int = 1024, shard_dim: str = "largest",
              trainable: Any = None, paths: Any = None, every_rule_used: bool = True) -> "ShardingPlan":
         """The plan for `named` (a dict from path to array, or a tree of arrays whose paths are
@@ -207,11 +216,12 @@ class ShardingPlan:
                 used.add(rule)
                 axes = _checked(path, shape, rule, axes, sizes, batch_axis)
                 axes = tuple(None if a is not None and sizes[a] == 1 else a for a in axes)  # splits nothing
-            dim, why = _zero_dim(shape, axes, sizes[batch_axis], flag, zero_stage, min_shard_size, shard_dim)
+            zero_axis = _names(batch_axis)[-1]
+            dim, why = _zero_dim(shape, axes, sizes[zero_axis], flag, zero_stage, min_shard_size, shard_dim)
             out.append(VariableLayout(
                 path=path, shape=shape, itemsize=itemsize, trainable=flag, rule=rule, axes=axes, zero_dim=dim,
-                why_whole=why, param_spec=_with_axis(axes, dim if zero_stage >= 3 else None, batch_axis),
-                state_spec=_with_axis(axes, dim if zero_stage >= 1 else None, batch_axis),
+                why_whole=why, param_spec=_with_axis(axes, dim if zero_stage >= 3 else None, zero_axis),
+                state_spec=_with_axis(axes, dim if zero_stage >= 1 else None, zero_axis),
                 mesh_sizes=tuple(sizes.items())))
         unused = [key for key, _, _ in compiled if key not in used and every_rule_used]
         if unused:
@@ -234,7 +244,7 @@ class ShardingPlan:
         """Where each trainable gradient lies once reduced over the replicas, as the batch axis
         alone says (the spec of a `shard_map` output): split along `zero_dim` from stage 1 on."""
         return self.tree([_with_axis((None,) * len(v.shape), v.zero_dim if self.zero_stage >= 1 else None,
-                                     self.batch_axis) for v in self.variables])
+                                     self.zero_axis) for v in self.variables])
 
     # --- what it costs -----------------------------------------------------------------------
     def replicated_fraction(self, min_shard_size: int = 0) -> float:
@@ -252,7 +262,7 @@ class ShardingPlan:
         for v in self.variables:
             note = v.rule or "-"
             if v.zero_dim is None and v.trainable and self.zero_stage:
-                note += f" (whole along {self.batch_axis!r}: {v.why_whole})"
+                note += f" (whole along {self.zero_axis!r}: {v.why_whole})"
             if v.padded:
                 stored = {v.stored_shape(v.param_spec), v.stored_shape(v.state_spec)} - {v.shape}
                 note += f" (stored padded to {' / '.join(map(str, sorted(stored)))})"
@@ -262,9 +272,10 @@ class ShardingPlan:
         lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
         total = sum(v.nbytes for v in self.variables)
         per_device = sum(v.param_bytes_per_device for v in self.variables)
+        copies = f", whole copies along {self.replica_axes}" if self.replica_axes else ""
         lines.append(f"parameters: {total} bytes, {per_device} per device; ZeRO stage {self.zero_stage} along "
-                     f"{self.batch_axis!r}; {self.replicated_fraction():.1%} of trainable bytes replicated on every "
-                     "device")
+                     f"{self.zero_axis!r}{copies}; {self.replicated_fraction():.1%} of trainable bytes replicated on "
+                     "every device")
         return "\n".join(lines)
 
     def gradient_bytes_per_device(self) -> int:
@@ -278,7 +289,7 @@ def _show(spec: P) -> str:
     return "replicated" if not any(a is not None for a in spec) else str(tuple(spec))
 
 
-def _check_axes(rule: str, axes: tuple[Any, ...], sizes: Mapping[str, int], batch_axis: str,
+def _check_axes(rule: str, axes: tuple[Any, ...], sizes: Mapping[str, int], batch_axis: str | tuple[str, ...],
                 path: str | None = None) -> dict[str, int]:
     """A rule's axes checked against the mesh: known, not the batch axis, each used once; returns
     which dimension each axis splits."""
@@ -290,7 +301,7 @@ def _check_axes(rule: str, axes: tuple[Any, ...], sizes: Mapping[str, int], batc
         if axis not in sizes:
             raise UsageError(f"layout rule {rule!r} names mesh axis {axis!r}, which the mesh lacks (its axes: "
                              f"{tuple(sizes)}).")
-        if axis == batch_axis:
+        if axis in _names(batch_axis):
             raise UsageError(f"layout rule {rule!r} splits a dimension{of} along the batch axis {axis!r}, which "
                              "holds the replicas' rows: set `zero_stage` to shard variables along it.")
         if axis in seen:
@@ -301,7 +312,7 @@ def _check_axes(rule: str, axes: tuple[Any, ...], sizes: Mapping[str, int], batc
 
 
 def _checked(path: str, shape: tuple[int, ...], rule: str, axes: tuple[Any, ...], sizes: dict[str, int],
-             batch_axis: str) -> tuple[str | None, ...]:
+             batch_axis: str | tuple[str, ...]) -> tuple[str | None, ...]:
     """A rule's axes for one variable, checked against the mesh and the variable's number of
     dimensions (a split that does not divide a dimension is padded)."""
     if len(axes) != len(shape):
@@ -346,7 +357,7 @@ class ShardingConfig:
     shard_dim: str = "largest"
     max_replicated_fraction: float = 0.02
 
-    def check(self, axis_sizes: Mapping[str, int], batch_axis: str) -> None:
+    def check(self, axis_sizes: Mapping[str, int], batch_axis: str | tuple[str, ...]) -> None:
         """The rules checked against the mesh's axes before any variable exists (see `_checked`).
 
         Raises:
@@ -359,7 +370,7 @@ class ShardingConfig:
         for rule, axes in self.rules:
             _check_axes(rule, axes, axis_sizes, batch_axis)
 
-    def layout_of(self, mesh: Mesh, batch_axis: str, path: str, shape: tuple[int, ...], dtype: Any,
+    def layout_of(self, mesh: Mesh, batch_axis: str | tuple[str, ...], path: str, shape: tuple[int, ...], dtype: Any,
                   trainable: bool) -> P:
         """Where one variable lies (a Keras variable being created in the scope): its parameter's
         layout without the splits that do not divide it (`VariableLayout.variable_spec`)."""
@@ -368,7 +379,7 @@ class ShardingConfig:
                                  every_rule_used=False)
         return plan.variables[0].variable_spec
 
-    def plan(self, mesh: Mesh, batch_axis: str, params: Any, paths: Any, trainable: Any) -> ShardingPlan:
+    def plan(self, mesh: Mesh, batch_axis: str | tuple[str, ...], params: Any, paths: Any, trainable: Any) -> ShardingPlan:
         """The plan of a model's parameters (a tree; `paths` and `trainable` trees alike).
 
         Raises:

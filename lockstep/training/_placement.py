@@ -292,14 +292,17 @@ class Sharded(Replicated):
 
     def reduce(self, grads: Any) -> Any:
         """Inside a replica: its share of the trainable gradients summed over the replicas, split
-        along each parameter's ZeRO dimension (a reduce-scatter), whole where the plan keeps it whole."""
-        axis = replicas_axis()
+        along each parameter's ZeRO dimension (a reduce-scatter), whole where the plan keeps it whole.
+        Under hybrid sharding the reduce-scatter runs along the ZeRO axis (within a node), then
+        its shards are summed along the axes of whole copies (across nodes)."""
+        axis, copies = replicas_axis(), self.plan.replica_axes
 
         def one(g: Any, v: VariableLayout) -> Any:
             g = fit_to(g, v.stored_shape(v.state_spec))  # padded as the optimizer state is stored
             if v.zero_dim is None or not self.plan.zero_stage:
                 return jax.lax.psum(g, axis)
-            return jax.lax.psum_scatter(g, axis, scatter_dimension=v.zero_dim, tiled=True)
+            g = jax.lax.psum_scatter(g, self.plan.zero_axis, scatter_dimension=v.zero_dim, tiled=True)
+            return jax.lax.psum(g, copies) if copies else g
         return jax.tree.map(one, grads, self._layouts["trainable"])
 
 

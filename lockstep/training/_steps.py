@@ -110,7 +110,7 @@ def weighted_losses(loss_fn: LossFn, y: Any, y_pred: Any, sample_weight: Any) ->
     return times_sample_weight(loss_fn(y, y_pred), sample_weight)
 
 
-def replicas_axis() -> str:
+def replicas_axis() -> str | tuple[str, ...]:
     """The mesh axis along which the replicas of the step being traced lie (its replica context's)."""
     ctx = get_replica_context()
     if ctx is None:

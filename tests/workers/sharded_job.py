@@ -1,7 +1,8 @@
 """Sharded models on a mesh spanning the workers (`ls.ShardedStrategy` under `lockstep launch`):
 argv = out_dir, which holds cases.json (a list of cases, run one after another in these processes).
 
-Each case: {"model", "shape" (batch x model mesh over every worker's devices), "stage", "n" (rows),
+Each case: {"model", "shape" (batch x model mesh over every worker's devices, or replica x batch x model:
+hybrid sharding), "stage", "n" (rows),
 "mode", "backup" (a directory)}. Modes:
 - "fit": Keras code as written in the scope (compile / fit with Keras' ModelCheckpoint, whole
   model and weights only / evaluate / predict / get_weights / save); worker 0 writes case<i>.npz
