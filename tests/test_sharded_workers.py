@@ -16,7 +16,7 @@ import pytest
 
 import lockstep as ls
 from keras_reference import assert_equals_one_device, assert_weights_close
-from launching import WORKERS, launch_workers, output_of
+from launching import WORKERS, launch_workers, output_of, rank_results
 from sharded_cases import (ALL_MODELS, COMPILE, Preempted, StopAfterFirstEpoch, case_data, keras_fit, odd,
                                  sharded_strategy, used_rules)
 
@@ -114,3 +114,16 @@ def test_a_worker_with_no_row_cnn_lstm_and_transformer_on_two_workers_equal_kera
     got = _run_job(tmp_path, MORE_FIT_CASES)
     for i, case in enumerate(MORE_FIT_CASES):
         _check_fit(tmp_path, i, case, got[i])
+
+
+def test_a_model_built_unseeded_across_workers_is_made_in_its_shards_with_worker_0s_values(tmp_path):
+    """Each worker draws its own initialiser seeds; the variables split over the 4 devices of the
+    2 workers are made shard by shard with worker 0's seeds (Glorot, orthogonal, constants): no
+    whole value on any device, the values worker 0's own initialisers make outside any scope."""
+    proc = launch_workers(WORKERS / "sharded_build_job.py", tmp_path, nproc=2, devices=2, timeout=200)
+    assert proc.returncode == 0, output_of(proc)
+    for result in rank_results(proc, 2):
+        assert result["whole"] == [] and result["split"] == 5  # the head's bias (3) stays whole over 4
+    built = np.load(tmp_path / "built.npz")
+    for i in range(6):
+        np.testing.assert_array_equal(built[f"w{i}"], built[f"own{i}"])

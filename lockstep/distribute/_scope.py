@@ -167,8 +167,10 @@ def _values_from_worker_0(keras: Any) -> None:
     worker 0's value, as TF's multi-worker variables do (JAX would otherwise require every worker
     to hold the same value: an unseeded initialiser fails). A non-trainable scalar made in the
     scope (a learning rate, a momentum: a setting) is compared instead: `WorkersDisagreeError` names
-    it and every worker's value. In one process a split variable is made in its shards (see
-    `should_shard_at_init` below). Installed once."""
+    it and every worker's value. A split variable is made in its shards (see `should_shard_at_init`
+    below): across workers when its initialiser is one of Keras' own with an integer seed (worker
+    0's seed, given to every worker: the values worker 0 would make) or none; other initialisers
+    make it whole and worker 0's value is laid out. Installed once."""
     if "distribute_tensor" in _PUT:
         return
     try:
@@ -180,12 +182,27 @@ def _values_from_worker_0(keras: Any) -> None:
 
     def should_shard_at_init(layout: Any, shape: Any) -> bool:
         """Whether Keras makes the variable by a program that writes each shard where it lies. A
-        split variable is (in one process): no device ever holds it whole (Keras does so only from
-        250 MB on). Never across workers: each would draw its own shards, not worker 0's value."""
+        split variable is: no device ever holds it whole (Keras does so only from 250 MB on);
+        across workers only with an initialiser they agree on (`_initialize_with_initializer`)."""
         if _spans_workers(layout):
-            return False
+            return _AGREED.on
         return not getattr(layout, "is_fully_replicated", True) or at_init(layout, shape)
     core.should_shard_at_init = should_shard_at_init
+    _PUT["initialize_with_initializer"] = initialize = core.JaxVariable._initialize_with_initializer
+
+    def _initialize_with_initializer(variable: Any, initializer: Any) -> None:
+        variable._initialize_layout()
+        layout = variable._layout
+        sharding = getattr(layout, "backend_layout", layout)
+        agreed = _agreed_initializer(initializer, sharding) if _spans_workers(sharding) else None
+        if agreed is None:
+            return initialize(variable, initializer)
+        _AGREED.on = True
+        try:
+            return initialize(variable, agreed)
+        finally:
+            _AGREED.on = False
+    core.JaxVariable._initialize_with_initializer = _initialize_with_initializer
 
     def distribute_tensor(tensor: Any, layout: Any) -> Any:
         sharding = getattr(layout, "backend_layout", layout)
@@ -200,6 +217,44 @@ def _values_from_worker_0(keras: Any) -> None:
                       else broadcast_from_chief(value))
         return original(tensor, layout)
     distribution_lib.distribute_tensor = distribute_tensor
+
+
+class _Agreed(threading.local):
+    on = False  # the variable being made has an initialiser every worker runs alike
+
+
+_AGREED = _Agreed()
+
+
+def _agreed_initializer(initializer: Any, sharding: Any) -> Any:
+    """`initializer` as every worker runs it to the same values (worker 0's integer seed) for a
+    variable split over the workers' devices, or None (it is then made whole, worker 0's value
+    laid out). Every worker takes part (one small collective per variable, whatever its layout, so
+    that workers whose layouts differ, a mistake named when `fit` starts, still agree on the path):
+    None unless every worker splits the variable alike with one of Keras' own initialisers (a
+    user's may draw from NumPy) seeded by an integer (a `SeedGenerator` moves on with each use) or
+    by nothing (constants)."""
+    import copy
+    import zlib
+
+    import numpy as np
+    from jax.experimental import multihost_utils
+
+    seed = getattr(initializer, "seed", None)
+    keras_own = type(initializer).__module__.startswith("keras.")
+    usable = keras_own and (not hasattr(initializer, "seed") or (isinstance(seed, int) and not isinstance(seed, bool)))
+    split = not getattr(sharding, "is_fully_replicated", True)
+    mine = np.array([split, zlib.crc32(repr(getattr(sharding, "spec", sharding)).encode()), usable, 0, 0], np.uint32)
+    if usable and isinstance(seed, int):
+        mine[3:] = np.array([seed], np.int64).view(np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
+    if not (every[:, :3] == every[0, :3]).all() or not every[0, 0] or not every[0, 2]:
+        return None
+    if not hasattr(initializer, "seed"):
+        return initializer
+    agreed = copy.copy(initializer)
+    agreed.seed = int(every[0, 3:].astype(np.uint32).view(np.int64)[0])  # worker 0's
+    return agreed
 
 
 def _laid_out_from_the_host() -> None:
