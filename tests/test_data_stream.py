@@ -152,3 +152,28 @@ def test_the_next_pass_is_placed_ahead_once_and_taken(monkeypatch, shuffle, repl
             np.testing.assert_array_equal(a, b)
     assert placed == ([(0, False), (1, True), (2, True)] if shuffle else [(0, False)])
     assert train._next_pass is None or not shuffle
+
+
+def test_fit_lets_go_of_a_pass_placed_ahead_and_a_later_fit_reads_the_arrays_again():
+    """With `steps_per_epoch` a pass is always placed ahead; when `fit` ends it is dropped, so data
+    changed between two fits is what the second trains on."""
+    import lockstep as ls
+
+    x = np.ones((16, 2), np.float32)
+    y = np.zeros((16, 1), np.float32)
+    data = batches((x, y), 4)
+    trainer = ls.Trainer(ls.FunctionalModel(lambda rng, x: {"w": np.zeros((2, 1), np.float32)},
+                                            lambda p, x, training=False: x @ p["w"]),
+                         optimizer="sgd", loss="mse", strategy=ls.MirroredStrategy(2))
+    trainer.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
+    assert data._next_pass is None
+    before = np.asarray(trainer.get_weights()["w"])
+    x[:] = 2.0  # the caller's arrays, changed between fits
+    seen = []
+
+    class Loss(ls.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            seen.append(float(logs["loss"]))
+    trainer.fit(data, epochs=1, steps_per_epoch=1, verbose=0, callbacks=[Loss()])
+    assert data._next_pass is None
+    np.testing.assert_allclose(seen, [np.mean((x[:4] @ before) ** 2)], rtol=1e-6)  # the new rows, not the old

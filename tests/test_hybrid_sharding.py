@@ -117,3 +117,18 @@ def test_bad_replica_axes_are_named_before_any_step(kw, message):
     mesh = ls.DeviceMesh((2, 2, 2), ("replica", "batch", "model"))
     with pytest.raises(ls.UsageError, match=message):
         ls.ShardedStrategy(mesh=mesh, zero_stage=3, **kw)
+
+
+def test_run_returns_per_replica_values_that_differ_along_one_of_the_batch_axes():
+    """`strategy.run` on (2 copies x 2 ZeRO shards x 2): a value summed along "replica" still
+    differs along "batch", so it comes back per replica; summed along both it is replicated."""
+    strategy = sharded_strategy((2, 2, 2), 3, {})
+    assert strategy.num_replicas_in_sync == 4
+
+    def fn():
+        ctx = ls.get_replica_context()
+        r = jax.numpy.float32(ctx.replica_id_in_sync_group)
+        return jax.lax.psum(r, "replica"), jax.lax.psum(r, ("replica", "batch"))
+    along_one, along_both = strategy.run(fn)
+    assert [float(v) for v in strategy.experimental_local_results(along_one)] == [2.0, 4.0, 2.0, 4.0]
+    assert float(np.asarray(along_both)) == 6.0

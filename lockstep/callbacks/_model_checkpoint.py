@@ -4,6 +4,7 @@ in the background while training goes on."""
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -62,6 +63,14 @@ class ModelCheckpoint(MonitorCallback):
 
     def on_train_end(self, logs: dict[str, Any] | None = None) -> None:
         self.wait()
+
+    def on_train_exit(self) -> None:
+        """However `fit` ended (an error, an interrupt): the write in flight finishes; its own
+        error, if any, is a warning here (`fit`'s error is the one raised)."""
+        try:
+            self.wait()
+        except Exception as e:  # noqa: BLE001 (fit is already ending with its own error)
+            warnings.warn(f"ModelCheckpoint: writing a checkpoint failed: {e!r}", RuntimeWarning, stacklevel=2)
 
     def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
         self._steps = 0

@@ -59,6 +59,9 @@ class DataAdapter:
         next pass will be asked for too (it may be placed in the background meanwhile)."""
         return None
 
+    def release(self) -> None:
+        """Lets go of a pass placed ahead that was not asked for (`fit` calls it as it ends)."""
+
     def with_check(self, check: Callable[[Any, int], None], labels: bool = True) -> "DataAdapter":
         """The same data, whose host batches `check(batch, index)` sees as they pass (`labels`: the
         check reads their labels)."""

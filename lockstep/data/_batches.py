@@ -20,7 +20,9 @@ class Batches(DataAdapter):
     """A re-iterable sequence of global batches over a pytree of arrays.
 
     Made by `lockstep.data.batches`. With `shuffle=True` each pass over the data uses a new
-    permutation, drawn from `seed` and the number of the pass, so runs are reproducible.
+    permutation, drawn from `seed` and the number of the pass, so runs are reproducible. `fit`
+    reads in-memory arrays a pass ahead (placing the next while one trains): change them between
+    fits, not from a callback during one.
     """
 
     by_index = True
@@ -98,9 +100,13 @@ class Batches(DataAdapter):
             return None
         pass_of = (lambda e: e) if self.shuffle else (lambda e: 0)
         waiting, self._next_pass = self._next_pass, None
+        whole = None
         if waiting is not None and waiting[0] is engine and waiting[1:3] == (pass_of(epoch), start):
-            whole = waiting[3].result()
-        else:
+            try:
+                whole = waiting[3].result()
+            except Exception:  # placed again below: an error that stays is raised on this thread
+                whole = None
+        if whole is None:
             whole = self._place_pass(engine, epoch, start)
         if ahead and (pass_of(epoch + 1), 0) == (pass_of(epoch), start):
             done: Future[ResidentPass] = Future()
@@ -110,6 +116,13 @@ class Batches(DataAdapter):
             self._next_pass = (engine, pass_of(epoch + 1), 0,
                                place_ahead(lambda: self._place_pass(engine, epoch + 1, 0)))
         return (whole.batch(i) for i in range(len(whole)))
+
+    def release(self) -> None:
+        """Lets go of the pass placed ahead, if any (its device memory): `fit` calls it as it ends,
+        so that a later `fit` reads the arrays again."""
+        waiting, self._next_pass = self._next_pass, None
+        if waiting is not None:
+            waiting[3].cancel()
 
     def _place_pass(self, engine: "Engine", epoch: int, start: int) -> ResidentPass:
         order, b = self.order(epoch), self.batch_size

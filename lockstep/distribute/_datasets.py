@@ -109,6 +109,9 @@ class DistributedDataset(DataAdapter):
     def resident_pass(self, engine: Engine, epoch: int, start: int = 0, ahead: bool = False) -> Any:
         return self._data.resident_pass(self._engine, epoch, start, ahead)
 
+    def release(self) -> None:
+        self._data.release()
+
     def with_check(self, check: Callable[[Any, int], None], labels: bool = True) -> "DistributedDataset":
         return DistributedDataset(self._engine, self._data.with_check(check, labels))
 

@@ -182,11 +182,11 @@ def _values_from_worker_0(keras: Any) -> None:
 
     def should_shard_at_init(layout: Any, shape: Any) -> bool:
         """Whether Keras makes the variable by a program that writes each shard where it lies. A
-        split variable is: no device ever holds it whole (Keras does so only from 250 MB on);
-        across workers only with an initialiser they agree on (`_initialize_with_initializer`)."""
+        split variable is, with an initialiser that may run in a program (`_initialize_with_initializer`):
+        no device ever holds it whole (Keras does so only from 250 MB on); across workers only so."""
         if _spans_workers(layout):
             return _AGREED.on
-        return not getattr(layout, "is_fully_replicated", True) or at_init(layout, shape)
+        return (_AGREED.on and not getattr(layout, "is_fully_replicated", True)) or at_init(layout, shape)
     core.should_shard_at_init = should_shard_at_init
     _PUT["initialize_with_initializer"] = initialize = core.JaxVariable._initialize_with_initializer
 
@@ -194,7 +194,10 @@ def _values_from_worker_0(keras: Any) -> None:
         variable._initialize_layout()
         layout = variable._layout
         sharding = getattr(layout, "backend_layout", layout)
-        agreed = _agreed_initializer(initializer, sharding) if _spans_workers(sharding) else None
+        if _spans_workers(sharding):
+            agreed = _agreed_initializer(initializer, sharding)
+        else:
+            agreed = initializer if _seeded(initializer) else None
         if agreed is None:
             return initialize(variable, initializer)
         _AGREED.on = True
@@ -226,14 +229,24 @@ class _Agreed(threading.local):
 _AGREED = _Agreed()
 
 
+def _seeded(initializer: Any) -> bool:
+    """Whether `initializer` makes its values from its seed alone, in or out of a compiled program:
+    one of Keras' own (a user's may draw from NumPy or read values), seeded by an integer (a
+    `SeedGenerator` moves on with each use) or by nothing (constants)."""
+    if not type(initializer).__module__.startswith("keras."):
+        return False
+    if not hasattr(initializer, "seed"):
+        return True
+    seed = initializer.seed
+    return isinstance(seed, int) and not isinstance(seed, bool) and -2**63 <= seed < 2**63
+
+
 def _agreed_initializer(initializer: Any, sharding: Any) -> Any:
     """`initializer` as every worker runs it to the same values (worker 0's integer seed) for a
     variable split over the workers' devices, or None (it is then made whole, worker 0's value
     laid out). Every worker takes part (one small collective per variable, whatever its layout, so
     that workers whose layouts differ, a mistake named when `fit` starts, still agree on the path):
-    None unless every worker splits the variable alike with one of Keras' own initialisers (a
-    user's may draw from NumPy) seeded by an integer (a `SeedGenerator` moves on with each use) or
-    by nothing (constants)."""
+    None unless every worker splits the variable alike with a `_seeded` initialiser."""
     import copy
     import zlib
 
@@ -241,8 +254,7 @@ def _agreed_initializer(initializer: Any, sharding: Any) -> Any:
     from jax.experimental import multihost_utils
 
     seed = getattr(initializer, "seed", None)
-    keras_own = type(initializer).__module__.startswith("keras.")
-    usable = keras_own and (not hasattr(initializer, "seed") or (isinstance(seed, int) and not isinstance(seed, bool)))
+    usable = _seeded(initializer)
     split = not getattr(sharding, "is_fully_replicated", True)
     mine = np.array([split, zlib.crc32(repr(getattr(sharding, "spec", sharding)).encode()), usable, 0, 0], np.uint32)
     if usable and isinstance(seed, int):

@@ -30,12 +30,12 @@ def axis_names(axis_name: str | tuple[str, ...]) -> tuple[str, ...]:
 
 
 def varies(x: Any, axis_name: str | tuple[str, ...]) -> bool:
-    """Whether a traced value inside `shard_map` may differ along the mesh axis `axis_name` (each
-    of them, for a tuple)."""
+    """Whether a traced value inside `shard_map` may differ along the mesh axis `axis_name` (along
+    any of them, for a tuple: it is the same on every replica only where it varies along none)."""
     aval = jax.typeof(x)
     mat = getattr(aval, "manual_axis_type", None)
     varying = mat.varying if mat is not None else getattr(aval, "vma", None)  # (older JAX spelling)
-    return True if varying is None else all(a in varying for a in axis_names(axis_name))
+    return True if varying is None else any(a in varying for a in axis_names(axis_name))
 
 
 def to_varying(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:

@@ -59,6 +59,9 @@ class Engine:
                              f"{'both' if mesh is not None else 'neither'}.")
         if not isinstance(batch_axis, str):  # replicas along several axes (hybrid sharding), the first major
             batch_axis = tuple(batch_axis) if len(batch_axis) != 1 else batch_axis[0]
+            if mesh is None and not isinstance(batch_axis, str):
+                raise ValueError(f"a 1-D mesh of `devices` has one axis: give `batch_axis` one name, got {batch_axis!r} "
+                                 "(a tuple of axes needs `mesh`).")
         if mesh is None:
             mesh = Mesh(np.asarray(devices, dtype=object), axis_names(batch_axis), axis_types=(AxisType.Auto,))
         if not batch_axis or any(a not in mesh.axis_names for a in axis_names(batch_axis)):

@@ -165,6 +165,12 @@ class DataStream:
             self.samples += batch.num_real
             yield batch
 
+    def close(self) -> None:
+        """The end of `fit`: a pass the data placed ahead that no epoch took is let go (its devices'
+        memory; its arrays read again by the next `fit`)."""
+        self._batches = None
+        self._train.release()
+
     def _ran_out(self, epoch: int, given: int) -> None:
         if self._per_epoch is None:
             raise ValueError(

@@ -349,6 +349,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
             cblist.on_train_end(logs)
         finally:  # on any exit the model keeps the weights of the last completed step, as in Keras
             self._callbacks = []
+            self._stream.close()
             try:
                 self.sync_model()
             finally:
