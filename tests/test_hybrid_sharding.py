@@ -23,7 +23,8 @@ from sharded_cases import (COMPILE, MODELS, Preempted, StopAfterFirstEpoch, case
 from suite import variants
 
 HYBRID = [(2, 4, 1), (4, 2, 1), (2, 2, 2)]
-CASES = [(m, shape, stage) for m in MODELS for shape in HYBRID for stage in (1, 2, 3)]
+CASES = [(m, shape, stage) for m in MODELS for shape in HYBRID for stage in (1, 2, 3)] + [
+    ("mlp", shape, 3) for shape in [(2, 1, 4), (1, 4, 2), (8, 1, 1), (1, 8, 1)]]  # an axis of one device
 
 
 @pytest.mark.parametrize("model_name,shape,stage", variants(CASES, {
