@@ -1,4 +1,5 @@
-"""Backups written in the background (`BackupAndRestore(async_save=True)`, the default) against
+"""Backups written in the background (`BackupAndRestore(async_save=True)`, the default; and
+`ModelCheckpoint`'s files, `--modes weights-sync,weights-async`) against
 synchronous ones and none: how much a backup stalls training, side by side in one run.
 
     python benchmarks/backups.py             # writes benchmarks/BACKUPS.md
@@ -26,7 +27,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench import machine, write_report  # noqa: E402
 
-MODES = ["none", "sync", "async"]
+MODES = ["none", "sync", "async", "weights-sync", "weights-async"]
+LABELS = {"none": "none", "sync": "synchronous (`async_save=False`)",
+          "async": "in the background (`async_save=True`, default)",
+          "weights-sync": "`ModelCheckpoint(save_weights_only=True, async_save=False)`, .npz",
+          "weights-async": "`ModelCheckpoint(save_weights_only=True)` (background, default), .npz"}
 
 
 def child(mode: str, width: int, batch: int, steps: int, epochs: int, every: int) -> dict:
@@ -60,8 +65,12 @@ def child(mode: str, width: int, batch: int, steps: int, epochs: int, every: int
                          strategy=ls.OneDeviceStrategy())
     callbacks: list = [Timer()]
     with tempfile.TemporaryDirectory() as backup_dir:
-        if mode != "none":
+        if mode.startswith("weights"):  # ModelCheckpoint: the weights alone, one file a save
+            backup = ls.callbacks.ModelCheckpoint(os.path.join(backup_dir, "w.npz"), save_weights_only=True,
+                                                  save_freq=every, async_save=mode == "weights-async")
+        elif mode != "none":
             backup = ls.callbacks.BackupAndRestore(backup_dir, save_freq=every, async_save=mode == "async")
+        if mode != "none":
             hook = backup.on_train_batch_end
 
             def timed(batch, logs=None):  # the time the training thread spends in the backup's hook
@@ -71,7 +80,7 @@ def child(mode: str, width: int, batch: int, steps: int, epochs: int, every: int
             backup.on_train_batch_end = timed
             callbacks.insert(0, backup)
         trainer.fit(x, y, batch_size=batch, epochs=epochs, verbose=0, callbacks=callbacks)
-    state_bytes = sum(np.asarray(w).nbytes for w in model.weights) * 3  # weights + Adam's two moments
+    state_bytes = sum(np.asarray(w).nbytes for w in model.weights) * (1 if mode.startswith("weights") else 3)  # + Adam
     step_times = [b - a for a, b in zip(ends, ends[1:])][steps:]  # after the first epoch (compiling)
     # the interval after the end of step s holds the save of step s (BackupAndRestore's hooks run last)
     after_backup = [t for i, t in enumerate(step_times) if (i + steps + 1) % every == 0]
@@ -87,11 +96,10 @@ def _table(results: dict[str, list[dict]], every: int) -> list[str]:
     base = [res["epoch_s"] for res in results["none"]]
     lines = ["| backups | state written | epoch s (median) | epoch time / no backups (range) | training thread "
              "in a save, ms | a step with a save, ms | other steps, ms |", "|---|---|---|---|---|---|---|"]
-    for mode in MODES:
+    for mode in results:
         rows = results[mode]
         ratios = [res["epoch_s"] / b for res, b in zip(rows, base)]
-        label = {"none": "none", "sync": "synchronous (`async_save=False`)",
-                 "async": "in the background (`async_save=True`, default)"}[mode]
+        label = LABELS[mode]
         lines.append(f"| {label} | {rows[0]['state_mb']:.0f} MB every {every} steps | "
                      f"{statistics.median(r['epoch_s'] for r in rows):.3f} | {statistics.median(ratios):.3f} "
                      f"({min(ratios):.3f}-{max(ratios):.3f}) | {statistics.median(r['in_save_ms'] for r in rows):.1f} | "
@@ -106,6 +114,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--every", default="8,32", help="steps between backups (a table for each)")
+    parser.add_argument("--modes", default=",".join(MODES), help="which of " + ", ".join(MODES))
     parser.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "BACKUPS.md"))
     args = parser.parse_args()
     if args.child:
@@ -119,9 +128,10 @@ def main() -> int:
     env = {**os.environ, "PYTHONPATH": ROOT, "KERAS_BACKEND": "jax"}
     tables: list[str] = []
     for every in cadences:
-        results: dict[str, list[dict]] = {m: [] for m in MODES}
+        modes = ["none", *[m for m in args.modes.split(",") if m != "none"]]
+        results: dict[str, list[dict]] = {m: [] for m in modes}
         for r in range(rounds):
-            for mode in MODES:
+            for mode in modes:
                 out = subprocess.run([sys.executable, __file__, "--child", mode, str(width), str(batch), str(steps),
                                       str(epochs), str(every)], capture_output=True, text=True, env=env, check=True)
                 results[mode].append(json.loads(out.stdout.strip().splitlines()[-1]))
