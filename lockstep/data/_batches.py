@@ -131,6 +131,7 @@ class Batches(DataAdapter):
                             [order[i * b:(i + 1) * b] for i in range(start, len(self))], padded,
                             lambda i: self._batch_rows(order, start + i))
 
+
 def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int = 0,
             drop_remainder: bool = False) -> Batches:
     """Yields global batches of `batch_size` samples from a pytree of arrays.
