@@ -16,6 +16,7 @@ is still one device's: `Trainer`, `model.fit`, `run` / `reduce` / `gather` are u
 
 from __future__ import annotations
 
+import zlib
 from typing import Any
 
 import jax
@@ -23,9 +24,14 @@ from jax.sharding import NamedSharding
 
 from .._errors import UsageError
 from ..distribute import Strategy
-from ..engine import BATCH_AXIS
+from ..engine import BATCH_AXIS, allgather_sizes
 from ..sharding import ShardingConfig, as_layout_map, as_mesh
 from ._multi_worker import join
+
+
+def _same_on_every_worker(text: str) -> bool:
+    """Whether every worker holds the same `text` (a checksum of it gathered: a collective)."""
+    return len(set(allgather_sizes(zlib.crc32(text.encode()) & 0x7FFFFFFF).tolist())) == 1
 
 
 class ShardedStrategy(Strategy):
@@ -95,6 +101,9 @@ class ShardedStrategy(Strategy):
         self.device_mesh = device_mesh
         self.zero_stage = zero_stage
         super().__init__(mesh=device_mesh.jax_mesh, batch_axis=batch_axis, sharding=config)
+        #: whether every worker's strategy lays variables out alike (checked once here, a collective):
+        #: split variables are then made in their shards across the workers (the scope's Keras hooks)
+        self.layouts_agreed = agreement is None or _same_on_every_worker(repr((config, batch_axis, device_mesh.shape)))
         if agreement is not None:
             self.extended.agree_on_programs(agreement)
 

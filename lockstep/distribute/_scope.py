@@ -168,9 +168,10 @@ def _values_from_worker_0(keras: Any) -> None:
     to hold the same value: an unseeded initialiser fails). A non-trainable scalar made in the
     scope (a learning rate, a momentum: a setting) is compared instead: `WorkersDisagreeError` names
     it and every worker's value. A split variable is made in its shards (see `should_shard_at_init`
-    below): across workers when its initialiser is one of Keras' own with an integer seed (worker
-    0's seed, given to every worker: the values worker 0 would make) or none; other initialisers
-    make it whole and worker 0's value is laid out. Installed once."""
+    below) when its initialiser is one of Keras' own with an integer seed or none; across workers
+    only when the strategy's layouts agree on every worker (`layouts_agreed`, checked when it was
+    made), with worker 0's seed given to every worker: the values worker 0 would make. Otherwise it
+    is made whole and worker 0's value laid out. Installed once."""
     if "distribute_tensor" in _PUT:
         return
     try:
@@ -194,10 +195,13 @@ def _values_from_worker_0(keras: Any) -> None:
         variable._initialize_layout()
         layout = variable._layout
         sharding = getattr(layout, "backend_layout", layout)
-        if _spans_workers(sharding):
-            agreed = _agreed_initializer(initializer, sharding)
-        else:
-            agreed = initializer if _seeded(initializer) else None
+        split = not getattr(sharding, "is_fully_replicated", True)
+        agreed = None
+        if split and _seeded(initializer):
+            if not _spans_workers(sharding):
+                agreed = initializer
+            elif getattr(active(), "layouts_agreed", False):  # every worker splits this variable alike
+                agreed = _with_worker_0s_seed(initializer)
         if agreed is None:
             return initialize(variable, initializer)
         _AGREED.on = True
@@ -241,31 +245,21 @@ def _seeded(initializer: Any) -> bool:
     return isinstance(seed, int) and not isinstance(seed, bool) and -2**63 <= seed < 2**63
 
 
-def _agreed_initializer(initializer: Any, sharding: Any) -> Any:
-    """`initializer` as every worker runs it to the same values (worker 0's integer seed) for a
-    variable split over the workers' devices, or None (it is then made whole, worker 0's value
-    laid out). Every worker takes part (one small collective per variable, whatever its layout, so
-    that workers whose layouts differ, a mistake named when `fit` starts, still agree on the path):
-    None unless every worker splits the variable alike with a `_seeded` initialiser."""
+def _with_worker_0s_seed(initializer: Any) -> Any:
+    """A `_seeded` initializer with worker 0's seed (a collective: every worker makes the same split
+    variable at once, as workers whose strategies' layouts agree do), so that each worker's shards
+    are those of worker 0's value (an unseeded script draws other seeds on each worker)."""
+    if not hasattr(initializer, "seed"):
+        return initializer  # a constant
     import copy
-    import zlib
 
     import numpy as np
-    from jax.experimental import multihost_utils
 
-    seed = getattr(initializer, "seed", None)
-    usable = _seeded(initializer)
-    split = not getattr(sharding, "is_fully_replicated", True)
-    mine = np.array([split, zlib.crc32(repr(getattr(sharding, "spec", sharding)).encode()), usable, 0, 0], np.uint32)
-    if usable and isinstance(seed, int):
-        mine[3:] = np.array([seed], np.int64).view(np.uint32)
-    every = np.asarray(multihost_utils.process_allgather(mine)).reshape(-1, len(mine))
-    if not (every[:, :3] == every[0, :3]).all() or not every[0, 0] or not every[0, 2]:
-        return None
-    if not hasattr(initializer, "seed"):
-        return initializer
+    from ..engine import broadcast_from_chief
+
+    halves = np.asarray(broadcast_from_chief(np.array([initializer.seed], np.int64).view(np.uint32)), np.uint32)
     agreed = copy.copy(initializer)
-    agreed.seed = int(every[0, 3:].astype(np.uint32).view(np.int64)[0])  # worker 0's
+    agreed.seed = int(halves.view(np.int64)[0])
     return agreed
 
 
