@@ -14,6 +14,9 @@ import numpy as np
 import lockstep as ls
 
 WORKERS = pathlib.Path(__file__).resolve().parent / "workers"
+#: XLA_FLAGS of the test processes (the root conftest.py) and their children: programs compiled without
+#: LLVM's optimisations (the suite's data are small: compiling is most of its CPU); no simulated devices
+CHILD_XLA_FLAGS = "--xla_backend_optimization_level=0"
 
 
 def launch_command(script, *args, nproc=2, devices=None, failure_timeout=20, max_restarts=0, options=()):
@@ -33,7 +36,7 @@ def launch_env(env=None):
     """The workers' environment: this one's, without the 8 simulated devices of the test process,
     with the tests' helpers importable (`PYTHONPATH`)."""
     path = os.pathsep.join(p for p in (PYTHONPATH, os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": path, **(env or {})}
+    return {**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS, "PYTHONPATH": path, **(env or {})}
 
 
 def launch_workers(script, *args, nproc=2, devices=None, failure_timeout=20, max_restarts=0, timeout=300, env=None,

@@ -121,6 +121,20 @@ def sharded_fit(factory, strategy, x, y, epochs=2):
     return trainer, (trainer.get_weights(), history.history)
 
 
+def backed_up_fit(strategy, backup_dir, x, y, epochs=2, cut_short=False):
+    """`mlp` built in `strategy`'s scope and fitted by lockstep's `Trainer` with a `BackupAndRestore`
+    in `backup_dir`, cut short after its first epoch (`Preempted`) when `cut_short`; (trainer, backup)."""
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = mlp()
+        model.compile(**COMPILE)
+    trainer = ls.Trainer(model)
+    backup = ls.callbacks.BackupAndRestore(str(backup_dir))
+    callbacks = [backup, StopAfterFirstEpoch()] if cut_short else [backup]
+    trainer.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=callbacks)
+    return trainer, backup
+
+
 def used_rules(model_name):
     keys = {"mlp": [".*dense.*/kernel"], "cnn": [".*conv.*/kernel"], "lstm": [".*lstm.*/kernel"],
             "transformer": [".*dense.*/kernel", ".*embedding.*/embeddings", ".*attention/(query|key|value)/kernel",

@@ -6,11 +6,13 @@ import pathlib
 import subprocess
 import sys
 
+from launching import CHILD_XLA_FLAGS
+
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
 
 def test_the_gpu_benchmark_runs_on_cpu_in_smoke_mode():
-    env = {**os.environ, "XLA_FLAGS": "", "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS, "PYTHONPATH": str(ROOT)}
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu.py"), "--smoke"], capture_output=True,
                           text=True, timeout=280, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]

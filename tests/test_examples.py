@@ -7,6 +7,8 @@ import sys
 
 import pytest
 
+from launching import CHILD_XLA_FLAGS
+
 # the multi-worker example starts worker processes: with `make test`'s two pytest workers it runs
 # in the group of tests that start processes, one after another; the other examples run anywhere
 _PROCESSES = pytest.mark.xdist_group("processes")
@@ -25,7 +27,7 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
                                     # the transformer on a 2 x 4 mesh is also in test_sharded (CI time)
                                     pytest.param("sharded_transformer.py", marks=pytest.mark.full_suite)])
 def test_example_runs_and_agrees(script, tmp_path):
-    env = {**os.environ, "KERAS_BACKEND": "jax", "XLA_FLAGS": ""}
+    env = {**os.environ, "KERAS_BACKEND": "jax", "XLA_FLAGS": CHILD_XLA_FLAGS}
     args = [str(tmp_path)] if script == "keras_mirrored.py" else []
     proc = subprocess.run([sys.executable, str(ROOT / "examples" / script), *args], capture_output=True,
                           text=True, timeout=240, env=env, cwd=tmp_path)

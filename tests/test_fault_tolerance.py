@@ -15,6 +15,7 @@ import lockstep as ls
 
 import common  # noqa: E402
 from launching import (  # noqa: E402
+    CHILD_XLA_FLAGS,
     launch_env,
     launch_workers,
     output_of,
@@ -117,7 +118,7 @@ def test_killing_the_saving_process_repeatedly_never_leaves_a_partial_checkpoint
     rng = np.random.default_rng(0)
     directory = tmp_path / "ckpt"
     seen = []
-    env = {**os.environ, "XLA_FLAGS": ""}
+    env = {**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS}
     for trial in range(KILLS):
         proc = subprocess.Popen([sys.executable, "-c", WRITER, str(directory), mode], stdout=subprocess.PIPE, text=True,
                                 env=env)

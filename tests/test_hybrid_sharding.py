@@ -10,7 +10,6 @@ import shutil
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
 import jax
-import keras
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -18,7 +17,7 @@ from hypothesis import strategies as st
 
 import lockstep as ls
 from keras_reference import assert_equals_one_device, assert_weights_close
-from sharded_cases import (COMPILE, MODELS, Preempted, StopAfterFirstEpoch, case_data, keras_fit, mlp, sharded_fit,
+from sharded_cases import (MODELS, Preempted, backed_up_fit, case_data, keras_fit, mlp, sharded_fit,
                            sharded_strategy, used_rules)
 from suite import variants
 
@@ -97,15 +96,7 @@ def test_state_moves_between_hybrid_zero_and_one_device_and_the_run_goes_on(tmp_
     _, (whole, _) = sharded_fit(mlp, sharded_strategy((2, 2, 2), 3, rules), x, y, epochs=2)
 
     def fit(strategy, where, cut_short=False):
-        with strategy.scope():
-            keras.utils.set_random_seed(1)
-            model = mlp()
-            model.compile(**COMPILE)
-        trainer = ls.Trainer(model)
-        backup = ls.callbacks.BackupAndRestore(str(tmp_path / where))
-        callbacks = [backup, StopAfterFirstEpoch()] if cut_short else [backup]
-        trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=callbacks)
-        return trainer, backup
+        return backed_up_fit(strategy, tmp_path / where, x, y, cut_short=cut_short)
 
     for strategy, where in [(sharded_strategy((2, 2, 2), 3, rules), "hybrid"), (sharded_strategy((8, 1), 2, rules), "zero")]:
         with pytest.raises(Preempted):

@@ -22,6 +22,7 @@ import optax
 import pytest
 
 import lockstep as ls
+from launching import CHILD_XLA_FLAGS
 
 N, BATCH = 14, 8  # the last batch has 6 rows: on 4 replicas 2, 2, 2 and one replica of padding only
 
@@ -117,7 +118,7 @@ def _float64_truth(name, w0, x, y, tmp_path):
     path = str(tmp_path / "start.npz")
     np.savez(path, x=x, y=y, count=len(w0), classes=4, batch=BATCH, **{f"w{i}": w for i, w in enumerate(w0)})
     proc = subprocess.run([sys.executable, "-c", TRUTH, name, path], capture_output=True, text=True, timeout=1500,
-                          env={**os.environ, "XLA_FLAGS": ""})
+                          env={**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS})
     assert proc.returncode == 0, proc.stderr[-3000:]
     truth = np.load(path + ".truth.npz")
     return [truth[f"arr_{i}"] for i in range(len(w0))]

@@ -19,7 +19,7 @@ from lockstep._exit_codes import LOST_WORKER_EXIT_CODE
 
 import common  # noqa: E402
 from common import free_port  # noqa: E402
-from launching import WORKERS, launch_workers, rank_results  # noqa: E402
+from launching import CHILD_XLA_FLAGS, WORKERS, launch_workers, rank_results  # noqa: E402
 
 # these tests start processes: with `make test`'s two pytest workers, they run one after another
 pytestmark = pytest.mark.xdist_group("processes")
@@ -136,7 +136,7 @@ def test_tf_config_from_the_tf_distribute_docs_works_unchanged():
         for index in range(2):
             cfg = {**tf_config, "task": {"type": "worker", "index": index}}
             env = {k: v for k, v in os.environ.items() if not k.startswith("LOCKSTEP_")}
-            env.update(TF_CONFIG=json.dumps(cfg), XLA_FLAGS="", LOCKSTEP_FAILURE_TIMEOUT="10")
+            env.update(TF_CONFIG=json.dumps(cfg), XLA_FLAGS=CHILD_XLA_FLAGS, LOCKSTEP_FAILURE_TIMEOUT="10")
             procs.append(subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
                                           stderr=subprocess.STDOUT, text=True, start_new_session=True))
         outs = [p.communicate(timeout=120)[0] for p in procs]
@@ -219,7 +219,7 @@ def test_workers_passing_arrays_of_different_lengths_get_a_clear_error():
 def test_a_chief_whose_peer_never_starts_exits_with_a_named_cause():
     """It aborted with a core dump: `DEADLINE_EXCEEDED ... RegisterTask`."""
     script = WORKERS / "joiner_job.py"
-    env = {**os.environ, "XLA_FLAGS": "", "LOCKSTEP_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
+    env = {**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS, "LOCKSTEP_COORDINATOR_ADDRESS": f"127.0.0.1:{free_port()}",
            "LOCKSTEP_NUM_PROCESSES": "2", "LOCKSTEP_PROCESS_ID": "0", "LOCKSTEP_JOIN_TIMEOUT": "3"}
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env)
     assert proc.returncode == LOST_WORKER_EXIT_CODE, proc.stderr[-2000:]
@@ -279,7 +279,7 @@ def _launch_cmd(script, *options):
 
 def test_bad_cluster_settings_are_named_errors_within_seconds():
     script = WORKERS / "joiner_job.py"
-    env = {**os.environ, "XLA_FLAGS": "", "LOCKSTEP_JOIN_TIMEOUT": "5"}
+    env = {**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS, "LOCKSTEP_JOIN_TIMEOUT": "5"}
     run = dict(capture_output=True, text=True, timeout=120, env=env)
     # nodes started with different --nnodes: both named, with both counts
     port = free_port()
@@ -392,7 +392,7 @@ def test_sigterm_or_sigint_ends_a_job_without_backups_every_process_reaped(targe
     cmd = [sys.executable, "-m", "lockstep", "launch", "--nproc-per-node", "2", "--failure-timeout", "10",
            str(WORKERS / "no_backup_job.py")]
     launcher = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "XLA_FLAGS": ""})
+                                env={**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS})
     pids = {}
     try:
         while True:
@@ -432,7 +432,7 @@ def test_worker_0_started_twice_is_named_by_both():
     script = WORKERS / "joiner_job.py"
     port = free_port()
     cluster = {"worker": [f"127.0.0.1:{port}", "127.0.0.1:1"]}
-    env = {**os.environ, "XLA_FLAGS": "", "LOCKSTEP_JOIN_TIMEOUT": "20",
+    env = {**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS, "LOCKSTEP_JOIN_TIMEOUT": "20",
            "TF_CONFIG": json.dumps({"cluster": cluster, "task": {"type": "worker", "index": 0}})}
     start = time.monotonic()
     twins = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

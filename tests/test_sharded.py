@@ -14,9 +14,8 @@ from keras import layers as L
 
 import lockstep as ls
 from keras_reference import assert_equals_one_device, assert_weights_close
-from sharded_cases import (ALL_MODELS, COMPILE, MESHES, MODELS, Preempted, StopAfterFirstEpoch, case_data, cnn,
-                                 functional_mlp, keras_fit,
-                                 mlp, sharded_fit, sharded_strategy, transformer, used_rules)
+from sharded_cases import (ALL_MODELS, COMPILE, MESHES, MODELS, Preempted, backed_up_fit, case_data, cnn, functional_mlp,
+                           keras_fit, mlp, sharded_fit, sharded_strategy, transformer, used_rules)
 from suite import variants
 
 CASES = [(m, shape, stage) for m in MODELS for shape in MESHES for stage in (0, 1, 2, 3)
@@ -139,21 +138,9 @@ def test_backup_and_restore_resumes_on_another_mesh(tmp_path):
     rules = used_rules("mlp")
     _, (w_whole, _) = sharded_fit(mlp, sharded_strategy((2, 4), 3, rules), x, y, epochs=2)
 
-    def fit(strategy, epochs, preempted=False):
-        with strategy.scope():
-            keras.utils.set_random_seed(1)
-            model = mlp()
-            model.compile(**COMPILE)
-        trainer = ls.Trainer(model)
-        cbs = [ls.callbacks.BackupAndRestore(str(tmp_path / "backup"))]
-        if preempted:
-            cbs.append(StopAfterFirstEpoch())
-        trainer.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0, callbacks=cbs)
-        return trainer, cbs[0]
-
-    with pytest.raises(Preempted):
-        fit(sharded_strategy((2, 4), 3, rules), 2, preempted=True)  # a run cut short after its first epoch
-    resumed, backup = fit(sharded_strategy((8, 1), 2, rules), 2)
+    with pytest.raises(Preempted):  # a run cut short after its first epoch
+        backed_up_fit(sharded_strategy((2, 4), 3, rules), tmp_path / "backup", x, y, cut_short=True)
+    resumed, backup = backed_up_fit(sharded_strategy((8, 1), 2, rules), tmp_path / "backup", x, y)
     assert backup.restored_from == 5  # the backup of epoch 1 (5 steps of 8 rows)
     assert_weights_close(resumed.get_weights(), w_whole, atol=5e-6)
 

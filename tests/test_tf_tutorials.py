@@ -13,7 +13,7 @@ import sys
 import numpy as np
 import pytest
 
-from launching import output_of
+from launching import CHILD_XLA_FLAGS, output_of
 
 pytest.importorskip("tensorflow")
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -28,7 +28,7 @@ def _env(devices, **extra):
     """A TF user's environment (no KERAS_BACKEND: lockstep, imported first, selects JAX) with
     `devices` simulated CPU devices."""
     env = {k: v for k, v in os.environ.items() if k not in ("KERAS_BACKEND", "TF_CONFIG")}
-    return {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}", **extra}
+    return {**env, "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices} {CHILD_XLA_FLAGS}", **extra}
 
 
 def run_tutorial(name, devices, cwd, *args, **env):

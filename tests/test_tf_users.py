@@ -15,7 +15,7 @@ import pytest
 
 import lockstep as ls
 from keras_reference import assert_logs_close, assert_weights_close
-from launching import WORKERS, launch_workers, output_of, rank_results
+from launching import CHILD_XLA_FLAGS, WORKERS, launch_workers, output_of, rank_results
 from suite import variants
 
 tf = pytest.importorskip("tensorflow")
@@ -47,12 +47,16 @@ def _python(code, **env):
     """`code` run in a fresh interpreter (Keras picks its backend once a process)."""
     clean = {k: v for k, v in os.environ.items() if k != "KERAS_BACKEND"}
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
-                          env={**clean, "XLA_FLAGS": "", **env})
+                          env={**clean, "XLA_FLAGS": CHILD_XLA_FLAGS, **env})
 
 
 def test_importing_lockstep_first_selects_keras_jax_backend_and_another_backend_is_named():
-    ran = _python("import lockstep, keras; print(keras.backend.backend())")
-    assert ran.returncode == 0 and ran.stdout.strip().endswith("jax"), ran.stderr[-2000:]
+    # and fitting a compiled Keras model (no metrics) in a scope does not import TensorFlow (3 s), which is installed
+    ran = _python("import sys, numpy as np, lockstep as ls, keras\nwith ls.MirroredStrategy().scope():\n"
+                  "    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n    m.compile('sgd', 'mse')\n"
+                  "m.fit(np.ones((4, 3)), np.ones((4, 1)), verbose=0)\nm.evaluate(np.ones((4, 3)), np.ones((4, 1)), verbose=0)\n"
+                  "print('tensorflow' in sys.modules, keras.backend.backend())")
+    assert ran.returncode == 0 and ran.stdout.strip().endswith("False jax"), ran.stdout + ran.stderr[-2000:]
     ran = _python("import keras, lockstep as ls\ntry:\n    ls.MirroredStrategy()\nexcept ls.UsageError as e:\n"
                   "    print('REFUSED', e)", KERAS_BACKEND="tensorflow")
     assert "REFUSED Keras runs on the 'tensorflow' backend" in ran.stdout, ran.stdout + ran.stderr[-2000:]

@@ -134,6 +134,8 @@ def _given_metrics(model: Any, per_output: bool = False) -> Any:
     compiled = getattr(model, "_compile_metrics", None)  # Keras 3's CompileMetrics keeps the user's objects
     if compiled is not None and hasattr(compiled, "_user_metrics"):
         groups = [compiled._user_metrics, compiled._user_weighted_metrics]
+    elif compiled is None and hasattr(model, "_compile_metrics"):  # Keras 3 compiled without metrics: none given
+        groups = [None, None]  # (the compile config would be serialised: Keras imports TensorFlow for that, 3 s)
     else:
         config = model.get_compile_config() or {}
         groups = [config.get("metrics"), config.get("weighted_metrics")]
