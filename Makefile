@@ -25,6 +25,7 @@ bench: $(STAMP)
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/input.py
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/small_steps.py
 	KERAS_BACKEND=jax $(BIN)/python benchmarks/sharded.py
+	KERAS_BACKEND=jax $(BIN)/python benchmarks/memory_peak.py
 
 # two pytest workers; the tests that start processes run one after another in one of them
 test: $(STAMP)

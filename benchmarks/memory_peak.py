@@ -9,8 +9,9 @@ as the process's: each row runs in a child process with glibc's mmap threshold f
 freed, so the resident set follows the buffers alive). After the first epoch (which compiles), a
 callback reads the resident set and the bytes of the arrays alive on the devices, and resets the
 kernel's high-water mark (``/proc/self/clear_refs``); at the end of the last epoch it reads the
-high-water mark. A device's measured peak is ``(bytes on the devices after epoch 1 + high-water
-mark - resident set then) / devices``: every device of a row does the same work on equal shares.
+high-water mark. A device's measured peak is the bytes alive on device 0 after epoch 1 (each
+buffer once) + (high-water mark - resident set then) / devices: every device of a row does the
+same work on equal shares.
 
 Against it, per row (all per device):
 
@@ -18,7 +19,10 @@ Against it, per row (all per device):
   + optimizer state (+ a step's gradients: its "total");
 * ``Trainer.step_memory()["peak"]``: XLA's accounting of the compiled training program (its
   arguments: the state and the device's share of the epoch's rows; its outputs: the next state,
-  no buffer donation; its temporaries: activations, gradients, gathered parameters).
+  no buffer donation; its temporaries: activations, gradients, gathered parameters);
+* ``Trainer.step_memory()["device_peak"]``: that and the Keras model's own variables, which each
+  device holds beside the training state (``keras_variables``: one more copy of the parameters,
+  or of its shards).
 """
 
 from __future__ import annotations
@@ -52,10 +56,17 @@ def _status(key: str) -> int:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith(key))
 
 
-def _on_devices() -> int:
+def _on_device_0() -> int:
+    """Bytes of the buffers alive on device 0 (each once: a shard's array and its whole array share one)."""
     import jax
 
-    return sum(s.data.nbytes for a in jax.live_arrays() for s in a.addressable_shards)
+    device, seen, total = jax.devices()[0], set(), 0
+    for a in jax.live_arrays():
+        for s in a.addressable_shards:
+            if s.device == device and s.data.unsafe_buffer_pointer() not in seen:
+                seen.add(s.data.unsafe_buffer_pointer())
+                total += s.data.nbytes
+    return total
 
 
 def build(model: str):
@@ -105,7 +116,7 @@ def child(system: str, model_name: str, n: int, epochs: int) -> dict:
             jax.block_until_ready(self.trainer.train_state.params)
             if epoch == 0:
                 gc.collect()
-                marks["on_devices"], marks["rss"] = _on_devices(), _status("VmRSS")
+                marks["on_device_0"], marks["rss"] = _on_device_0(), _status("VmRSS")
                 with open("/proc/self/clear_refs", "w") as f:
                     f.write("5")  # the high-water mark starts again from the resident set
             elif epoch == epochs - 1:
@@ -114,10 +125,10 @@ def child(system: str, model_name: str, n: int, epochs: int) -> dict:
     trainer = ls.Trainer(model, optimizer="adam", loss="sparse_categorical_crossentropy_from_logits", strategy=strategy)
     trainer.fit(x, y, batch_size=64, epochs=epochs, shuffle=False, verbose=0, callbacks=[Peak()])
     estimate = ls.memory_estimate(model, "adam", strategy)
-    measured = (marks["on_devices"] + marks["hwm"] - marks["rss"]) / DEVICES
+    rise = (marks["hwm"] - marks["rss"]) / DEVICES
     return {"estimate_state": estimate["parameters"] + estimate["optimizer_state"], "estimate_total": estimate["total"],
-            "step": trainer.step_memory(), "measured": measured, "on_devices": marks["on_devices"] / DEVICES,
-            "rise": (marks["hwm"] - marks["rss"]) / DEVICES}
+            "step": trainer.step_memory(), "measured": marks["on_device_0"] + rise, "on_device_0": marks["on_device_0"],
+            "rise": rise}
 
 
 def run_child(system: str, model: str, n: int, epochs: int) -> dict | str:
@@ -149,20 +160,22 @@ def main() -> int:
              "", __doc__.split("\n\n", 2)[2].strip(), ""]
     for model in MODELS:
         lines += [f"## {MODELS[model]}", "",
-                  "| system | estimate: params + Adam | estimate: total | XLA's peak of the step | measured peak | "
-                  "XLA / measured | measured: held after epoch 1 + rise in epochs 2.. |", "|---|---|---|---|---|---|---|"]
+                  "| system | memory_estimate: params + Adam | memory_estimate: total | XLA's peak of the step | "
+                  "+ Keras variables = device_peak | measured peak | device_peak / measured | "
+                  "measured: held after epoch 1 + rise in epochs 2.. |", "|---|---|---|---|---|---|---|---|"]
         for system in SYSTEMS:
             runs = [run_child(system, model, n, epochs) for _ in range(rounds)]
             failed = [r for r in runs if isinstance(r, str)]
             if failed:
-                lines.append(f"| {system} | {failed[0]} | | | | | |")
+                lines.append(f"| {system} | {failed[0]} | | | | | | |")
                 continue
             r = runs[0]
             measured = statistics.median(x["measured"] for x in runs)
-            peak = r["step"]["peak"]
+            step = r["step"]
             lines.append(f"| {system} | {r['estimate_state'] / mib:.2f} MiB | {r['estimate_total'] / mib:.2f} MiB | "
-                         f"{peak / mib:.2f} MiB | {measured / mib:.2f} MiB | {peak / measured:.3f} | "
-                         f"{r['on_devices'] / mib:.2f} + {r['rise'] / mib:.2f} MiB |")
+                         f"{step['peak'] / mib:.2f} MiB | + {step['keras_variables'] / mib:.2f} = "
+                         f"{step['device_peak'] / mib:.2f} MiB | {measured / mib:.2f} MiB | "
+                         f"{step['device_peak'] / measured:.3f} | {r['on_device_0'] / mib:.2f} + {r['rise'] / mib:.2f} MiB |")
             print(lines[-1], flush=True)
         lines.append("")
     write_report(os.path.join(os.path.dirname(os.path.abspath(__file__)),

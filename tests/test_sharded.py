@@ -107,6 +107,10 @@ def test_memory_per_device_is_what_the_stage_promises_and_the_estimate_says(stag
     assert abs(estimate["optimizer_state"] - opt[jax.devices()[0]]) <= hyper
     sharded = sum(v.nbytes for v in trainer.layouts.variables if v.split)
     assert stage == 0 or sharded >= 0.98 * 4 * p  # at least 98% of parameter bytes sharded by default
+    # beside the step, a device holds the Keras model's own variables: whole, or (ZeRO-3) its shards of them
+    step = trainer.step_memory()
+    assert step["keras_variables"] >= (4 * p if stage < 3 else 0.98 * 4 * p / n)
+    assert step["device_peak"] == step["peak"] + step["keras_variables"]
 
 
 def test_state_saved_on_one_mesh_restores_onto_any_other_and_the_run_goes_on_as_if_uninterrupted():

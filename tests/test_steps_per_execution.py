@@ -198,3 +198,31 @@ def test_steps_in_flight_stay_bounded_for_a_keras_model_without_non_trainable_st
     ls.Trainer(model, loss="sparse_categorical_crossentropy_from_logits", steps_per_execution=k).fit(
         x, y, batch_size=8, epochs=1, verbose=0, callbacks=[InFlight()])
     assert 1 <= max(seen) <= 8
+
+
+def test_the_steps_in_flight_keep_no_old_parameters_alive():
+    """The token of a step in flight is a small output (its metric count), and a finished step's
+    is let go: a device holds its parameters' current copies only (the training state's and the
+    Keras model's own), not one more per step dispatched (measured: 3 more copies of the first
+    kernel, up to 8)."""
+    x, y = data(256, seed=3)
+    strategy = ls.MirroredStrategy(2)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input(x.shape[1:]), keras.layers.Dense(37), keras.layers.Dense(10)])
+    copies = []
+
+    def copies_of_the_first_kernel():
+        device, seen = strategy.devices[0], set()
+        for a in jax.live_arrays():
+            if a.shape == (x.shape[1], 37):
+                seen |= {s.data.unsafe_buffer_pointer() for s in a.addressable_shards if s.device == device}
+        return len(seen)
+
+    class Count(ls.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            jax.block_until_ready(self.trainer.train_state.params)
+            copies.append(copies_of_the_first_kernel())
+
+    ls.Trainer(model, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits").fit(
+        x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Count()])
+    assert max(copies) <= 2, copies  # the state's and the Keras model's

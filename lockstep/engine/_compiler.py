@@ -238,17 +238,23 @@ class RunCompiler:
         return self._tracked(entry.call(call.dynamic, call.context))
 
     def _tracked(self, out: Any) -> Any:
-        """A program's outputs, just dispatched, counted among the steps in flight (by their first array)."""
-        first = _first_array(out)
-        if first is not None:
-            self._track(first)
+        """A program's outputs, just dispatched, counted among the steps in flight by the smaller of
+        their first and last arrays (a token keeps its array alive: a training step's first is a
+        parameter, its last a metric's count)."""
+        ends = [a for a in (_end_array(out, first=True), _end_array(out, first=False)) if a is not None]
+        if ends:
+            self._track(min(ends, key=lambda a: a.nbytes))
         return out
 
     def _track(self, token: jax.Array) -> None:
-        """Bounds the compiled steps in flight (DESIGN.md's CPU deadlock)."""
-        self._in_flight.append(token)
-        while len(self._in_flight) > MAX_STEPS_IN_FLIGHT:
-            self._in_flight.popleft().block_until_ready()
+        """Bounds the compiled steps in flight (DESIGN.md's CPU deadlock); the tokens of programs
+        that have finished are let go."""
+        in_flight = self._in_flight
+        while in_flight and in_flight[0].is_ready():
+            in_flight.popleft()
+        in_flight.append(token)
+        while len(in_flight) > MAX_STEPS_IN_FLIGHT:
+            in_flight.popleft().block_until_ready()
 
     @property
     def steps_in_flight(self) -> int:
@@ -423,14 +429,14 @@ class _Call:
         return jax.tree.unflatten(self.treedef, leaves)
 
 
-def _first_array(tree: Any) -> jax.Array | None:
-    """The first array of a program's outputs (tuples, lists and dicts of arrays; empty ones
-    skipped), found without flattening them all: the token that bounds the steps in flight."""
+def _end_array(tree: Any, first: bool) -> jax.Array | None:
+    """The first (or last) array of a program's outputs (tuples, lists and dicts of arrays; empty
+    ones skipped), found without flattening them all: a token that bounds the steps in flight."""
     if isinstance(tree, jax.Array):
         return tree
-    items = tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ()
-    for item in items:
-        found = _first_array(item)
+    items = list(tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ())
+    for item in items if first else reversed(items):
+        found = _end_array(item, first)
         if found is not None:
             return found
     return None

@@ -11,23 +11,38 @@ import jax
 
 
 class TrainerMeasures:
-    """Mixed into `Trainer` (it reads `_runner`, `_stream` and `_cblist`)."""
+    """Mixed into `Trainer` (it reads `_runner`, `_stream`, `_cblist`, `model`, `strategy`, `_keras_optimizer`)."""
 
     _runner: Any
     _stream: Any
     _cblist: Any
+    _keras_optimizer: Any
+    model: Any
+    strategy: Any
 
     def step_memory(self) -> dict[str, int] | None:
-        """Bytes one device holds while the training step runs, as XLA compiled it (the program of
-        the last `fit`'s most frequent call): its arguments (state, batch), outputs, temporaries
-        (activations, gradients) and their peak sum; None before the first step."""
+        """Bytes one device holds while the training step runs: as XLA compiled it (the program of
+        the last `fit`'s most frequent call), its arguments (state, batch), outputs, temporaries
+        (activations, gradients) and their peak sum (``peak``); the Keras model's and Keras
+        optimizer's own variables, which the device holds beside the step (``keras_variables``);
+        and both together (``device_peak``: within 2% of the measured peak in
+        benchmarks/MEMORY_PEAK.md). None before the first step."""
         compiled = None if self._runner is None else self._runner.compiled()
         if compiled is None:
             return None
         m = compiled[0].memory_analysis()
         out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
                "temporaries": m.temp_size_in_bytes}
-        return {**out, "peak": out["arguments"] + out["outputs"] - m.alias_size_in_bytes + out["temporaries"]}
+        out["peak"] = out["arguments"] + out["outputs"] - m.alias_size_in_bytes + out["temporaries"]
+        out["keras_variables"] = self._keras_variable_bytes()
+        return {**out, "device_peak": out["peak"] + out["keras_variables"]}
+
+    def _keras_variable_bytes(self) -> int:
+        """Bytes of the Keras model's and Keras optimizer's variables on this process's first device of the strategy."""
+        device = next((d for d in self.strategy.devices if d.process_index == jax.process_index()), None)
+        variables = [*getattr(self.model, "variables", ()), *getattr(self._keras_optimizer, "variables", ())]
+        arrays = [v.value for v in variables if isinstance(getattr(v, "value", None), jax.Array)]
+        return sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == device)
 
     def step_cost(self) -> dict[str, Any] | None:
         """One optimizer step's FLOPs on one device, from XLA's cost analysis of the compiled
