@@ -129,6 +129,7 @@ class RunCompiler:
         self._context = context
         self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
         self._in_flight: collections.deque[jax.Array] = collections.deque()
+        self._in_flight_lock = threading.Lock()  # not `_lock`, which is held across workers' agreement
         self._lock = threading.Lock()
         self._agree: Callable[[str], None] | None = None
 
@@ -240,21 +241,25 @@ class RunCompiler:
     def _tracked(self, out: Any) -> Any:
         """A program's outputs, just dispatched, counted among the steps in flight by the smaller of
         their first and last arrays (a token keeps its array alive: a training step's first is a
-        parameter, its last a metric's count)."""
-        ends = [a for a in (_end_array(out, first=True), _end_array(out, first=False)) if a is not None]
+        parameter, its last a metric's count; empty arrays are no tokens)."""
+        ends = [a for a in (_end_array(out, first=True), _end_array(out, first=False)) if a is not None and a.size]
         if ends:
             self._track(min(ends, key=lambda a: a.nbytes))
         return out
 
     def _track(self, token: jax.Array) -> None:
         """Bounds the compiled steps in flight (DESIGN.md's CPU deadlock); the tokens of programs
-        that have finished are let go."""
-        in_flight = self._in_flight
-        while in_flight and in_flight[0].is_ready():
-            in_flight.popleft()
-        in_flight.append(token)
-        while len(in_flight) > MAX_STEPS_IN_FLIGHT:
-            in_flight.popleft().block_until_ready()
+        that have finished are let go. Calls from several threads (`strategy.run` in each) share
+        the bound."""
+        with self._in_flight_lock:
+            in_flight = self._in_flight
+            while in_flight and _finished(in_flight[0]):
+                in_flight.popleft()
+            in_flight.append(token)
+            oldest = [in_flight.popleft() for _ in range(len(in_flight) - MAX_STEPS_IN_FLIGHT)]
+        for t in oldest:
+            if not _finished(t):
+                t.block_until_ready()
 
     @property
     def steps_in_flight(self) -> int:
@@ -427,6 +432,14 @@ class _Call:
                 x = next(d_it)
                 leaves.append(x[0] if kind == "per_replica" else x)  # rows, replicated, a shard: as it is
         return jax.tree.unflatten(self.treedef, leaves)
+
+
+def _finished(token: jax.Array) -> bool:
+    """Whether the program of its output `token` has finished (one deleted or donated since has)."""
+    try:
+        return token.is_ready()
+    except RuntimeError:
+        return True
 
 
 def _end_array(tree: Any, first: bool) -> jax.Array | None:

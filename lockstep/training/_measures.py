@@ -11,7 +11,8 @@ import jax
 
 
 class TrainerMeasures:
-    """Mixed into `Trainer` (it reads `_runner`, `_stream`, `_cblist`, `model`, `strategy`, `_keras_optimizer`)."""
+    """Mixed into `Trainer` (it reads `_runner`, `_stream`, `_cblist`, `model`, `strategy`, `_state` and
+    `_keras_optimizer`)."""
 
     _runner: Any
     _stream: Any
@@ -19,6 +20,7 @@ class TrainerMeasures:
     _keras_optimizer: Any
     model: Any
     strategy: Any
+    _state: Any
 
     def step_memory(self) -> dict[str, int] | None:
         """Bytes one device holds while the training step runs: as XLA compiled it (the program of
@@ -38,11 +40,21 @@ class TrainerMeasures:
         return {**out, "device_peak": out["peak"] + out["keras_variables"]}
 
     def _keras_variable_bytes(self) -> int:
-        """Bytes of the Keras model's and Keras optimizer's variables on this process's first device of the strategy."""
+        """Bytes of the Keras model's and Keras optimizer's variables on this process's first device
+        of the strategy, each buffer once and none the training state holds (Keras variables may
+        be lent the state's arrays)."""
         device = next((d for d in self.strategy.devices if d.process_index == jax.process_index()), None)
         variables = [*getattr(self.model, "variables", ()), *getattr(self._keras_optimizer, "variables", ())]
-        arrays = [v.value for v in variables if isinstance(getattr(v, "value", None), jax.Array)]
-        return sum(s.data.nbytes for a in arrays for s in a.addressable_shards if s.device == device)
+        arrays = [a for a in (getattr(v, "_value", None) for v in variables) if isinstance(a, jax.Array)]
+        state = self._state  # as the step holds it (`train_state` would cut padded arrays: a collective)
+        counted = {s.data.unsafe_buffer_pointer() for a in jax.tree.leaves((state.params, state.opt_state))
+                   if isinstance(a, jax.Array) for s in a.addressable_shards if s.device == device}
+        total = 0
+        for s in (s for a in arrays for s in a.addressable_shards if s.device == device):
+            if s.data.unsafe_buffer_pointer() not in counted:
+                counted.add(s.data.unsafe_buffer_pointer())
+                total += s.data.nbytes
+        return total
 
     def step_cost(self) -> dict[str, Any] | None:
         """One optimizer step's FLOPs on one device, from XLA's cost analysis of the compiled
