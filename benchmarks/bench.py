@@ -358,8 +358,14 @@ def child_metrics(devices: int, repeats: int) -> dict:
 
 
 def run_child(args: list[str], timeout: int = 1800) -> dict | str:
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": ""}
-    proc = subprocess.run([sys.executable, __file__, "--child", *args], capture_output=True, text=True,
+    return run_script(__file__, args, timeout=timeout)
+
+
+def run_script(script: str, args: list[str], env: dict | None = None, timeout: int = 1800) -> dict | str:
+    """`script --child *args` in a fresh process (`env` added to this one's, without XLA_FLAGS): the
+    JSON its last line prints, or why it failed."""
+    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", **(env or {})}
+    proc = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True,
                           timeout=timeout, env=env)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]

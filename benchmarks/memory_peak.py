@@ -32,11 +32,10 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench import ROOT, machine, write_report  # noqa: E402
+from bench import machine, run_script, write_report  # noqa: E402
 
 DEVICES = 8
 #: row name -> (mesh shape (batch, model) or (replica, batch, model), or None for MirroredStrategy; ZeRO stage)
@@ -132,13 +131,7 @@ def child(system: str, model_name: str, n: int, epochs: int) -> dict:
 
 
 def run_child(system: str, model: str, n: int, epochs: int) -> dict | str:
-    env = {**os.environ, "PYTHONPATH": ROOT, "XLA_FLAGS": "", "MALLOC_MMAP_THRESHOLD_": "65536"}
-    proc = subprocess.run([sys.executable, __file__, "--child", system, model, str(n), str(epochs)],
-                          capture_output=True, text=True, timeout=1800, env=env)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        return f"failed: {tail[0][:160]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(__file__, [system, model, str(n), str(epochs)], env={"MALLOC_MMAP_THRESHOLD_": "65536"})
 
 
 def main() -> int:
