@@ -101,9 +101,12 @@ WRITER = textwrap.dedent("""
     store = TrainingCheckpointer(sys.argv[1], async_save=sys.argv[2] == "async")
     step = (store.latest_step() or 0) + 1
     big = np.zeros((512, 512), np.float32)
+    first = step
     while True:
         big[:] = step
         store.save(step, {"a": big, "b": np.full(9, step, np.int64)}, {"step": step})
+        if step == first:
+            store.wait()  # the first save written (in the background too) before the kill may come: progress per trial
         print("saved", step, flush=True)
         step += 1
 """)
