@@ -3,6 +3,7 @@
 
     python benchmarks/gpu.py                  # on a GPU: writes benchmarks/GPU.md
     python benchmarks/gpu.py --smoke          # tiny shapes on CPU, in one process (run by the test suite)
+    JAX_PLATFORMS=cuda python benchmarks/gpu.py --smoke   # the same tiny shapes on the GPU
 
 Model: 12 pre-norm blocks, width 768, 12 heads, causal attention over 1024 tokens, vocabulary
 50257, GELU MLP of 3072, Keras' `mixed_bfloat16` policy, AdamW; batch 8 sequences. Every system
@@ -10,7 +11,10 @@ trains the same model from the same weights on the same random tokens, each in i
 process (one after the other, the order rotated each round). Reported per system: tokens/s of the
 median epoch after the first, its ratio to the hand-written loop, and MFU: the model FLOPs per token
 (PaLM's count, 6 N + 12 L d T) times tokens/s over the device's dense bf16 peak
-(`lockstep.callbacks._goodput.PEAK_FLOPS`; none on CPU).
+(`lockstep.callbacks._goodput.PEAK_FLOPS`; none on CPU). lockstep's rows also report what its
+`Goodput` callback logs (FLOPs per step from XLA's cost analysis of the compiled step, and MFU from
+those), and its `Trainer.step_memory()["device_peak"]` beside the device's measured peak
+(`memory_stats()["peak_bytes_in_use"]`, where the device keeps allocator statistics: GPUs, not CPUs).
 """
 
 from __future__ import annotations
@@ -57,6 +61,8 @@ def child(system: str, shape: dict) -> dict:
     import keras
     import numpy as np
 
+    import lockstep as ls
+
     keras.config.set_dtype_policy("mixed_bfloat16")
     n = shape["batch"] * shape["steps"]
     rng = np.random.default_rng(0)
@@ -64,6 +70,7 @@ def child(system: str, shape: dict) -> dict:
     x, y = data[:, :-1], data[:, 1:]
     dims = {k: shape[k] for k in ("layers", "width", "heads", "seq", "vocab")}
     times: list[float] = []
+    extra: dict = {}
     if system.startswith("hand"):
         import optax
 
@@ -91,8 +98,6 @@ def child(system: str, shape: dict) -> dict:
             times.append(time.perf_counter() - start)
         final = float(loss)
     else:
-        import lockstep as ls
-
         class Timer(keras.callbacks.Callback):
             def on_epoch_begin(self, epoch, logs=None):
                 self.start = time.perf_counter()
@@ -100,19 +105,30 @@ def child(system: str, shape: dict) -> dict:
             def on_epoch_end(self, epoch, logs=None):
                 times.append(time.perf_counter() - self.start)
 
+        class StepMemory(ls.callbacks.Callback):  # lockstep's estimate of the compiled step's device peak
+            def on_train_end(self, logs=None):
+                extra["step_memory"] = self.trainer.step_memory()
+
         k = 32 if "32" in system else 1
-        scope = ls.MirroredStrategy(1).scope() if system.startswith("lockstep") else _nothing()
+        in_lockstep = system.startswith("lockstep")
+        scope = ls.MirroredStrategy(1).scope() if in_lockstep else _nothing()
         with scope:
             model = build(keras, **dims)
             model.compile(optimizer=keras.optimizers.AdamW(1e-4),
                           loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), steps_per_execution=k)
+        callbacks = [Timer(), ls.callbacks.Goodput(), StepMemory()] if in_lockstep else [Timer()]
         history = model.fit(x, y, batch_size=shape["batch"], epochs=shape["epochs"], shuffle=False, verbose=0,
-                            callbacks=[Timer()])
+                            callbacks=callbacks)
         final = history.history["loss"][-1]
+        for key in ("flops_per_step", "mfu"):
+            if key in history.history:
+                extra["goodput_" + key] = history.history[key][-1]
     params = sum(int(np.prod(v.shape)) for v in model.trainable_variables)
     epoch_s = statistics.median(times[1:]) if len(times) > 1 else times[0]
+    stats = jax.devices()[0].memory_stats() or {}
     return {"tokens_per_s": n * shape["seq"] / epoch_s, "step_s": epoch_s / shape["steps"], "params": params,
-            "loss": final, "device": jax.devices()[0].device_kind}
+            "loss": final, "device": jax.devices()[0].device_kind, "peak_bytes": stats.get("peak_bytes_in_use"),
+            **extra}
 
 
 class _nothing:
@@ -145,9 +161,11 @@ def main() -> int:
     from lockstep.callbacks._goodput import peak_flops
 
     shape = SMOKE if args.smoke else FULL
-    env = {**os.environ, "PYTHONPATH": ROOT, "KERAS_BACKEND": "jax"}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])),
+           "KERAS_BACKEND": "jax"}
     if args.smoke:
-        os.environ.update(JAX_PLATFORMS="cpu", KERAS_BACKEND="jax")
+        os.environ.setdefault("JAX_PLATFORMS", "cpu")  # JAX_PLATFORMS=cuda runs the smoke shapes on the GPU
+        os.environ["KERAS_BACKEND"] = "jax"
     rounds = 1 if args.smoke else args.rounds
     started = time.perf_counter()
     got: dict[str, list] = {s: [] for s in SYSTEMS}
@@ -160,6 +178,7 @@ def main() -> int:
     failed = [s for s, v in ok.items() if not v]
     if failed:
         print("failed:", failed, {s: got[s] for s in failed}, file=sys.stderr)
+    if not ok[SYSTEMS[0]]:
         return 1
     first = ok[SYSTEMS[0]][0]
     L, d, T = shape["layers"], shape["width"], shape["seq"]
@@ -172,16 +191,34 @@ def main() -> int:
              f"{shape['heads']} heads, sequence {T}, vocabulary {shape['vocab']}, batch {shape['batch']}, "
              f"{first['params']:,} parameters, mixed_bfloat16, AdamW; {rounds} round(s) of {shape['epochs']} epochs "
              f"of {shape['steps']} steps (the median epoch after the first).", "",
-             "| system | tokens/s | step (ms) | ratio to the hand-written loop | MFU | final loss |",
-             "|---|---|---|---|---|---|"]
+             "| system | tokens/s | step (ms) | ratio to the hand-written loop | MFU | final loss | measured peak (MiB) |",
+             "|---|---|---|---|---|---|---|"]
+    mib = lambda b: f"{b / 2**20:,.0f}" if b else "-"  # noqa: E731
     for system in SYSTEMS:
+        if not ok[system]:
+            lines.append(f"| {system} | {got[system][0]} | | | | | |")
+            continue
         tps = statistics.median(x["tokens_per_s"] for x in ok[system])
         step = statistics.median(x["step_s"] for x in ok[system])
         mfu = f"{tps * flops_per_token / peak:.1%}" if peak else "- (no known peak)"
         lines.append(f"| {system} | {tps:,.0f} | {step * 1e3:.1f} | {tps / hand:.2f} | {mfu} | "
-                     f"{ok[system][0]['loss']:.4f} |")
+                     f"{ok[system][0]['loss']:.4f} | {mib(ok[system][0]['peak_bytes'])} |")
     lines += ["", f"MFU: {flops_per_token / 1e6:.1f} MFLOPs per token (6 N + 12 L d T) times tokens/s over "
-              f"{'%.0f TFLOP/s' % (peak / 1e12) if peak else 'the device peak (unknown here)'}."]
+              f"{'%.0f TFLOP/s' % (peak / 1e12) if peak else 'the device peak (unknown here)'}.", "",
+              "lockstep's own figures, from its `Goodput` callback (XLA's cost analysis of the compiled step) and "
+              "`Trainer.step_memory()`, against the analytic count and the device's measured peak:", "",
+              "| system | FLOPs/step, XLA | FLOPs/step, 6 N + 12 L d T | Goodput MFU | step_memory device_peak (MiB) "
+              "| measured peak (MiB) | estimate / measured |", "|---|---|---|---|---|---|---|"]
+    for system in SYSTEMS[2:]:
+        if not ok[system]:
+            continue
+        x = ok[system][0]
+        est = (x.get("step_memory") or {}).get("device_peak")
+        mfu = f"{x['goodput_mfu']:.1%}" if "goodput_mfu" in x else "-"
+        ratio = f"{est / x['peak_bytes']:.2f}" if est and x["peak_bytes"] else "-"
+        lines.append(f"| {system} | {x.get('goodput_flops_per_step', 0):.3e} | "
+                     f"{flops_per_token * shape['batch'] * T:.3e} | {mfu} | {mib(est)} | {mib(x['peak_bytes'])} "
+                     f"| {ratio} |")
     table = "\n".join(lines) + "\n"
     out = args.out or (None if args.smoke else os.path.join(ROOT, "benchmarks", "GPU.md"))
     if out:

@@ -98,6 +98,24 @@ def test_flops_per_step_match_a_hand_count_and_mfu_is_over_the_peak():
     assert epoch["mfu"] == pytest.approx(epoch["flop_per_s"] / 1e12)
 
 
+@pytest.mark.parametrize("steps_per_execution, accumulation", [(4, 1), (1, 2), (4, 2)])
+def test_flops_per_step_count_every_step_and_batch_of_a_looped_program(steps_per_execution, accumulation):
+    """A program of several steps (a loop over them) or of several batches a step (gradient
+    accumulation, a loop over the batches) reports one optimizer step's FLOPs, whichever way XLA
+    counts a loop: the hand count of every batch of the step (XLA counted a loop's body once, and
+    the FLOPs of 4 steps came out as a quarter of one's)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(128, 256)).astype("float32"), rng.normal(size=(128, 256)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((256,)), keras.layers.Dense(256, use_bias=False)])
+    goodput = Goodput()
+    trainer = ls.Trainer(model, optimizer="sgd", loss="mse", strategy=ls.MirroredStrategy(2),
+                         steps_per_execution=steps_per_execution, gradient_accumulation_steps=accumulation)
+    trainer.fit(x, y, batch_size=32, epochs=2, verbose=0, callbacks=[goodput])
+    hand = accumulation * 4 * 16 * 256 * 256  # each batch: 16 rows a replica, forward and the weights' gradient
+    assert hand <= goodput.epochs[-1]["flops_per_step"] <= 1.1 * hand
+
+
 def test_sequences_report_tokens():
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 50, (12, 10)).astype("int32"), rng.integers(0, 3, 12)
