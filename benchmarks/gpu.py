@@ -12,8 +12,8 @@ process (one after the other, the order rotated each round). Reported per system
 median epoch after the first, its ratio to the hand-written loop, and MFU: the model FLOPs per token
 (PaLM's count, 6 N + 12 L d T) times tokens/s over the device's dense bf16 peak
 (`lockstep.callbacks._goodput.PEAK_FLOPS`; none on CPU). lockstep's rows also report what its
-`Goodput` callback logs (FLOPs per step from XLA's cost analysis of the compiled step, and MFU from
-those), and its `Trainer.step_memory()["device_peak"]` beside the device's measured peak
+`Goodput` callback logs (FLOPs per step: the matrix products of the compiled step, counted from its
+jaxpr, and MFU from those), and its `Trainer.step_memory()["device_peak"]` beside the device's measured peak
 (`memory_stats()["peak_bytes_in_use"]`, where the device keeps allocator statistics: GPUs, not CPUs).
 """
 
@@ -152,6 +152,7 @@ def main() -> int:
     parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, a few steps")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--systems", default=None, help="a comma-separated choice of the systems' numbers (1-4)")
     parser.add_argument("--out", default=None, help="default: benchmarks/GPU.md (--smoke: print only)")
     args = parser.parse_args()
     if args.child:
@@ -168,9 +169,10 @@ def main() -> int:
         os.environ["KERAS_BACKEND"] = "jax"
     rounds = 1 if args.smoke else args.rounds
     started = time.perf_counter()
+    chosen = [SYSTEMS[int(i) - 1] for i in args.systems.split(",")] if args.systems else SYSTEMS
     got: dict[str, list] = {s: [] for s in SYSTEMS}
     for r in range(rounds):
-        for system in SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)]:
+        for system in [s for s in SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[:r % len(SYSTEMS)] if s in chosen]:
             # --smoke: in this process (a few seconds each); otherwise each system in a fresh process
             got[system].append(child(system, shape) if args.smoke else run_child(system, shape, env))
             print(system, f"round {r + 1}", got[system][-1], flush=True)
@@ -178,13 +180,13 @@ def main() -> int:
     failed = [s for s, v in ok.items() if not v]
     if failed:
         print("failed:", failed, {s: got[s] for s in failed}, file=sys.stderr)
-    if not ok[SYSTEMS[0]]:
+    if not ok[chosen[0]]:
         return 1
-    first = ok[SYSTEMS[0]][0]
+    first = ok[chosen[0]][0]
     L, d, T = shape["layers"], shape["width"], shape["seq"]
     flops_per_token = 6 * first["params"] + 12 * L * d * T
     peak = peak_flops(first["device"])
-    hand = statistics.median(x["tokens_per_s"] for x in ok[SYSTEMS[0]])
+    hand = statistics.median(x["tokens_per_s"] for x in ok[SYSTEMS[0]]) if ok[SYSTEMS[0]] else float("nan")
     lines = ["# A GPT-2-small-shaped transformer on one device: lockstep fit, a hand-written loop, Keras fit", "",
              f"Device: {first['device']} ({platform.node() or 'this machine'}); command: `python benchmarks/gpu.py"
              f"{' --smoke' if args.smoke else ''}`, {time.perf_counter() - started:.0f} s; {L} blocks, width {d}, "
@@ -194,7 +196,7 @@ def main() -> int:
              "| system | tokens/s | step (ms) | ratio to the hand-written loop | MFU | final loss | measured peak (MiB) |",
              "|---|---|---|---|---|---|---|"]
     mib = lambda b: f"{b / 2**20:,.0f}" if b else "-"  # noqa: E731
-    for system in SYSTEMS:
+    for system in chosen:
         if not ok[system]:
             lines.append(f"| {system} | {got[system][0]} | | | | | |")
             continue
@@ -205,11 +207,11 @@ def main() -> int:
                      f"{ok[system][0]['loss']:.4f} | {mib(ok[system][0]['peak_bytes'])} |")
     lines += ["", f"MFU: {flops_per_token / 1e6:.1f} MFLOPs per token (6 N + 12 L d T) times tokens/s over "
               f"{'%.0f TFLOP/s' % (peak / 1e12) if peak else 'the device peak (unknown here)'}.", "",
-              "lockstep's own figures, from its `Goodput` callback (XLA's cost analysis of the compiled step) and "
+              "lockstep's own figures, from its `Goodput` callback (the step's matrix products, counted from its jaxpr) and "
               "`Trainer.step_memory()`, against the analytic count and the device's measured peak:", "",
-              "| system | FLOPs/step, XLA | FLOPs/step, 6 N + 12 L d T | Goodput MFU | step_memory device_peak (MiB) "
+              "| system | FLOPs/step, Goodput | FLOPs/step, 6 N + 12 L d T | Goodput MFU | step_memory device_peak (MiB) "
               "| measured peak (MiB) | estimate / measured |", "|---|---|---|---|---|---|---|"]
-    for system in SYSTEMS[2:]:
+    for system in [s for s in chosen if s.startswith("lockstep")]:
         if not ok[system]:
             continue
         x = ok[system][0]

@@ -101,9 +101,9 @@ def test_flops_per_step_match_a_hand_count_and_mfu_is_over_the_peak():
 @pytest.mark.parametrize("steps_per_execution, accumulation", [(4, 1), (1, 2), (4, 2)])
 def test_flops_per_step_count_every_step_and_batch_of_a_looped_program(steps_per_execution, accumulation):
     """A program of several steps (a loop over them) or of several batches a step (gradient
-    accumulation, a loop over the batches) reports one optimizer step's FLOPs, whichever way XLA
-    counts a loop: the hand count of every batch of the step (XLA counted a loop's body once, and
-    the FLOPs of 4 steps came out as a quarter of one's)."""
+    accumulation, a loop over the batches) reports one optimizer step's FLOPs: the hand count of
+    every batch of the step (XLA's cost analysis, used before, counted a loop's body once: the
+    FLOPs of 4 steps came out as a quarter of one's)."""
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(128, 256)).astype("float32"), rng.normal(size=(128, 256)).astype("float32")
     keras.utils.set_random_seed(0)
@@ -116,6 +116,20 @@ def test_flops_per_step_count_every_step_and_batch_of_a_looped_program(steps_per
     assert hand <= goodput.epochs[-1]["flops_per_step"] <= 1.1 * hand
 
 
+def test_convolution_flops_match_a_hand_count():
+    """Conv2D(3x3, 4 -> 8, 'same') on 8x8 images: 2 x outputs x (3 x 3 x 4) forward and as many for
+    the kernel's gradient, on one device's 8 rows of the 2 replicas' 16 (the step is a `shard_map`
+    over the replicas: each shard counted once, the sum shared by the 2 devices)."""
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 8, 8, 4)).astype("float32"), rng.normal(size=(16, 8, 8, 8)).astype("float32")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8, 8, 4)), keras.layers.Conv2D(8, 3, padding="same", use_bias=False)])
+    goodput = Goodput()
+    trainer = ls.Trainer(model, optimizer="sgd", loss="mse", strategy=ls.MirroredStrategy(2))
+    trainer.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[goodput])
+    assert goodput.epochs[-1]["flops_per_step"] == 2 * 2 * (8 * 8 * 8 * 8) * (3 * 3 * 4)
+
+
 def test_sequences_report_tokens():
     rng = np.random.default_rng(0)
     x, y = rng.integers(0, 50, (12, 10)).astype("int32"), rng.integers(0, 3, 12)
@@ -126,3 +140,28 @@ def test_sequences_report_tokens():
     _fit(model, x, y, [goodput], batch_size=8)
     epoch = goodput.epochs[-1]
     assert epoch["tokens_per_s"] == pytest.approx(10 * epoch["samples_per_s"])
+
+
+@pytest.mark.parametrize("layout", [0, 1])
+def test_a_fused_attention_kernel_counts_its_products(layout):
+    """cuDNN's fused attention (what Keras' attention runs on a GPU) is one primitive in the jaxpr,
+    not matrix products: its FLOPs are counted from its shapes, 4 x B x N x T x S x H forward and
+    twice that backward (the GPT-2 benchmark on an H100 missed the attention's 0.93e12 of a step's
+    7.0e12 without it). The primitive is jax's own (`jax._src.cudnn`), bound abstractly on CPU."""
+    import jax
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    from lockstep.training._flops import matmul_flops
+
+    B, N, T, S, H = 2, 3, 5, 7, 4
+    q, kv = ((B, N, T, H), (B, N, S, H)) if layout == 1 else ((B, T, N, H), (B, S, N, H))
+    none = jax.ShapeDtypeStruct((0,), "float32")
+    args = [jax.ShapeDtypeStruct(q, "bfloat16"), *[jax.ShapeDtypeStruct(kv, "bfloat16")] * 2, none,
+            *[jax.ShapeDtypeStruct((B,), "int32")] * 2, *[none] * 4]
+    params = dict(scale=1.0, seed=0, dropout_rate=0.0, variadic_args=(False, False), mask_type=0, layout=layout,
+                  sliding_window_length=None)
+    fwd = jax.make_jaxpr(lambda *a: fa._dot_product_attention_fwd_p_wrapper.bind(*a, is_training=True, **params))
+    assert matmul_flops(fwd(*args)) == 4 * B * N * T * S * H
+    out = jax.ShapeDtypeStruct(q, "bfloat16")
+    bwd = jax.make_jaxpr(lambda *a: fa._dot_product_attention_bwd_p_wrapper.bind(*a, **params))
+    assert matmul_flops(bwd(*args, jax.ShapeDtypeStruct((B, N, T), "float32"), out, out)) == 8 * B * N * T * S * H

@@ -145,7 +145,7 @@ def test_the_runner_takes_an_execution_of_resident_and_placed_batches_as_numpy_s
     np.testing.assert_allclose(np.asarray(got["w"]), w, rtol=3e-5, atol=3e-6)
     np.testing.assert_allclose(np.asarray(got["b"]), b, rtol=3e-5, atol=3e-6)
     assert (state.step, state.global_step) == (len(updates), len(updates))
-    executable, per_call = runner.compiled()
+    jaxpr, executable, per_call = runner.compiled()
     # k = 1: the resident run of 3 updates, then the placed one; k = 2: one update of 2 resident
     # batches, then one of a resident and a placed batch (unrolled); each program called once
     assert per_call == {1: 3, 2: 1}[accumulation]

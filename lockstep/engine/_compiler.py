@@ -179,7 +179,7 @@ class RunCompiler:
                         self._agree(describe(fn, ["global"] * len(leaves), signatures))
                         agreed.add(key)
             return self._tracked(compiled(*args))
-        call.lower = compiled.lower  # type: ignore[attr-defined]  # (XLA's view of it: `memory_analysis`, cost)
+        call.trace = compiled.trace  # type: ignore[attr-defined]  # (its jaxpr, XLA's `memory_analysis`)
         return call
 
     def mapped(self, fn: Callable[..., Any], kinds: Any, out_kinds: Any, *, check_vma: bool = True,

@@ -178,17 +178,18 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
     return call
 
 
-def compiled_program(call: Callable[..., Any]) -> Any:
-    """XLA's compiled executable of a `make_program` program, for the argument shapes it was
-    first called with (`memory_analysis()`, `cost_analysis()`), or None before its first call."""
+def compiled_program(call: Callable[..., Any]) -> tuple[Any, Any] | None:
+    """The program of `make_program` as a jaxpr and as XLA compiled it, for the argument shapes
+    it was first called with (`matmul_flops`; `memory_analysis()`), or None before its first call."""
     signature = getattr(call, "signature", None)
     if signature is None:
         return None
     executable = getattr(call, "executable", None)
-    if executable is None or executable[0] is not signature:  # compiled once (Goodput asks every epoch)
+    if executable is None or executable[0] is not signature:  # traced once (Goodput asks every epoch)
         compiled, args = signature
-        executable = call.executable = (signature, compiled.lower(*args).compile())  # type: ignore[attr-defined]
-    return executable[1]
+        traced = compiled.trace(*args)
+        executable = call.executable = (signature, traced.jaxpr, traced.lower().compile())  # type: ignore[attr-defined]
+    return executable[1], executable[2]
 
 
 def micro_batched(gradient_step: Callable[..., Any], layout: Any, fetch: Callable[[Any, Any], Any],

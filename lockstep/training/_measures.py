@@ -5,10 +5,11 @@ compiled training program, the rows trained, the time spent waiting for data and
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
+
+from ._flops import matmul_flops
 
 
 class TrainerMeasures:
@@ -33,7 +34,7 @@ class TrainerMeasures:
         compiled = None if self._runner is None else self._runner.compiled()
         if compiled is None:
             return None
-        m = compiled[0].memory_analysis()
+        m = compiled[1].memory_analysis()
         out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
                "temporaries": m.temp_size_in_bytes}
         out["peak"] = out["arguments"] + out["outputs"] - m.alias_size_in_bytes + out["temporaries"]
@@ -58,17 +59,14 @@ class TrainerMeasures:
         return total
 
     def step_cost(self) -> dict[str, Any] | None:
-        """One optimizer step's FLOPs on one device, from XLA's cost analysis of the compiled
-        training program (of all its batches, with gradient accumulation; a program of several
-        steps counted per step), and the device's kind; None before the first step."""
+        """One optimizer step's FLOPs on one device (its matrix products and convolutions, every
+        batch of gradient accumulation; `matmul_flops` of the training program, over its steps and
+        devices), and the device's kind; None before the first step."""
         compiled = None if self._runner is None else self._runner.compiled()
         if compiled is None:
             return None
-        executable, updates, batches = compiled
-        flops = _flops(executable)
-        # A program of several updates loops over them, and an update of several batches loops over
-        # those; XLA counts a loop's body once, or (where it knows the trip count) once per turn.
-        flops = flops * batches if loop_bodies_counted_once() else flops / updates
+        jaxpr, _, updates = compiled
+        flops = matmul_flops(jaxpr) / updates / len(self.strategy.devices)
         return {"flops": flops, "device_kind": jax.devices()[0].device_kind}
 
     def fit_counters(self) -> dict[str, Any]:
@@ -81,24 +79,3 @@ class TrainerMeasures:
                 "callback_s": {} if cblist is None else dict(cblist.seconds),
                 "checkpointers": frozenset() if cblist is None else frozenset(cblist.checkpointers)}
 
-
-def _flops(executable: Any) -> float:
-    cost = executable.cost_analysis()
-    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-    return float((cost or {}).get("flops", 0.0))
-
-
-@functools.cache
-def loop_bodies_counted_once() -> bool:
-    """Whether XLA's cost analysis on this backend counts a loop's body once, whatever its trip
-    count (as XLA's CPU compiler of jax 0.10 does), rather than once per turn: read off a matrix
-    product looped 4 times.
-
-    >>> isinstance(loop_bodies_counted_once(), bool)
-    True
-    """
-    x = jax.ShapeDtypeStruct((8, 8), jax.numpy.float32)
-    once = _flops(jax.jit(lambda a: a @ a).lower(x).compile())
-    looped = _flops(jax.jit(lambda a: jax.lax.scan(lambda c, _: (c @ c, None), a, None, length=4)[0])
-                    .lower(x).compile())
-    return looped < 2 * once

@@ -61,15 +61,14 @@ class StepRunner:
             state = state.stepped(len(run), *program(state.params, state.opt_state, state.metric_state, feed))
         return state
 
-    def compiled(self) -> tuple[Any, int, int] | None:
-        """XLA's executable of the training program called most often (the run of a full
-        execution's updates), for its memory and cost analyses, the updates each call takes (a loop
-        over them where more than one) and the batches each update takes (a loop over them where
-        more than one); None before any update."""
+    def compiled(self) -> tuple[Any, Any, int] | None:
+        """The training program called most often (the run of a full execution's updates), as a
+        jaxpr and as compiled (`compiled_program`), and the updates each call takes; None before
+        any update."""
         if not self._calls:
             return None
         key = max(self._calls, key=self._calls.__getitem__)
-        return compiled_program(self._programs[key]), key[-2], key[-1]
+        return (*compiled_program(self._programs[key]), key[-2])
 
     def _start(self, i: int) -> jax.Array:
         """Batch number `i` as a replicated int32 on the devices (placed once)."""
