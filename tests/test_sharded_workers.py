@@ -33,11 +33,13 @@ def _run_job(tmp_path, cases):
     return [np.load(tmp_path / f"case{i}.npz") for i in range(len(cases))]
 
 
-def _keras_reference(name, n):
-    """Keras' own fit, evaluate and predict on one device."""
+def _keras_reference(name, n, initial=None):
+    """Keras' own fit, evaluate and predict on one device (from the weights `initial` if given)."""
     x, y = case_data(name, n=n)
     keras.utils.set_random_seed(1)
     model = ALL_MODELS[name]()
+    if initial:
+        model.set_weights(initial)
     model.compile(**COMPILE)
     history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
     return (model.get_weights(), history, model.evaluate(x, y, batch_size=8, verbose=0),
@@ -45,7 +47,9 @@ def _keras_reference(name, n):
 
 
 def _check_fit(tmp_path, i, case, got):
-    weights, history, evaluation, predictions = _keras_reference(case["model"], case.get("n", 37))
+    initial = [got[f"init{j}"] for j in range(sum(k.startswith("init") for k in got.files))]
+    assert bool(initial) == case.get("keras_defaults", False)
+    weights, history, evaluation, predictions = _keras_reference(case["model"], case.get("n", 37), initial)
     out = json.loads((tmp_path / f"case{i}.json").read_text())
     mine = [got[f"w{j}"] for j in range(len(weights))]
     assert_equals_one_device((mine, out["history"]), (weights, history), rtol=2e-5, atol=5e-6)
@@ -56,15 +60,17 @@ def _check_fit(tmp_path, i, case, got):
             np.testing.assert_array_equal(got[f"{written}{j}"], w)
 
 
-FIT_CASES = [{"model": "odd", "shape": [2, 2], "stage": 3, "mode": "fit"}]  # (30, 7) split over model: padded
+FIT_CASES = [{"model": "odd", "shape": [2, 2], "stage": 3, "mode": "fit"},  # (30, 7) split over model: padded
+             # hybrid sharding at Keras' defaults (no seed: each worker draws its own weights, all take worker
+             # 0's; verbose=1): a whole copy on each worker, ZeRO over its 2 devices; worker 1 holds no row
+             {"model": "mlp", "shape": [2, 2, 1], "stage": 3, "n": 2, "mode": "fit", "keras_defaults": True}]
 MORE_FIT_CASES = [{"model": "mlp", "shape": [4, 1], "stage": 2, "n": 1, "mode": "fit"},  # worker 1 holds no row
                   {"model": "cnn", "shape": [4, 1], "stage": 3, "mode": "fit"},
                   {"model": "lstm", "shape": [2, 2], "stage": 1, "mode": "fit"},
                   {"model": "transformer", "shape": [2, 2], "stage": 3, "mode": "fit"},
                   {"model": "cnn", "shape": [2, 2], "stage": 2, "n": 3, "mode": "fit"},
                   {"model": "odd", "shape": [4, 1], "stage": 3, "mode": "fit"},  # ZeRO pads (30, 7) over the workers
-                  # hybrid sharding: a whole copy on each worker, ZeRO over its 2 devices; worker 1 holds no row
-                  {"model": "mlp", "shape": [2, 2, 1], "stage": 3, "n": 2, "mode": "fit"}]
+                  {"model": "mlp", "shape": [2, 2, 1], "stage": 3, "n": 2, "mode": "fit"}]  # hybrid, seeded
 
 
 def test_two_workers_equal_keras_own_fit_and_backups_move_between_one_process_and_two_workers(tmp_path):

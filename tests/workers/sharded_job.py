@@ -3,7 +3,8 @@ argv = out_dir, which holds cases.json (a list of cases, run one after another i
 
 Each case: {"model", "shape" (batch x model mesh over every worker's devices, or replica x batch x model:
 hybrid sharding), "stage", "n" (rows),
-"mode", "backup" (a directory)}. Modes:
+"mode", "backup" (a directory), "keras_defaults" (no seed, Keras' default verbosity; worker 0 writes
+the initial weights every worker starts from as init<j> in case<i>.npz)}. Modes:
 - "fit": Keras code as written in the scope (compile / fit with Keras' ModelCheckpoint, whole
   model and weights only / evaluate / predict / get_weights / save); worker 0 writes case<i>.npz
   (weights, predictions, the weights read back from each file written) and case<i>.json
@@ -69,18 +70,22 @@ for i, case in enumerate(cases):
     strategy = strategy_for(case)
     factory = sharded.ALL_MODELS[case["model"]]
     x, y = sharded.case_data(case["model"], n=case.get("n", 37))
+    defaults = case.get("keras_defaults", False)
     with strategy.scope():
-        keras.utils.set_random_seed(1)
+        if not defaults:
+            keras.utils.set_random_seed(1)
         model = factory()
         model.compile(**sharded.COMPILE)
     if case["mode"] == "fit":
+        initial = model.get_weights() if defaults else []  # worker 0's, which every worker takes
+        verbose = {"verbose": 0} if not defaults else {}
         checkpoint = os.path.join(out_dir, f"case{i}_checkpoint.keras")
         weights_file = os.path.join(out_dir, f"case{i}.weights.h5")
-        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, **verbose, callbacks=[
             keras.callbacks.ModelCheckpoint(checkpoint), keras.callbacks.ModelCheckpoint(weights_file,
                                                                                          save_weights_only=True)])
-        evaluation = model.evaluate(x, y, batch_size=8, verbose=0)
-        predictions = model.predict(x, batch_size=8, verbose=0)
+        evaluation = model.evaluate(x, y, batch_size=8, **verbose)
+        predictions = model.predict(x, batch_size=8, **verbose)
         weights = model.get_weights()
         path = os.path.join(out_dir, f"case{i}.keras")
         model.save(path)
@@ -92,7 +97,8 @@ for i, case in enumerate(cases):
             np.savez(os.path.join(out_dir, f"case{i}.npz"), predictions=predictions,
                      **{f"w{j}": w for j, w in enumerate(weights)}, **{f"s{j}": w for j, w in enumerate(saved)},
                      **{f"c{j}": w for j, w in enumerate(checkpointed)},
-                     **{f"h{j}": w for j, w in enumerate(fresh.get_weights())})
+                     **{f"h{j}": w for j, w in enumerate(fresh.get_weights())},
+                     **{f"init{j}": w for j, w in enumerate(initial)})
             with open(os.path.join(out_dir, f"case{i}.json"), "w") as f:
                 json.dump({"history": history.history, "evaluate": evaluation}, f)
     else:
