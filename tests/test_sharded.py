@@ -256,6 +256,38 @@ def test_keras_model_parallel_is_refused_with_the_lockstep_name_for_it():
         keras.distribution.set_distribution(None)
 
 
+@pytest.mark.parametrize("model_name,shape,stage,k,accumulation,n", variants(
+    [("transformer", (2, 4), 3, 1, 1, 37), ("odd_cnn", (4, 2), 2, 3, 2, 61), ("mlp", (8, 1), 1, 1, 1, 3),
+     ("lstm", None, None, 2, 1, 13)], {("transformer", (2, 4), 3, 1, 1, 37), ("mlp", (8, 1), 1, 1, 1, 3)}))
+def test_step_memory_of_data_is_known_before_any_step_and_is_the_step_fit_runs(model_name, shape, stage, k,
+                                                                             accumulation, n):
+    """`step_memory(x, y, batch_size)` before any step compiles the program `fit` runs first and runs
+    nothing (the weights stay the initial ones); the figures are those `fit` reports afterwards,
+    sharded (ZeRO-3 over a 2x4 mesh, tensor-parallel rules) or replicated, with several steps a
+    call, gradient accumulation, and (n = 3 on 8 replicas) replicas holding no row."""
+    x, y = case_data(model_name, n=n)
+    strategy = (ls.MirroredStrategy(8) if shape is None else
+                sharded_strategy(shape, stage, used_rules(model_name), min_shard_size=16, max_replicated_fraction=1.0))
+    with strategy.scope():
+        keras.utils.set_random_seed(1)
+        model = ALL_MODELS[model_name]()
+        model.compile(**COMPILE, steps_per_execution=k)
+    trainer = ls.Trainer(model, gradient_accumulation_steps=accumulation)
+    assert trainer.step_memory() is None
+    initial = [w.copy() for w in model.get_weights()]
+    ahead = trainer.step_memory(x, y, batch_size=8)
+    assert trainer.global_step == 0
+    for got, want in zip(trainer.get_weights(), initial):
+        np.testing.assert_array_equal(got, want)
+    assert ahead["peak"] > ahead["arguments"] > 0
+    trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    after = trainer.step_memory()
+    assert {k: after[k] for k in ("arguments", "outputs", "temporaries", "peak")} == \
+           {k: ahead[k] for k in ("arguments", "outputs", "temporaries", "peak")}
+    # (``keras_variables``: what the Keras objects hold when asked; fit's end gives the Keras optimizer its state)
+    assert ahead["device_peak"] == ahead["peak"] + ahead["keras_variables"]
+
+
 @pytest.mark.parametrize("model_name,shape,stage,accumulation", variants(
     [("odd_cnn", (2, 4), 3, 1), ("odd", (8, 1), 2, 2), ("odd", (2, 4), 1, 3), ("transformer", (4, 2), 1, 1),
      ("odd_cnn", (4, 2), 3, 2)], {("odd_cnn", (2, 4), 3, 1), ("odd", (2, 4), 1, 3)}))

@@ -165,7 +165,8 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
 
     out_shardings: dict[Any, Any] = {}
 
-    def call(params: Any, opt_state: Any, metric_state: Any, feed: Any) -> Any:
+    def prepare(params: Any, opt_state: Any, metric_state: Any, feed: Any) -> Any:
+        """The program for these arguments' structure (its first arguments' shapes: `signature`)."""
         structure = jax.tree.structure(opt_state)
         compiled = out_shardings.get(structure)
         if compiled is None:
@@ -173,7 +174,11 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
             call.signature = (compiled, jax.tree.map(  # type: ignore[attr-defined]
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                 (params, opt_state, metric_state, feed)))
-        return compiled(params, opt_state, metric_state, feed)
+        return compiled
+
+    def call(params: Any, opt_state: Any, metric_state: Any, feed: Any) -> Any:
+        return prepare(params, opt_state, metric_state, feed)(params, opt_state, metric_state, feed)
+    call.prepare = prepare  # type: ignore[attr-defined]
     call.replica = replica  # type: ignore[attr-defined]  # (what one replica runs, for tests that read its trace)
     return call
 

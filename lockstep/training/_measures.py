@@ -9,12 +9,15 @@ from typing import Any
 
 import jax
 
+from ._data_stream import DataStream
+from ._executions import executions
 from ._flops import matmul_flops
+from ._inputs import first_batch, to_batches
 
 
 class TrainerMeasures:
     """Mixed into `Trainer` (it reads `_runner`, `_stream`, `_cblist`, `model`, `strategy`, `_state` and
-    `_keras_optimizer`)."""
+    `_keras_optimizer`; `step_memory` of data builds the model as `fit` does)."""
 
     _runner: Any
     _stream: Any
@@ -23,14 +26,40 @@ class TrainerMeasures:
     model: Any
     strategy: Any
     _state: Any
+    _engine: Any
+    _accumulation: int
+    steps_per_execution: int
+    _build: Any
+    _fresh_state: Any
 
-    def step_memory(self) -> dict[str, int] | None:
+    def step_memory(self, x: Any = None, y: Any = None, batch_size: int | None = None,
+                    sample_weight: Any = None) -> dict[str, int] | None:
         """Bytes one device holds while the training step runs: as XLA compiled it (the program of
         the last `fit`'s most frequent call), its arguments (state, batch), outputs, temporaries
         (activations, gradients) and their peak sum (``peak``); the Keras model's and Keras
         optimizer's own variables, which the device holds beside the step (``keras_variables``);
-        and both together (``device_peak``: within 2% of the measured peak in
-        benchmarks/MEMORY_PEAK.md). None before the first step."""
+        and both together (``device_peak``: 0.98-1.01 of the measured peak on CPU in
+        benchmarks/MEMORY_PEAK.md, 0.92-0.94 on an H100 in benchmarks/GPU.md).
+
+        Before any step: None, or, given data as `fit` takes it (`x`, `y`, `batch_size`,
+        `sample_weight`), the figures of the first program `fit` would run on it, compiled and not
+        run (an ahead-of-time compile, as MaxText's `train_compile`), so whether a step fits a
+        device is known before one runs. The model is built and its state laid out on the devices
+        as `fit` does (`memory_estimate` gives the state's bytes before that); with several
+        workers, every worker calls it.
+
+        >>> import lockstep as ls, numpy as np, keras
+        >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        >>> trainer = ls.Trainer(model, loss="mse", strategy=ls.MirroredStrategy(2))
+        >>> ahead = trainer.step_memory(np.ones((8, 4)), np.ones((8, 2)), batch_size=4)
+        >>> trainer.global_step, ahead["peak"] > 0
+        (0, True)
+        >>> _ = trainer.fit(np.ones((8, 4)), np.ones((8, 2)), batch_size=4, verbose=0)
+        >>> trainer.step_memory()["peak"] == ahead["peak"]
+        True
+        """
+        if x is not None and (self._runner is None or self._runner.compiled() is None):
+            self._compile_first_step(x, y, batch_size, sample_weight)
         compiled = None if self._runner is None else self._runner.compiled()
         if compiled is None:
             return None
@@ -40,6 +69,18 @@ class TrainerMeasures:
         out["peak"] = out["arguments"] + out["outputs"] - m.alias_size_in_bytes + out["temporaries"]
         out["keras_variables"] = self._keras_variable_bytes()
         return {**out, "device_peak": out["peak"] + out["keras_variables"]}
+
+    def _compile_first_step(self, x: Any, y: Any, batch_size: int | None, sample_weight: Any) -> None:
+        """Builds the model on `x`'s first batch and makes the programs of `fit`'s first execution
+        on this data, running none."""
+        train = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
+        self._build(first_batch(train), "x")
+        stream = DataStream(self._engine, train, None, self._accumulation, epochs=1)
+        try:
+            _, updates = next(executions(stream.epoch(0), self._accumulation, self.steps_per_execution))
+            self._runner.prepare(self._state.replace(metric_state=self._fresh_state()), updates)
+        finally:
+            stream.close()
 
     def _keras_variable_bytes(self) -> int:
         """Bytes of the Keras model's and Keras optimizer's variables on this process's first device

@@ -53,13 +53,24 @@ class StepRunner:
         """`state` after the updates of one execution."""
         for key, run in runs(updates):
             feed, program_key = feed_of(run, key, self._start)
-            program = self._programs.get(program_key)
-            if program is None:
-                program = self._programs[program_key] = make_program(self._steps["gradient"], self._layout,
-                                                                     self._engine, program_key)
             self._calls[program_key] = self._calls.get(program_key, 0) + 1
+            program = self._program(program_key)
             state = state.stepped(len(run), *program(state.params, state.opt_state, state.metric_state, feed))
         return state
+
+    def prepare(self, state: TrainState, updates: Sequence[AccumulationGroup]) -> None:
+        """Makes the programs that `run(state, updates)` would call, and runs none: `compiled()`
+        gives them until a program has run."""
+        for key, run in runs(updates):
+            feed, program_key = feed_of(run, key, self._start)
+            self._calls.setdefault(program_key, 0)
+            self._program(program_key).prepare(state.params, state.opt_state, state.metric_state, feed)
+
+    def _program(self, key: tuple[Any, ...]) -> Callable[..., Any]:
+        program = self._programs.get(key)
+        if program is None:
+            program = self._programs[key] = make_program(self._steps["gradient"], self._layout, self._engine, key)
+        return program
 
     def compiled(self) -> tuple[Any, Any, int] | None:
         """The training program called most often (the run of a full execution's updates), as a
