@@ -153,7 +153,7 @@ def main() -> int:
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, a few steps")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--systems", default=None, help="a comma-separated choice of the systems' numbers (1-4)")
-    parser.add_argument("--out", default=None, help="default: benchmarks/GPU.md (--smoke: print only)")
+    parser.add_argument("--out", default=None, help="default: benchmarks/GPU.md (--smoke, --systems: print only)")
     args = parser.parse_args()
     if args.child:
         print(json.dumps(child(args.child[0], json.loads(args.child[1]))))
@@ -222,12 +222,12 @@ def main() -> int:
                      f"{flops_per_token * shape['batch'] * T:.3e} | {mfu} | {mib(est)} | {mib(x['peak_bytes'])} "
                      f"| {ratio} |")
     table = "\n".join(lines) + "\n"
-    out = args.out or (None if args.smoke else os.path.join(ROOT, "benchmarks", "GPU.md"))
+    out = args.out or (None if args.smoke or args.systems else os.path.join(ROOT, "benchmarks", "GPU.md"))
     if out:
         with open(out, "w") as f:
             f.write(table)
     print(table)
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

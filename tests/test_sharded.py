@@ -262,30 +262,47 @@ def test_keras_model_parallel_is_refused_with_the_lockstep_name_for_it():
 def test_step_memory_of_data_is_known_before_any_step_and_is_the_step_fit_runs(model_name, shape, stage, k,
                                                                              accumulation, n):
     """`step_memory(x, y, batch_size)` before any step compiles the program `fit` runs first and runs
-    nothing (the weights stay the initial ones); the figures are those `fit` reports afterwards,
-    sharded (ZeRO-3 over a 2x4 mesh, tensor-parallel rules) or replicated, with several steps a
-    call, gradient accumulation, and (n = 3 on 8 replicas) replicas holding no row."""
+    nothing (the weights stay the initial ones); the figures are those another trainer of the same
+    model reports after its `fit`, and another batch size gives its own: sharded (ZeRO-3 over a 2x4
+    mesh, tensor-parallel rules) or replicated, with several steps a call, gradient accumulation,
+    and (n = 3 on 8 replicas) replicas holding no row."""
     x, y = case_data(model_name, n=n)
     strategy = (ls.MirroredStrategy(8) if shape is None else
                 sharded_strategy(shape, stage, used_rules(model_name), min_shard_size=16, max_replicated_fraction=1.0))
-    with strategy.scope():
-        keras.utils.set_random_seed(1)
-        model = ALL_MODELS[model_name]()
-        model.compile(**COMPILE, steps_per_execution=k)
-    trainer = ls.Trainer(model, gradient_accumulation_steps=accumulation)
+    trainers = []
+    for _ in range(2):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = ALL_MODELS[model_name]()
+            model.compile(**COMPILE, steps_per_execution=k)
+        trainers.append(ls.Trainer(model, gradient_accumulation_steps=accumulation))
+    trainer, fitted = trainers
     assert trainer.step_memory() is None
-    initial = [w.copy() for w in model.get_weights()]
+    initial = [w.copy() for w in trainer.model.get_weights()]
+    larger = trainer.step_memory(x, y, batch_size=16)
     ahead = trainer.step_memory(x, y, batch_size=8)
     assert trainer.global_step == 0
     for got, want in zip(trainer.get_weights(), initial):
         np.testing.assert_array_equal(got, want)
     assert ahead["peak"] > ahead["arguments"] > 0
-    trainer.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
-    after = trainer.step_memory()
+    if n > 8:  # more than one batch of 8: batches of 16 make another program, with figures of its own
+        assert larger != ahead
+    fitted.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0)
+    after = fitted.step_memory()
     assert {k: after[k] for k in ("arguments", "outputs", "temporaries", "peak")} == \
            {k: ahead[k] for k in ("arguments", "outputs", "temporaries", "peak")}
     # (``keras_variables``: what the Keras objects hold when asked; fit's end gives the Keras optimizer its state)
     assert ahead["device_peak"] == ahead["peak"] + ahead["keras_variables"]
+
+
+def test_step_memory_of_an_iterator_is_refused_before_it_reads_a_batch():
+    """An iterator's batches that `step_memory` read would be missing from the `fit` that follows."""
+    x, y = case_data("mlp", n=16)
+    trainer = ls.Trainer(mlp(), optimizer="adam", loss="mse", strategy=ls.MirroredStrategy(2))
+    batches = iter([(x[:8], y[:8]), (x[8:], y[8:])])
+    with pytest.raises(ValueError, match="step_memory.*iterator"):
+        trainer.step_memory(batches)
+    assert len(list(batches)) == 2
 
 
 @pytest.mark.parametrize("model_name,shape,stage,accumulation", variants(

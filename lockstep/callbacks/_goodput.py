@@ -8,7 +8,8 @@ Per epoch of `fit` it adds to the logs (so `History`, `CSVLogger` and the progre
   data pipeline), ``host_s`` (other callbacks' hooks, the progress bar's included),
   ``checkpoint_s`` (backups and checkpoints written during the epoch) and ``compute_s`` (the rest:
   the devices' work and the host's dispatch of it), each per step; validation is not counted;
-- ``flops_per_step`` (the training step's matrix products and convolutions, one device's share),
+- ``flops_per_step`` (the training step's matrix products, convolutions and fused attention, one
+  device's share; see `lockstep.training._flops`),
   ``flop_per_s`` (achieved, per device) and ``mfu`` (that over the device's peak, when lockstep
   knows the device: H100, H200, A100, L4, V100, TPU v4 / v5e / v5p; CPU: no `mfu`).
 

@@ -166,12 +166,13 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
     out_shardings: dict[Any, Any] = {}
 
     def prepare(params: Any, opt_state: Any, metric_state: Any, feed: Any) -> Any:
-        """The program for these arguments' structure (its first arguments' shapes: `signature`)."""
+        """The program for these arguments (`signature`: their shapes, anew for another batch's)."""
         structure = jax.tree.structure(opt_state)
-        compiled = out_shardings.get(structure)
-        if compiled is None:
+        if (compiled := out_shardings.get(structure)) is None:
             compiled = out_shardings[structure] = engine.jit(program, layout.out_shardings(params, opt_state))
-            call.signature = (compiled, jax.tree.map(  # type: ignore[attr-defined]
+        batch = tuple((a.shape, a.dtype) for a in jax.tree.leaves(feed))
+        if getattr(call, "signature", (None,))[0] is not compiled or call.batch != batch:  # type: ignore[attr-defined]
+            call.batch, call.signature = batch, (compiled, jax.tree.map(  # type: ignore[attr-defined]
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                 (params, opt_state, metric_state, feed)))
         return compiled
@@ -185,7 +186,7 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
 
 def compiled_program(call: Callable[..., Any]) -> tuple[Any, Any] | None:
     """The program of `make_program` as a jaxpr and as XLA compiled it, for the argument shapes
-    it was first called with (`matmul_flops`; `memory_analysis()`), or None before its first call."""
+    of its `signature` (`matmul_flops`; `memory_analysis()`), or None before it is first made."""
     signature = getattr(call, "signature", None)
     if signature is None:
         return None

@@ -3,13 +3,15 @@
 The count MFU is conventionally taken from (PaLM's): 2 x M x N x K a product, 2 x (outputs) x
 (kernel elements per output) a convolution, and for a fused attention kernel (cuDNN's, which
 Keras' attention uses on GPUs) its two products forward and four backward, each 2 x queries x
-keys x head size (recomputation is not counted); element-wise work is left out. Every turn of a `scan`
+keys x head size; element-wise work is left out. What the program computes is what counts: a
+forward pass that activation checkpointing (`remat`) recomputes counts twice (hardware FLOPs,
+up to 4/3 of the model's), the fused kernel's own recomputation not. Every turn of a `scan`
 counts (a step of `steps_per_execution`, a batch of gradient accumulation); a `while` loop's body,
 whose trip count is not known, once; a `cond`, its costliest branch. Inside a `shard_map` the
 shapes are one shard's, counted once per shard, so the result is the whole program's over all its
 devices. XLA's own cost analysis was not used: it counts a loop's body once, and on GPU it misses
 the matrix products that the compiler hands to cuBLAS (a GPT-2-small step on an H100: 7.9e11 of
-its 8.9e12).
+its ~7e12).
 
 >>> import jax, jax.numpy as jnp
 >>> def two_steps(x, w):
@@ -52,7 +54,7 @@ def matmul_flops(jaxpr: Any) -> float:
             total += max(matmul_flops(branch) for branch in params["branches"])
         elif name == "shard_map":
             mesh = params["mesh"]
-            manual = params.get("newly_manual_axes") or params.get("manual_axes") or mesh.axis_names
+            manual = next((params[k] for k in ("newly_manual_axes", "manual_axes") if k in params), mesh.axis_names)
             total += math.prod(mesh.shape[a] for a in manual) * matmul_flops(params["jaxpr"])
         else:  # jit, remat, custom_jvp / custom_vjp calls, a while loop's body and condition: once
             total += sum(matmul_flops(sub) for sub in core.jaxprs_in_params(params))

@@ -41,26 +41,24 @@ class TrainerMeasures:
         and both together (``device_peak``: 0.98-1.01 of the measured peak on CPU in
         benchmarks/MEMORY_PEAK.md, 0.92-0.94 on an H100 in benchmarks/GPU.md).
 
-        Before any step: None, or, given data as `fit` takes it (`x`, `y`, `batch_size`,
-        `sample_weight`), the figures of the first program `fit` would run on it, compiled and not
-        run (an ahead-of-time compile, as MaxText's `train_compile`), so whether a step fits a
-        device is known before one runs. The model is built and its state laid out on the devices
-        as `fit` does (`memory_estimate` gives the state's bytes before that); with several
-        workers, every worker calls it.
+        Given data as `fit` takes it (`x`, `y`, `batch_size`, `sample_weight`; arrays, or a
+        dataset that can be read again), the figures of the first program `fit` would run on it,
+        compiled and not run (an ahead-of-time compile, as MaxText's `train_compile`), so whether a
+        step fits a device is known before one runs (try batch sizes until one fits). The model is
+        built and its state laid out on the devices as `fit` does (`memory_estimate` gives the
+        state's bytes before that); with several workers, every worker calls it. Without data:
+        None before any step.
 
         >>> import lockstep as ls, numpy as np, keras
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
         >>> trainer = ls.Trainer(model, loss="mse", strategy=ls.MirroredStrategy(2))
-        >>> ahead = trainer.step_memory(np.ones((8, 4)), np.ones((8, 2)), batch_size=4)
-        >>> trainer.global_step, ahead["peak"] > 0
+        >>> x, y = np.ones((64, 4)), np.ones((64, 2))
+        >>> small, large = (trainer.step_memory(x, y, batch_size=b)["peak"] for b in (8, 64))
+        >>> trainer.global_step, 0 < small < large
         (0, True)
-        >>> _ = trainer.fit(np.ones((8, 4)), np.ones((8, 2)), batch_size=4, verbose=0)
-        >>> trainer.step_memory()["peak"] == ahead["peak"]
-        True
         """
-        if x is not None and (self._runner is None or self._runner.compiled() is None):
-            self._compile_first_step(x, y, batch_size, sample_weight)
-        compiled = None if self._runner is None else self._runner.compiled()
+        key = None if x is None else self._compile_first_step(x, y, batch_size, sample_weight)
+        compiled = None if self._runner is None else self._runner.compiled(key)
         if compiled is None:
             return None
         m = compiled[1].memory_analysis()
@@ -70,15 +68,18 @@ class TrainerMeasures:
         out["keras_variables"] = self._keras_variable_bytes()
         return {**out, "device_peak": out["peak"] + out["keras_variables"]}
 
-    def _compile_first_step(self, x: Any, y: Any, batch_size: int | None, sample_weight: Any) -> None:
+    def _compile_first_step(self, x: Any, y: Any, batch_size: int | None, sample_weight: Any) -> Any:
         """Builds the model on `x`'s first batch and makes the programs of `fit`'s first execution
-        on this data, running none."""
+        on this data, running none; returns the first program's key."""
         train = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
+        if getattr(train, "one_shot", False):
+            raise ValueError(f"step_memory(x=...) reads x's first batches, which `fit` would then miss: x is an "
+                             f"iterator ({type(x).__name__}); give arrays or a dataset that can be read again.")
         self._build(first_batch(train), "x")
         stream = DataStream(self._engine, train, None, self._accumulation, epochs=1)
         try:
             _, updates = next(executions(stream.epoch(0), self._accumulation, self.steps_per_execution))
-            self._runner.prepare(self._state.replace(metric_state=self._fresh_state()), updates)
+            return self._runner.prepare(self._state.replace(metric_state=self._fresh_state()), updates)
         finally:
             stream.close()
 

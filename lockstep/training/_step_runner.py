@@ -58,13 +58,16 @@ class StepRunner:
             state = state.stepped(len(run), *program(state.params, state.opt_state, state.metric_state, feed))
         return state
 
-    def prepare(self, state: TrainState, updates: Sequence[AccumulationGroup]) -> None:
-        """Makes the programs that `run(state, updates)` would call, and runs none: `compiled()`
-        gives them until a program has run."""
+    def prepare(self, state: TrainState, updates: Sequence[AccumulationGroup]) -> tuple[Any, ...]:
+        """Makes the programs that `run(state, updates)` would call, and runs none; returns the
+        first one's key (for `compiled`)."""
+        keys = []
         for key, run in runs(updates):
             feed, program_key = feed_of(run, key, self._start)
             self._calls.setdefault(program_key, 0)
             self._program(program_key).prepare(state.params, state.opt_state, state.metric_state, feed)
+            keys.append(program_key)
+        return keys[0]
 
     def _program(self, key: tuple[Any, ...]) -> Callable[..., Any]:
         program = self._programs.get(key)
@@ -72,14 +75,14 @@ class StepRunner:
             program = self._programs[key] = make_program(self._steps["gradient"], self._layout, self._engine, key)
         return program
 
-    def compiled(self) -> tuple[Any, Any, int] | None:
-        """The training program called most often (the run of a full execution's updates), as a
-        jaxpr and as compiled (`compiled_program`), and the updates each call takes; None before
-        any update."""
-        if not self._calls:
-            return None
-        key = max(self._calls, key=self._calls.__getitem__)
-        return (*compiled_program(self._programs[key]), key[-2])
+    def compiled(self, key: tuple[Any, ...] | None = None) -> tuple[Any, Any, int] | None:
+        """The training program `key` (default: the one called most often, the run of a full
+        execution's updates), as a jaxpr and as compiled (`compiled_program`), and the updates each
+        call takes; None before any is made."""
+        if key is None and self._calls:
+            key = max(self._calls, key=self._calls.__getitem__)
+        made = None if key is None else compiled_program(self._programs[key])
+        return None if made is None else (*made, key[-2])
 
     def _start(self, i: int) -> jax.Array:
         """Batch number `i` as a replicated int32 on the devices (placed once)."""
