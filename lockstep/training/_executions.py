@@ -165,14 +165,13 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
 
     out_shardings: dict[Any, Any] = {}
 
-    def prepare(params: Any, opt_state: Any, metric_state: Any, feed: Any) -> Any:
-        """The program for these arguments (`signature`: their shapes, anew for another batch's)."""
+    def prepare(params: Any, opt_state: Any, metric_state: Any, feed: Any, renew: bool = False) -> Any:
+        """The program for these arguments (`signature`: the first's shapes, or these with `renew`)."""
         structure = jax.tree.structure(opt_state)
         if (compiled := out_shardings.get(structure)) is None:
             compiled = out_shardings[structure] = engine.jit(program, layout.out_shardings(params, opt_state))
-        batch = tuple((a.shape, a.dtype) for a in jax.tree.leaves(feed))
-        if getattr(call, "signature", (None,))[0] is not compiled or call.batch != batch:  # type: ignore[attr-defined]
-            call.batch, call.signature = batch, (compiled, jax.tree.map(  # type: ignore[attr-defined]
+        if renew or getattr(call, "signature", (None,))[0] is not compiled:
+            call.signature = (compiled, jax.tree.map(  # type: ignore[attr-defined]
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                 (params, opt_state, metric_state, feed)))
         return compiled

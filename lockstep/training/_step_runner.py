@@ -60,12 +60,12 @@ class StepRunner:
 
     def prepare(self, state: TrainState, updates: Sequence[AccumulationGroup]) -> tuple[Any, ...]:
         """Makes the programs that `run(state, updates)` would call, and runs none; returns the
-        first one's key (for `compiled`)."""
+        first one's key (for `compiled`, which then reads these arguments' shapes)."""
         keys = []
         for key, run in runs(updates):
             feed, program_key = feed_of(run, key, self._start)
             self._calls.setdefault(program_key, 0)
-            self._program(program_key).prepare(state.params, state.opt_state, state.metric_state, feed)
+            self._program(program_key).prepare(state.params, state.opt_state, state.metric_state, feed, renew=True)
             keys.append(program_key)
         return keys[0]
 
