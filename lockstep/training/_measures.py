@@ -120,4 +120,3 @@ class TrainerMeasures:
                 "input_s": 0.0 if stream is None else stream.input_seconds,
                 "callback_s": {} if cblist is None else dict(cblist.seconds),
                 "checkpointers": frozenset() if cblist is None else frozenset(cblist.checkpointers)}
-
