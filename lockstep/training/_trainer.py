@@ -176,7 +176,8 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         Keras model's, else 1), each exactly the step taken alone; per-batch callbacks are called
         once a call, as in Keras (see `lockstep.training._executions`).
       remat: activation checkpointing of the training step's forward pass: None (default), "full"
-        (only the inputs kept, the forward pass computed again for the gradient), "layers" (each
+        (only the inputs kept, the whole forward pass computed again at once for the gradient:
+        little memory saved, benchmarks/REMAT_GPU.md), "layers" (each
         of a Keras model's layers' outputs kept, their insides computed again), "dots" (matrix
         products kept, MaxText's "save dots"), "offload" (those moved to host memory) or a JAX
         checkpoint policy's name; the numbers are the same.
