@@ -2,6 +2,8 @@
 replicas (one of which holds no real row), on a ZeRO-3 sharded mesh, with dropout and
 BatchNormalization; Keras' own `fit` is the reference."""
 
+import contextlib
+
 import keras
 import numpy as np
 import pytest
@@ -96,3 +98,40 @@ def test_layers_remat_keeps_fewer_bytes_in_the_step():
 def test_an_unknown_remat_is_named(bad):
     with pytest.raises(ValueError, match=r"`remat` must be .* got remat="):
         ls.Trainer(_block(), remat=bad)
+
+
+
+def _attention_block():
+    """`_block` without BatchNormalization, which Keras' own `RematScope(mode="full")` cannot run
+    (its call's `training` flag becomes a traced value: Keras' fit fails too)."""
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((6, 8))
+    h = keras.layers.LayerNormalization()(inp + keras.layers.MultiHeadAttention(2, 4)(inp, inp))
+    h = keras.layers.Dense(16, activation="gelu")(h)
+    return keras.Model(inp, keras.layers.Dense(3)(keras.layers.GlobalAveragePooling1D()(h)))
+
+
+def test_keras_own_remat_scope_trains_as_written_and_is_rematerialized():
+    """A model built under Keras' own `keras.RematScope(mode="full")` (each layer's call
+    rematerialized: lockstep's "layers", done by Keras) and trained by Keras' `model.fit` in a
+    lockstep scope: Keras' one-device numbers without the scope, and the step lockstep compiles
+    recomputes the forward pass (more FLOPs than the same model built without the scope)."""
+    x, y = _data()
+    runs = []
+    for strategy in (ls.MirroredStrategy(4), None):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            with keras.RematScope(mode="full") if strategy else contextlib.nullcontext():
+                model = _attention_block()
+            model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+        runs.append((model.get_weights(), history))
+    assert_equals_one_device(*runs, rtol=2e-5, atol=2e-6)
+    flops = {}
+    for mode in ("full", None):
+        with keras.RematScope(mode=mode):
+            model = _attention_block()
+        trainer = ls.Trainer(model, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
+                             strategy=ls.MirroredStrategy(1))
+        trainer.step_memory(x, y, batch_size=BATCH)  # compiles fit's first step, runs none
+        flops[mode] = trainer.step_cost()["flops"]
+    assert flops["full"] > flops[None] * 1.2, flops
