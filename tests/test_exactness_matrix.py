@@ -3,8 +3,9 @@ one device does.
 
 Hypothesis draws the dataset size N (1..300), the global batch B (1..64), replicas R (1..8),
 gradient accumulation k (1..4), the backup frequency and the step at which a run is interrupted,
-`validation_split`, and the input kind (arrays, a Grain `MapDataset`, a list of batches). Each
-example trains on R replicas, is stopped at the drawn step, resumes from its newest backup in a
+`validation_split`, the input kind (arrays, a Grain `MapDataset`, a list of batches) and
+activation checkpointing (`remat`: none, "full", "dots"; the one-device reference runs without).
+Each example trains on R replicas, is stopped at the drawn step, resumes from its newest backup in a
 new trainer, and must end with the weights and the history of the uninterrupted one-device run
 (float32 tolerance); its `evaluate` and `predict` equal one device's too. The draws reach the
 awkward cases on purpose: N = 1, N prime, a last batch shorter than R (replicas with no real
@@ -52,12 +53,12 @@ def model():
     return ls.FunctionalModel(init, lambda p, x, training=False: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"])
 
 
-def trainer(strategy, k):
+def trainer(strategy, k, remat=None):
     """The example's trainer on `strategy` (a number of replicas: a MirroredStrategy)."""
     strategy = ls.MirroredStrategy(strategy) if isinstance(strategy, int) else strategy
     return ls.Trainer(model(), optimizer=optax.adam(0.05), loss="sparse_categorical_crossentropy_from_logits",
                       metrics=["accuracy", ls.metrics.F1Score(average="macro", num_classes=3)],
-                      strategy=strategy, gradient_accumulation_steps=k)
+                      strategy=strategy, gradient_accumulation_steps=k, remat=remat)
 
 
 def inputs(kind, x, y, batch):
@@ -82,6 +83,7 @@ def close(got, want, what):
 
 
 KINDS = ("arrays", "grain", "batches")
+REMATS = (None, "full", "dots")
 
 
 def settings_of(pick):
@@ -93,7 +95,7 @@ def settings_of(pick):
     steps = EPOCHS * math.ceil(math.ceil(n / batch) / k)  # optimizer steps (a group ends with its epoch)
     return {"n": n, "batch": batch, "replicas": pick(1, 8), "k": k, "kind": KINDS[pick(0, len(KINDS) - 1)],
             "validation": bool(pick(0, 1)), "save_freq": pick(math.ceil(steps / 8), max(1, steps)),
-            "stop": pick(1, steps + 1)}
+            "stop": pick(1, steps + 1), "remat": REMATS[pick(0, len(REMATS) - 1)]}
 
 
 @st.composite
@@ -106,14 +108,14 @@ def interrupted_and_resumed(strategy, run, backup):
     new trainer. Returns the trainer, the history and the step restored from (None: not stopped)."""
     x, y = data(run["n"])
     batch, kind, k = run["batch"], run["kind"], run["k"]
-    t = trainer(strategy, k)
+    t = trainer(strategy, k, run.get("remat"))
     try:
         hist = fit(t, kind, x, y, batch, validation(run),
                    [ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"]), StopAt(run["stop"])])
         return t, hist, None  # the drawn step is past the run's end
     except Stopped:
         pass
-    t = trainer(strategy, k)
+    t = trainer(strategy, k, run.get("remat"))
     restore = ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"])
     hist = fit(t, kind, x, y, batch, validation(run), [restore])
     return t, hist, restore.restored_from
@@ -124,16 +126,19 @@ def validation(run):
 
 
 def reference(run):
-    """The uninterrupted one-device run."""
+    """The uninterrupted one-device run (without activation checkpointing)."""
     x, y = data(run["n"])
     one = trainer(1, run["k"])
     return one, fit(one, run["kind"], x, y, run["batch"], validation(run))
 
 
 def check(run, got_weights, got_hist, restored_from, one, want):
-    if restored_from is not None:
-        saved = run["stop"] - run["stop"] % run["save_freq"]
-        assert restored_from == (saved or None), run
+    steps = EPOCHS * math.ceil(math.ceil(run["n"] / run["batch"]) / run["k"])
+    if run["stop"] <= steps:  # stopped at the end of step `stop`, before its backup (backups' hooks run last)
+        before = run["stop"] - 1
+        assert restored_from == ((before - before % run["save_freq"]) or None), run
+    else:
+        assert restored_from is None, run
     close(got_weights, one.get_weights(), f"weights {run}")
     assert sorted(got_hist) == sorted(want), run
     for name in want:
@@ -163,7 +168,7 @@ def test_any_shape_and_settings_equal_one_device_through_a_backup_and_a_resume(r
 def test_the_matrix_size_is_printed(capsys):
     with capsys.disabled():
         print(f"\nexactness matrix: {EXAMPLES} drawn examples of N, batch, replicas, accumulation, backup "
-              f"and interrupt steps, validation and input kind (make test-full: 60); {WORKER_EXAMPLES} on 2 "
+              f"and interrupt steps, validation, input kind and remat (make test-full: 60); {WORKER_EXAMPLES} on 2 "
               "workers x 2 devices (make test-full: 4, and on 3 workers x 1 device)")
 
 
