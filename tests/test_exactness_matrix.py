@@ -3,9 +3,11 @@ one device does.
 
 Hypothesis draws the dataset size N (1..300), the global batch B (1..64), replicas R (1..8),
 gradient accumulation k (1..4), the backup frequency and the step at which a run is interrupted,
-`validation_split`, the input kind (arrays, a Grain `MapDataset`, a list of batches) and
-activation checkpointing (`remat`: none, "full", "dots"; the one-device reference runs without).
-Each example trains on R replicas, is stopped at the drawn step, resumes from its newest backup in a
+`validation_split`, the input kind (arrays, a Grain `MapDataset`, a list of batches),
+activation checkpointing (`remat`: none, "full", "dots"; the one-device reference runs without) and
+the state's layout (`zero`: 0, a `MirroredStrategy`; 1-3, a `ShardedStrategy` of that ZeRO stage over
+the R replicas, every variable split, padded where R does not divide it). Each example trains on R
+replicas, is stopped at the drawn step, resumes from its newest backup in a
 new trainer, and must end with the weights and the history of the uninterrupted one-device run
 (float32 tolerance); its `evaluate` and `predict` equal one device's too. The draws reach the
 awkward cases on purpose: N = 1, N prime, a last batch shorter than R (replicas with no real
@@ -13,7 +15,8 @@ row, at backup and resume steps too), and accumulation groups cut short by the e
 
 `make test` runs `EXAMPLES` examples with a fixed seed (the count is printed); `make test-full`
 runs more. A smaller draw (`WORKER_EXAMPLES`, run one after another in one launch) covers 2 workers x
-2 devices and, in `make test-full`, 3 workers x 1 device.
+2 devices and, in `make test-full`, 3 workers x 1 device (a `MultiWorkerMirroredStrategy` over
+them: the drawn replicas and ZeRO stage do not apply there).
 """
 
 import json
@@ -53,9 +56,13 @@ def model():
     return ls.FunctionalModel(init, lambda p, x, training=False: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"])
 
 
-def trainer(strategy, k, remat=None):
-    """The example's trainer on `strategy` (a number of replicas: a MirroredStrategy)."""
-    strategy = ls.MirroredStrategy(strategy) if isinstance(strategy, int) else strategy
+def trainer(strategy, k, remat=None, zero=0):
+    """The example's trainer on `strategy` (a number of replicas: a MirroredStrategy, or with `zero`
+    a ShardedStrategy of that ZeRO stage over them)."""
+    if isinstance(strategy, int):
+        mesh = ls.DeviceMesh((strategy, 1), ("batch", "model"))
+        strategy = (ls.ShardedStrategy(mesh=mesh, zero_stage=zero, min_shard_size=1, max_replicated_fraction=1.0)
+                    if zero else ls.MirroredStrategy(strategy))
     return ls.Trainer(model(), optimizer=optax.adam(0.05), loss="sparse_categorical_crossentropy_from_logits",
                       metrics=["accuracy", ls.metrics.F1Score(average="macro", num_classes=3)],
                       strategy=strategy, gradient_accumulation_steps=k, remat=remat)
@@ -95,7 +102,8 @@ def settings_of(pick):
     steps = EPOCHS * math.ceil(math.ceil(n / batch) / k)  # optimizer steps (a group ends with its epoch)
     return {"n": n, "batch": batch, "replicas": pick(1, 8), "k": k, "kind": KINDS[pick(0, len(KINDS) - 1)],
             "validation": bool(pick(0, 1)), "save_freq": pick(math.ceil(steps / 8), max(1, steps)),
-            "stop": pick(1, steps + 1), "remat": REMATS[pick(0, len(REMATS) - 1)]}
+            "stop": pick(1, steps + 1), "remat": REMATS[pick(0, len(REMATS) - 1)],
+            "zero": pick(0, 3)}
 
 
 @st.composite
@@ -108,14 +116,14 @@ def interrupted_and_resumed(strategy, run, backup):
     new trainer. Returns the trainer, the history and the step restored from (None: not stopped)."""
     x, y = data(run["n"])
     batch, kind, k = run["batch"], run["kind"], run["k"]
-    t = trainer(strategy, k, run.get("remat"))
+    t = trainer(strategy, k, run.get("remat"), run.get("zero", 0))
     try:
         hist = fit(t, kind, x, y, batch, validation(run),
                    [ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"]), StopAt(run["stop"])])
         return t, hist, None  # the drawn step is past the run's end
     except Stopped:
         pass
-    t = trainer(strategy, k, run.get("remat"))
+    t = trainer(strategy, k, run.get("remat"), run.get("zero", 0))
     restore = ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"])
     hist = fit(t, kind, x, y, batch, validation(run), [restore])
     return t, hist, restore.restored_from
@@ -126,7 +134,7 @@ def validation(run):
 
 
 def reference(run):
-    """The uninterrupted one-device run (without activation checkpointing)."""
+    """The uninterrupted one-device run (replicated, without activation checkpointing)."""
     x, y = data(run["n"])
     one = trainer(1, run["k"])
     return one, fit(one, run["kind"], x, y, run["batch"], validation(run))
@@ -168,7 +176,7 @@ def test_any_shape_and_settings_equal_one_device_through_a_backup_and_a_resume(r
 def test_the_matrix_size_is_printed(capsys):
     with capsys.disabled():
         print(f"\nexactness matrix: {EXAMPLES} drawn examples of N, batch, replicas, accumulation, backup "
-              f"and interrupt steps, validation, input kind and remat (make test-full: 60); {WORKER_EXAMPLES} on 2 "
+              f"and interrupt steps, validation, input kind, remat and ZeRO stage (make test-full: 60); {WORKER_EXAMPLES} on 2 "
               "workers x 2 devices (make test-full: 4, and on 3 workers x 1 device)")
 
 
