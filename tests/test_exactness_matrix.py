@@ -6,8 +6,8 @@ gradient accumulation k (1..4), the backup frequency and the step at which a run
 `validation_split`, the input kind (arrays, a Grain `MapDataset`, a list of batches),
 activation checkpointing (`remat`: none, "full", "dots"; the one-device reference runs without) and
 the state's layout (`zero`: 0, a `MirroredStrategy`; 1-3, a `ShardedStrategy` of that ZeRO stage over
-the R replicas, every variable split, padded where R does not divide it). Each example trains on R
-replicas, is stopped at the drawn step, resumes from its newest backup in a
+the R replicas, every variable split, padded where R does not divide it) and `steps_per_execution`
+(1..4 optimizer steps a compiled call). Each example trains on R replicas, is stopped at the drawn step, resumes from its newest backup in a
 new trainer, and must end with the weights and the history of the uninterrupted one-device run
 (float32 tolerance); its `evaluate` and `predict` equal one device's too. The draws reach the
 awkward cases on purpose: N = 1, N prime, a last batch shorter than R (replicas with no real
@@ -56,7 +56,7 @@ def model():
     return ls.FunctionalModel(init, lambda p, x, training=False: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"])
 
 
-def trainer(strategy, k, remat=None, zero=0):
+def trainer(strategy, k, remat=None, zero=0, spe=1):
     """The example's trainer on `strategy` (a number of replicas: a MirroredStrategy, or with `zero`
     a ShardedStrategy of that ZeRO stage over them)."""
     if isinstance(strategy, int):
@@ -65,7 +65,7 @@ def trainer(strategy, k, remat=None, zero=0):
                     if zero else ls.MirroredStrategy(strategy))
     return ls.Trainer(model(), optimizer=optax.adam(0.05), loss="sparse_categorical_crossentropy_from_logits",
                       metrics=["accuracy", ls.metrics.F1Score(average="macro", num_classes=3)],
-                      strategy=strategy, gradient_accumulation_steps=k, remat=remat)
+                      strategy=strategy, gradient_accumulation_steps=k, remat=remat, steps_per_execution=spe)
 
 
 def inputs(kind, x, y, batch):
@@ -103,7 +103,7 @@ def settings_of(pick):
     return {"n": n, "batch": batch, "replicas": pick(1, 8), "k": k, "kind": KINDS[pick(0, len(KINDS) - 1)],
             "validation": bool(pick(0, 1)), "save_freq": pick(math.ceil(steps / 8), max(1, steps)),
             "stop": pick(1, steps + 1), "remat": REMATS[pick(0, len(REMATS) - 1)],
-            "zero": pick(0, 3)}
+            "zero": pick(0, 3), "spe": pick(1, 4)}
 
 
 @st.composite
@@ -116,14 +116,14 @@ def interrupted_and_resumed(strategy, run, backup):
     new trainer. Returns the trainer, the history and the step restored from (None: not stopped)."""
     x, y = data(run["n"])
     batch, kind, k = run["batch"], run["kind"], run["k"]
-    t = trainer(strategy, k, run.get("remat"), run.get("zero", 0))
+    t = trainer(strategy, k, run.get("remat"), run.get("zero", 0), run.get("spe", 1))
     try:
         hist = fit(t, kind, x, y, batch, validation(run),
                    [ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"]), StopAt(run["stop"])])
         return t, hist, None  # the drawn step is past the run's end
     except Stopped:
         pass
-    t = trainer(strategy, k, run.get("remat"), run.get("zero", 0))
+    t = trainer(strategy, k, run.get("remat"), run.get("zero", 0), run.get("spe", 1))
     restore = ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"])
     hist = fit(t, kind, x, y, batch, validation(run), [restore])
     return t, hist, restore.restored_from
@@ -140,13 +140,25 @@ def reference(run):
     return one, fit(one, run["kind"], x, y, run["batch"], validation(run))
 
 
+def restored_step(run):
+    """The step a stopped run resumes from: `StopAt` stops at the end of the call that reaches the
+    drawn step, before that call's backup (the backups' hooks run last); an earlier call backs up
+    its last step when it reached a multiple of `save_freq` (calls end with their epoch)."""
+    per_epoch = math.ceil(math.ceil(run["n"] / run["batch"]) / run["k"])
+    spe = run.get("spe", 1)
+    ends = [e * per_epoch + min(j + spe, per_epoch) for e in range(EPOCHS) for j in range(0, per_epoch, spe)]
+    saved, before = None, 0
+    for end in ends:
+        if end >= run["stop"]:
+            return saved
+        if end // run["save_freq"] > before // run["save_freq"]:
+            saved = end
+        before = end
+    return None  # not stopped: the run ended first
+
+
 def check(run, got_weights, got_hist, restored_from, one, want):
-    steps = EPOCHS * math.ceil(math.ceil(run["n"] / run["batch"]) / run["k"])
-    if run["stop"] <= steps:  # stopped at the end of step `stop`, before its backup (backups' hooks run last)
-        before = run["stop"] - 1
-        assert restored_from == ((before - before % run["save_freq"]) or None), run
-    else:
-        assert restored_from is None, run
+    assert restored_from == restored_step(run), run
     close(got_weights, one.get_weights(), f"weights {run}")
     assert sorted(got_hist) == sorted(want), run
     for name in want:
@@ -176,7 +188,7 @@ def test_any_shape_and_settings_equal_one_device_through_a_backup_and_a_resume(r
 def test_the_matrix_size_is_printed(capsys):
     with capsys.disabled():
         print(f"\nexactness matrix: {EXAMPLES} drawn examples of N, batch, replicas, accumulation, backup "
-              f"and interrupt steps, validation, input kind, remat and ZeRO stage (make test-full: 60); {WORKER_EXAMPLES} on 2 "
+              f"and interrupt steps, validation, input kind, remat, ZeRO stage and steps per call (make test-full: 60); {WORKER_EXAMPLES} on 2 "
               "workers x 2 devices (make test-full: 4, and on 3 workers x 1 device)")
 
 
