@@ -135,3 +135,21 @@ def test_keras_own_remat_scope_trains_as_written_and_is_rematerialized():
         trainer.step_memory(x, y, batch_size=BATCH)  # compiles fit's first step, runs none
         flops[mode] = trainer.step_cost()["flops"]
     assert flops["full"] > flops[None] * 1.2, flops
+
+
+@pytest.mark.parametrize("remat", ["full", "layers"])
+def test_remat_with_several_steps_a_call_and_batch_normalization(remat):
+    """Two programs of one checkpointed forward pass (runs of 4 and 3 steps a call: 7 batches of 2
+    an epoch on 4 replicas, two of which hold no row) whose BatchNormalization reads the replica
+    context's rows: each program its own trace (jax.checkpoint once kept the first's, and the
+    second failed with an UnexpectedTracerError). Keras' own one-device fit is the reference."""
+    x, y = _data()
+    with ls.MirroredStrategy(4).scope():
+        model = _block()
+    trainer = ls.Trainer(model, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits", remat=remat,
+                         steps_per_execution=4)
+    history = trainer.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0).history
+    reference = _block()
+    reference.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    want = reference.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0).history
+    assert_equals_one_device((trainer.get_weights(), history), (reference.get_weights(), want), rtol=2e-5, atol=2e-6)

@@ -81,12 +81,17 @@ def rematerialized(apply: Apply, remat: str | None,
         policy = policy("device", "pinned_host")
     if remat == "layers":
         policy = policy(LAYER_OUTPUT)
+    named = layers_named if remat == "layers" else contextlib.nullcontext
 
-        def apply_named(params: Any, x: Any, training: bool) -> Any:
-            with layers_named():
+    def checkpointed(params: Any, x: Any, training: bool) -> Any:
+        # a new function each trace: jax.checkpoint keeps a function's trace by its identity, with the
+        # values it closes over (the replica context's rows, which BatchNormalization reads), and a
+        # second program (another run length of `steps_per_execution`) would get the first's tracers
+        def forward(params: Any, x: Any) -> Any:
+            with named():
                 return apply(params, x, training)
-        return jax.checkpoint(apply_named, policy=policy, static_argnums=(2,))
-    return jax.checkpoint(apply, policy=policy, static_argnums=(2,))
+        return jax.checkpoint(forward, policy=policy)(params, x)
+    return checkpointed
 
 
 def unpack(batch: Any) -> tuple[Any, Any, Any]:
