@@ -7,7 +7,8 @@ gradient accumulation k (1..4), the backup frequency and the step at which a run
 activation checkpointing (`remat`: none, "full", "dots"; the one-device reference runs without) and
 the state's layout (`zero`: 0, a `MirroredStrategy`; 1-3, a `ShardedStrategy` of that ZeRO stage over
 the R replicas, every variable split, padded where R does not divide it) and `steps_per_execution`
-(1..4 optimizer steps a compiled call). Each example trains on R replicas, is stopped at the drawn step, resumes from its newest backup in a
+(1..4 optimizer steps a compiled call), and the model (a function of its parameters, or a Keras
+model with BatchNormalization). Each example trains on R replicas, is stopped at the drawn step, resumes from its newest backup in a
 new trainer, and must end with the weights and the history of the uninterrupted one-device run
 (float32 tolerance); its `evaluate` and `predict` equal one device's too. The draws reach the
 awkward cases on purpose: N = 1, N prime, a last batch shorter than R (replicas with no real
@@ -26,6 +27,7 @@ import pathlib
 
 import grain
 import jax
+import keras
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -56,14 +58,22 @@ def model():
     return ls.FunctionalModel(init, lambda p, x, training=False: jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"])
 
 
-def trainer(strategy, k, remat=None, zero=0, spe=1):
+def keras_model():
+    """A Keras model with BatchNormalization (its batch statistics over every replica's real rows,
+    its moving averages in the state), the same weights each time."""
+    keras.utils.set_random_seed(0)
+    return keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh"),
+                             keras.layers.BatchNormalization(), keras.layers.Dense(3)])
+
+
+def trainer(strategy, k, remat=None, zero=0, spe=1, keras_bn=False):
     """The example's trainer on `strategy` (a number of replicas: a MirroredStrategy, or with `zero`
-    a ShardedStrategy of that ZeRO stage over them)."""
+    a ShardedStrategy of that ZeRO stage over them), of `model()` or (`keras_bn`) `keras_model()`."""
     if isinstance(strategy, int):
         mesh = ls.DeviceMesh((strategy, 1), ("batch", "model"))
         strategy = (ls.ShardedStrategy(mesh=mesh, zero_stage=zero, min_shard_size=1, max_replicated_fraction=1.0)
                     if zero else ls.MirroredStrategy(strategy))
-    return ls.Trainer(model(), optimizer=optax.adam(0.05), loss="sparse_categorical_crossentropy_from_logits",
+    return ls.Trainer(keras_model() if keras_bn else model(), optimizer=optax.adam(0.05), loss="sparse_categorical_crossentropy_from_logits",
                       metrics=["accuracy", ls.metrics.F1Score(average="macro", num_classes=3)],
                       strategy=strategy, gradient_accumulation_steps=k, remat=remat, steps_per_execution=spe)
 
@@ -103,7 +113,7 @@ def settings_of(pick):
     return {"n": n, "batch": batch, "replicas": pick(1, 8), "k": k, "kind": KINDS[pick(0, len(KINDS) - 1)],
             "validation": bool(pick(0, 1)), "save_freq": pick(math.ceil(steps / 8), max(1, steps)),
             "stop": pick(1, steps + 1), "remat": REMATS[pick(0, len(REMATS) - 1)],
-            "zero": pick(0, 3), "spe": pick(1, 4)}
+            "zero": pick(0, 3), "spe": pick(1, 4), "keras_bn": bool(pick(0, 1))}
 
 
 @st.composite
@@ -116,14 +126,14 @@ def interrupted_and_resumed(strategy, run, backup):
     new trainer. Returns the trainer, the history and the step restored from (None: not stopped)."""
     x, y = data(run["n"])
     batch, kind, k = run["batch"], run["kind"], run["k"]
-    t = trainer(strategy, k, run.get("remat"), run.get("zero", 0), run.get("spe", 1))
+    t = trainer(strategy, k, run.get("remat"), run.get("zero", 0), run.get("spe", 1), run.get("keras_bn", False))
     try:
         hist = fit(t, kind, x, y, batch, validation(run),
                    [ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"]), StopAt(run["stop"])])
         return t, hist, None  # the drawn step is past the run's end
     except Stopped:
         pass
-    t = trainer(strategy, k, run.get("remat"), run.get("zero", 0), run.get("spe", 1))
+    t = trainer(strategy, k, run.get("remat"), run.get("zero", 0), run.get("spe", 1), run.get("keras_bn", False))
     restore = ls.callbacks.BackupAndRestore(backup, save_freq=run["save_freq"])
     hist = fit(t, kind, x, y, batch, validation(run), [restore])
     return t, hist, restore.restored_from
@@ -136,7 +146,7 @@ def validation(run):
 def reference(run):
     """The uninterrupted one-device run (replicated, without activation checkpointing)."""
     x, y = data(run["n"])
-    one = trainer(1, run["k"])
+    one = trainer(1, run["k"], keras_bn=run.get("keras_bn", False))
     return one, fit(one, run["kind"], x, y, run["batch"], validation(run))
 
 
@@ -188,7 +198,7 @@ def test_any_shape_and_settings_equal_one_device_through_a_backup_and_a_resume(r
 def test_the_matrix_size_is_printed(capsys):
     with capsys.disabled():
         print(f"\nexactness matrix: {EXAMPLES} drawn examples of N, batch, replicas, accumulation, backup "
-              f"and interrupt steps, validation, input kind, remat, ZeRO stage and steps per call (make test-full: 60); {WORKER_EXAMPLES} on 2 "
+              f"and interrupt steps, validation, input kind, remat, ZeRO stage, steps per call and model (make test-full: 60); {WORKER_EXAMPLES} on 2 "
               "workers x 2 devices (make test-full: 4, and on 3 workers x 1 device)")
 
 
