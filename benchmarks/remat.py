@@ -162,6 +162,8 @@ def main() -> int:
             except (RuntimeError, subprocess.TimeoutExpired) as e:  # reported, the other modes go on
                 failed[m] = str(e).strip().splitlines()[-1][:300] if str(e).strip() else type(e).__name__
                 print(m, "failed:", failed[m], flush=True)
+        if "none" not in got:  # the baseline every ratio divides by
+            raise SystemExit(f"remat=None failed: {failed['none']}")
         modes = [m for m in modes if m in got]
         for m in list(results):
             if m not in got:
@@ -170,7 +172,8 @@ def main() -> int:
             results[m].append(got[m])
             ratios[m].append(got[m]["step_s"] / got["none"]["step_s"])
             print(m, f"round {r + 1}", got[m], flush=True)
-        flags = " --gpu" if args.gpu else " --quick" if args.quick else ""
+        flags = (" --gpu" if args.gpu else " --quick" if args.quick else "") + (
+            f" --rounds {args.rounds}" if not args.quick and args.rounds != 3 else "")
         lines = report(results, ratios, shape, r + 1, f"python benchmarks/remat.py{flags}",
                        time.perf_counter() - started)
         lines += [f"- remat={m!r} failed: {why}" for m, why in failed.items()]

@@ -3,7 +3,7 @@ one device does.
 
 Hypothesis draws the dataset size N (1..300), the global batch B (1..64), replicas R (1..8),
 gradient accumulation k (1..4), the backup frequency and the step at which a run is interrupted,
-`validation_split`, the input kind (arrays, a Grain `MapDataset`, a list of batches),
+`validation_data` or not, the input kind (arrays, a Grain `MapDataset`, a list of batches),
 activation checkpointing (`remat`: none, "full", "dots"; the one-device reference runs without) and
 the state's layout (`zero`: 0, a `MirroredStrategy`; 1-3, a `ShardedStrategy` of that ZeRO stage over
 the R replicas, every variable split, padded where R does not divide it) and `steps_per_execution`
@@ -181,7 +181,12 @@ def check(run, got_weights, got_hist, restored_from, one, want):
 # found by the matrix: a backup at an epoch's end whose accumulation group is short resumed into
 # a second pass over the epoch's data (the group had read past the pass's end before the backup)
 @example(run={"n": 1, "batch": 1, "replicas": 1, "k": 2, "kind": "arrays", "validation": False, "save_freq": 1,
-              "stop": 1})
+              "stop": 2})
+# the newer axes at once (3 rows a batch on 4 replicas), resuming from an epoch's last backup, made after
+# a short call (restores step 5). Batches of 2 drift by 1e-5 here, remat and ZeRO or not: BatchNormalization
+# of 1-2 rows and Adam amplify float32 rounding past the matrix's tolerance
+@example(run={"n": 13, "batch": 3, "replicas": 4, "k": 1, "kind": "arrays", "validation": False, "save_freq": 5,
+              "stop": 9, "remat": "full", "zero": 3, "spe": 4, "keras_bn": True})
 def test_any_shape_and_settings_equal_one_device_through_a_backup_and_a_resume(run, tmp_path_factory):
     one, want = reference(run)
     t, got, restored_from = interrupted_and_resumed(run["replicas"], run, tmp_path_factory.mktemp("backup"))
@@ -213,6 +218,8 @@ def test_on_several_workers_any_shape_and_settings_equal_one_device(workers, dev
     """A small draw with a fixed seed (one launch runs the examples one after another)."""
     rng = np.random.default_rng(workers)
     batch = [settings_of(lambda lo, hi: int(rng.integers(lo, hi + 1))) for _ in range(WORKER_EXAMPLES)]
+    while restored_step(batch[0]) is None:  # the first resumes from a backup (else the check passes without one)
+        batch[0] = settings_of(lambda lo, hi: int(rng.integers(lo, hi + 1)))
     (tmp_path / "runs.json").write_text(json.dumps(batch))
     proc = launch_workers(JOB, tmp_path, nproc=workers, devices=devices, timeout=400)
     assert proc.returncode == 0, output_of(proc)

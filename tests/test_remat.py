@@ -103,7 +103,7 @@ def test_an_unknown_remat_is_named(bad):
 
 def _attention_block():
     """`_block` without BatchNormalization, which Keras' own `RematScope(mode="full")` cannot run
-    (its call's `training` flag becomes a traced value: Keras' fit fails too)."""
+    (its call's `training` flag becomes a traced value: Keras' fit fails too, as with Dropout)."""
     keras.utils.set_random_seed(1)
     inp = keras.Input((6, 8))
     h = keras.layers.LayerNormalization()(inp + keras.layers.MultiHeadAttention(2, 4)(inp, inp))
@@ -112,10 +112,11 @@ def _attention_block():
 
 
 def test_keras_own_remat_scope_trains_as_written_and_is_rematerialized():
-    """A model built under Keras' own `keras.RematScope(mode="full")` (each layer's call
-    rematerialized: lockstep's "layers", done by Keras) and trained by Keras' `model.fit` in a
+    """A model built under Keras' own `keras.RematScope(mode="full")` (the model's call and each
+    layer's rematerialized, nested, by Keras) and trained by Keras' `model.fit` in a
     lockstep scope: Keras' one-device numbers without the scope, and the step lockstep compiles
-    recomputes the forward pass (more FLOPs than the same model built without the scope)."""
+    recomputes the forward pass (more FLOPs than the same model built without the scope; Keras'
+    fit cannot build BatchNormalization or Dropout under that scope, so the model has neither)."""
     x, y = _data()
     runs = []
     for strategy in (ls.MirroredStrategy(4), None):

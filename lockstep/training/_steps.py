@@ -84,9 +84,10 @@ def rematerialized(apply: Apply, remat: str | None,
     named = layers_named if remat == "layers" else contextlib.nullcontext
 
     def checkpointed(params: Any, x: Any, training: bool) -> Any:
-        # a new function each trace: jax.checkpoint keeps a function's trace by its identity, with the
-        # values it closes over (the replica context's rows, which BatchNormalization reads), and a
-        # second program (another run length of `steps_per_execution`) would get the first's tracers
+        # a new function each trace: jax.checkpoint caches a function's trace (keyed by the function and
+        # its inputs' shapes, not by the trace it runs in) with the values it closes over (the replica
+        # context's rows, which BatchNormalization reads), so any second program traced with the same
+        # shapes (another run length of `steps_per_execution`, a second `fit`) got the first's tracers
         def forward(params: Any, x: Any) -> Any:
             with named():
                 return apply(params, x, training)
