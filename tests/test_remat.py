@@ -2,8 +2,6 @@
 replicas (one of which holds no real row), on a ZeRO-3 sharded mesh, with dropout and
 BatchNormalization; Keras' own `fit` is the reference."""
 
-import contextlib
-
 import keras
 import numpy as np
 import pytest
@@ -30,11 +28,12 @@ def _block():
     return keras.Model(inp, out)
 
 
-def _keras_fit():
+def _keras_fit(build=_block, batch_size=BATCH):
+    """Keras' own one-device `fit` of `build()`'s model: the reference."""
     x, y = _data()
-    model = _block()
+    model = build()
     model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+    history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
     return model.get_weights(), history.history
 
 
@@ -100,7 +99,6 @@ def test_an_unknown_remat_is_named(bad):
         ls.Trainer(_block(), remat=bad)
 
 
-
 def _attention_block():
     """`_block` without BatchNormalization, which Keras' own `RematScope(mode="full")` cannot run
     (its call's `training` flag becomes a traced value: Keras' fit fails too, as with Dropout)."""
@@ -118,15 +116,12 @@ def test_keras_own_remat_scope_trains_as_written_and_is_rematerialized():
     recomputes the forward pass (more FLOPs than the same model built without the scope; Keras'
     fit cannot build BatchNormalization or Dropout under that scope, so the model has neither)."""
     x, y = _data()
-    runs = []
-    for strategy in (ls.MirroredStrategy(4), None):
-        with strategy.scope() if strategy else contextlib.nullcontext():
-            with keras.RematScope(mode="full") if strategy else contextlib.nullcontext():
-                model = _attention_block()
-            model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
-        runs.append((model.get_weights(), history))
-    assert_equals_one_device(*runs, rtol=2e-5, atol=2e-6)
+    with ls.MirroredStrategy(4).scope():
+        with keras.RematScope(mode="full"):
+            model = _attention_block()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    history = model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0).history
+    assert_equals_one_device((model.get_weights(), history), _keras_fit(_attention_block), rtol=2e-5, atol=2e-6)
     flops = {}
     for mode in ("full", None):
         with keras.RematScope(mode=mode):
@@ -150,7 +145,4 @@ def test_remat_with_several_steps_a_call_and_batch_normalization(remat):
     trainer = ls.Trainer(model, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits", remat=remat,
                          steps_per_execution=4)
     history = trainer.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0).history
-    reference = _block()
-    reference.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    want = reference.fit(x, y, batch_size=2, epochs=2, shuffle=False, verbose=0).history
-    assert_equals_one_device((trainer.get_weights(), history), (reference.get_weights(), want), rtol=2e-5, atol=2e-6)
+    assert_equals_one_device((trainer.get_weights(), history), _keras_fit(batch_size=2), rtol=2e-5, atol=2e-6)

@@ -79,9 +79,9 @@ def rematerialized(apply: Apply, remat: str | None,
     policy = None if name is None else getattr(jax.checkpoint_policies, name)
     if name is not None and name.startswith("offload"):
         policy = policy("device", "pinned_host")
+    named: Callable[[], Any] = contextlib.nullcontext
     if remat == "layers":
-        policy = policy(LAYER_OUTPUT)
-    named = layers_named if remat == "layers" else contextlib.nullcontext
+        policy, named = policy(LAYER_OUTPUT), layers_named
 
     def checkpointed(params: Any, x: Any, training: bool) -> Any:
         # a new function each trace: jax.checkpoint caches a function's trace (keyed by the function and
