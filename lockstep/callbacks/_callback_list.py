@@ -29,9 +29,15 @@ class CallbackList:
         callbacks = list(callbacks)
         # the progress bar is worker 0's alone: `verbose` stands for it on every worker
         given = [cb for cb in callbacks if not isinstance(cb, ProgbarLogger)]
-        self.reads = any_worker("the callbacks' reading of the batch logs", {  # a progress bar on worker 0 alone
-            hook: reads_batch_logs(given, hook, (params or {}).get("verbose", 0))
-            for hook in ("on_train_batch_end", "on_test_batch_end")})
+        agreed = any_worker("the callbacks' reading of the batch logs", {  # a progress bar on worker 0 alone
+            **{hook: reads_batch_logs(given, hook, (params or {}).get("verbose", 0))
+               for hook in ("on_train_batch_end", "on_test_batch_end")},
+            **{f"{loop}ing": any(overrides(cb, f"on_{loop}_batch_{at}") for cb in given for at in ("begin", "end"))
+               for loop in ("test", "predict")}})
+        self.reads = {hook: agreed[hook] for hook in ("on_train_batch_end", "on_test_batch_end")}
+        #: whether a callback runs in each batch of `evaluate` ("testing") / `predict` ("predicting"),
+        #: where it may set `stop_evaluating` / `stop_predicting` (on every worker alike)
+        self.in_batches = {loop: agreed[loop] for loop in ("testing", "predicting")}
         self.callbacks = [as_lockstep(cb) if is_keras_callback(cb) else cb for cb in callbacks]
         # those that back up the training state last, so the backup holds what the others did at that step
         self.callbacks.sort(key=lambda cb: bool(getattr(cb, "runs_last", False)))

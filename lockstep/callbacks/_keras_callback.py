@@ -24,6 +24,7 @@ from ..engine import spread
 from ._callback import HOOKS, Callback, is_chief
 from ._trainer_view import TrainerView
 
+_STOPS = ("stop_training", "stop_evaluating", "stop_predicting")  # the trainer's: Keras' fit, evaluate, predict
 _WRITERS = ("CSVLogger", "TensorBoard", "ProgbarLogger", "RemoteMonitor")
 _HOOKS = [name for name in HOOKS if name != "on_train_exit"]
 _ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}  # Keras' own
@@ -157,13 +158,13 @@ class _ModelView:
         """Keras' `Callback.model` calls it on every access: the weights are read only when asked for."""
 
     def __getattr__(self, name: str) -> Any:
-        if name == "stop_training":
-            return self._trainer.stop_training
+        if name in _STOPS:
+            return getattr(self._trainer, name)
         return getattr(self._trainer.model, name)
 
     def __setattr__(self, name: str, value: Any) -> None:
-        if name == "stop_training":
-            self._trainer.stop_training = bool(value)
+        if name in _STOPS:
+            setattr(self._trainer, name, bool(value))
         else:
             setattr(self._trainer.model, name, value)
 

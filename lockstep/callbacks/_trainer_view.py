@@ -13,6 +13,8 @@ class TrainerView(Protocol):
     model: Any
     strategy: Any
     stop_training: bool
+    stop_evaluating: bool  # set in a batch of `evaluate` (or of fit's validation): it ends there, as in Keras
+    stop_predicting: bool
     learning_rate: float
 
     @property

@@ -20,6 +20,15 @@ DEFAULT_OPTIMIZER = "adam"
 DEFAULT_LOSS = "sparse_categorical_crossentropy"
 
 
+def no_loss(y_true: Any, y_pred: Any) -> Any:
+    """The loss of a Keras model compiled without one: 0 for each sample (Keras then trains on
+    the layers' `add_loss` terms alone, which the step adds as it adds every model's)."""
+    import jax
+    import jax.numpy as jnp
+
+    return jnp.zeros(jax.tree.leaves(y_pred)[0].shape[:1], jnp.float32)
+
+
 def is_compiled_keras(model: Any) -> bool:
     """Whether `model` is a Keras model on which `compile` was called."""
     return type(model).__module__.startswith("keras") and bool(getattr(model, "compiled", False)) and hasattr(
@@ -53,11 +62,15 @@ def settings(model: Any, optimizer: Any, loss: Any, metrics: Any) -> tuple[Any, 
         if optimizer is None:
             optimizer = model.optimizer if model.optimizer is not None else DEFAULT_OPTIMIZER
         if loss is None:
-            loss = model.loss if model.loss is not None else DEFAULT_LOSS
+            loss = model.loss if getattr(model, "_compile_loss", None) is not None else no_loss
             loss_weights = _loss_weights(model)
     optimizer = DEFAULT_OPTIMIZER if optimizer is None else optimizer
     loss = DEFAULT_LOSS if loss is None else loss
     names = _output_names(model)
+    if loss is no_loss and names is not None and len(names) > 1:
+        raise ValueError(f"the model was compiled without a loss (Keras then trains on its layers' `add_loss` "
+                         f"terms alone), and it has {len(names)} outputs: lockstep takes that only for a model of "
+                         "one output; give `compile` a loss per output (0 for none) or train on one output.")
     if names is None and isinstance(loss, (dict, list, tuple)):
         raise ValueError(
             f"`loss` is given per output ({type(loss).__name__}), but the model's outputs are not known before it "

@@ -137,26 +137,28 @@ def _check_same_content_on_every_worker(arrays: dict[str, Any], n: int, arg: str
 
 
 def class_weighted(y: Any, sample_weight: Any, class_weight: dict[int, float] | None) -> Any:
-    """`sample_weight` times each sample's class weight, as Keras applies `class_weight`.
+    """Each sample's weight from its class, as Keras turns `class_weight` into sample weights
+    (labels rounded, one-hot labels by their largest entry, a class not in `class_weight`
+    weighing 1); Keras refuses it beside `sample_weight`, and so does lockstep.
 
-    >>> class_weighted(np.array([0, 1, 1]), None, {0: 1.0, 1: 3.0}).tolist()
-    [1.0, 3.0, 3.0]
+    >>> class_weighted(np.array([0, 1, 1, 2]), None, {0: 1.0, 1: 3.0}).tolist()
+    [1.0, 3.0, 3.0, 1.0]
+    >>> class_weighted(np.array([[0.9], [0.2]]), None, {1: 5.0}).tolist()   # labels 1 and 0
+    [5.0, 1.0]
     """
     if class_weight is None:
         return sample_weight
+    if sample_weight is not None:
+        raise ValueError("You cannot `class_weight` and `sample_weight` at the same time.")  # Keras' own words
     if y is None:
         raise ValueError("`class_weight` needs `y` given as an array (lockstep weighs the samples of arrays).")
     if isinstance(y, (dict, list, tuple)):
         raise ValueError("`class_weight` is only supported for Models with a single output.")  # Keras' own words
     labels = np.asarray(y)
-    if labels.ndim > 1 and labels.shape[-1] > 1:
-        labels = labels.argmax(-1)  # one-hot, as Keras reads it
-    labels = labels.reshape(len(labels), -1)[:, 0].astype(int)
-    missing = sorted(set(np.unique(labels).tolist()) - set(class_weight))
-    if missing:
-        raise ValueError(f"`class_weight` has no weight for the classes {missing} found in `y`.")
-    weights = np.asarray([class_weight[c] for c in labels.tolist()], np.float32)
-    return weights if sample_weight is None else weights * np.asarray(sample_weight, np.float32)
+    if labels.ndim > 1:
+        labels = labels.argmax(-1) if labels.shape[-1] != 1 else labels.squeeze(-1)  # one-hot, as Keras reads it
+    labels = np.round(labels.reshape(len(labels), -1)[:, 0]).astype(int)
+    return np.asarray([class_weight.get(c, 1.0) for c in labels.tolist()], np.float32)
 
 
 def split_validation(x: Any, y: Any, sample_weight: Any, validation_split: float, validation_data: Any = None
@@ -215,6 +217,9 @@ def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: i
     """`validation_data` (``(x, y)`` / ``(x, y, sample_weight)`` arrays, or batches) as global batches."""
     if validation_data is None:
         return None
+    if (isinstance(validation_data, list) and 2 <= len(validation_data) <= 3
+            and not isinstance(validation_data[0], tuple) and is_arrays(validation_data[0])):
+        validation_data = tuple(validation_data)  # [x, y], as Keras reads it (a list of (x, y) is of batches)
     if isinstance(validation_data, tuple) and is_arrays(validation_data[0]):
         if not 2 <= len(validation_data) <= 3:
             raise ValueError(f"`validation_data` must be (x, y) or (x, y, sample_weight) arrays, or an iterable of "
@@ -228,7 +233,9 @@ def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: i
 
 def validation_labels(validation_data: Any) -> Any:
     """The labels of array `validation_data` ``(x, y[, sample_weight])``, else None."""
-    if isinstance(validation_data, tuple) and 2 <= len(validation_data) <= 3 and is_arrays(validation_data[0]):
+    if isinstance(validation_data, list) and validation_data and isinstance(validation_data[0], tuple):
+        return None  # batches
+    if isinstance(validation_data, (tuple, list)) and 2 <= len(validation_data) <= 3 and is_arrays(validation_data[0]):
         return validation_data[1]
     return None
 

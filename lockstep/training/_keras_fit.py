@@ -95,12 +95,13 @@ def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:
     may predict, as in Keras)."""
     if compiled and not model.compiled:
         raise ValueError("You must call `compile()` before using the model.")  # Keras' own words
-    key = (strategy, model.compiled, id(getattr(model, "optimizer", None)),
-           id(getattr(model, "_compile_metrics", None)), id(getattr(model, "loss", None)),
+    key = (strategy, model.compiled, id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_config", None)),
+           id(getattr(model, "_compile_metrics", None)), id(getattr(model, "loss", None)),  # each `compile` a new config
            tuple(id(v) for v in model.trainable_variables), _fingerprint(model))  # `trainable` set: a new Trainer
     held = model.__dict__.get(_HELD)
     if held is None or held[0] != key:  # a new compile, or weights set from elsewhere: a Trainer that reads them
         held = (key, Trainer(model, strategy=strategy))
+        held[1].log_skipped_steps = False  # Keras' logs hold no such entry
         object.__setattr__(model, _HELD, held)  # past Keras' attribute tracking
     return held[1]
 
@@ -131,6 +132,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                                 validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     trainer = _trainer(self, strategy)
+    epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
     try:
         self.history = trainer.fit(
             x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
@@ -151,6 +153,7 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, v
         return _ORIGINAL["evaluate"](self, x, y, batch_size=batch_size, verbose=verbose, sample_weight=sample_weight,
                                      steps=steps, callbacks=callbacks, return_dict=return_dict, **kwargs)
     _unsupported(**{k: (v, None) for k, v in kwargs.items()})
+    _, steps = _limited(None, steps)
     try:
         logs = _trainer(self, strategy).evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight,
                                                  verbose=verbose, callbacks=callbacks, return_dict=True, steps=steps)
@@ -165,6 +168,9 @@ def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", s
     if strategy is None:
         return _ORIGINAL["predict"](self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
     _unsupported(steps=(steps, None))
+    if _limited(None, None)[1] is not None:
+        raise ValueError(f"keras.config.set_max_steps_per_epoch({_limited(None, None)[1]}) is in force, which would "
+                         "cut `predict` short; lockstep's predict gives every row: set it back to None.")
     try:
         return _trainer(self, strategy, compiled=False).predict(x, batch_size=batch_size, verbose=verbose,
                                                                 callbacks=callbacks)
@@ -180,6 +186,20 @@ def _predict_on_batch(self: Any, x: Any) -> Any:
         return _trainer(self, strategy, compiled=False).predict(x, batch_size=len(jax.tree.leaves(x)[0]), verbose=0)
     finally:
         _ran(self)
+
+
+def _limited(epochs: Any, *steps: Any) -> tuple[Any, ...]:
+    """`epochs` and each loop's `steps` as Keras' own loops take them under its debugging limits,
+    `keras.config.set_max_epochs` / `set_max_steps_per_epoch` (with Keras' warnings)."""
+    import warnings
+
+    from keras import config
+
+    if epochs is not None and config.max_epochs() and config.max_epochs() < epochs:
+        warnings.warn(f"Limiting epochs to {config.max_epochs()}", stacklevel=3)
+        epochs = config.max_epochs()
+    limit = config.max_steps_per_epoch()
+    return (epochs, *(limit if limit and (not s or limit < s) else s for s in steps))
 
 
 def _in_order(logs: dict[str, Any], return_dict: bool) -> Any:

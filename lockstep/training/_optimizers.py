@@ -82,12 +82,18 @@ def get_optimizer(optimizer: Any, trainable_variables: Any = None) -> optax.Grad
                     f"{type(optimizer).__name__}.")
 
 
+def is_loss_scaled(optimizer: Any) -> bool:
+    """Whether `optimizer` is a Keras `LossScaleOptimizer` (`compile` wraps one under
+    ``mixed_float16`` unless given ``auto_scale_loss=False``)."""
+    return hasattr(optimizer, "inner_optimizer") and hasattr(optimizer, "dynamic_growth_steps")
+
+
 def loss_scale_settings(optimizer: Any) -> tuple[float, int, int]:
     """(scale, growth steps, finite steps since the scale last changed) of a Keras
     `LossScaleOptimizer` (Keras' `compile` wraps the optimizer in one under ``mixed_float16``):
     where it stands after earlier training (a loaded model's), else its initial scale; without
     one, Keras' defaults (2**15, 2000, 0)."""
-    if hasattr(optimizer, "inner_optimizer") and hasattr(optimizer, "dynamic_growth_steps"):
+    if is_loss_scaled(optimizer):
         if optimizer.built:
             return (float(np.asarray(optimizer.dynamic_scale.value)), int(optimizer.dynamic_growth_steps),
                     int(np.asarray(optimizer.step_counter.value)))

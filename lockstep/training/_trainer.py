@@ -43,6 +43,7 @@ from ._inputs import (
     validation_batches,
     validation_labels,
 )
+from ._compiled import is_compiled_keras
 from ._compiled import settings as compiled_settings
 from ._compiled import steps_per_execution as compiled_steps_per_execution
 from ._data_stream import DataStream
@@ -51,7 +52,7 @@ from ._input_shapes import InputCheck
 from ._labels import LabelCheck, checked
 from ._model import FunctionalModel, adapt, output_shape
 from ._outputs import shapes_of
-from ._optimizers import get_optimizer, is_keras_optimizer, loss_scale_settings
+from ._optimizers import get_optimizer, is_keras_optimizer, is_loss_scaled, loss_scale_settings
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
 from ._placement import Replicated, placement_of
 from ._restore import fit_start, initial_state, placed, snapshot, take_up
@@ -145,6 +146,11 @@ def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> Non
             "are weighted here.", UserWarning, stacklevel=3)
 
 
+def _agreed(flag: bool) -> bool:
+    """Worker 0's `flag` on every worker (a collective with several workers): where one stops, all do."""
+    return bool(broadcast_from_chief(np.asarray(flag))) if jax.process_count() > 1 else bool(flag)
+
+
 class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
     """Trains, evaluates and predicts with a model on a strategy, Keras style.
 
@@ -196,12 +202,14 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         self.model = model
         self._engine = self.strategy.extended
         self._adapter = adapt(model, seed, batch_statistics)
+        keras_compiled = optimizer is None and is_compiled_keras(model)  # the optimizer is model.compile's
         optimizer, loss, metrics = compiled_settings(model, optimizer, loss, metrics)  # model.compile's
         self._optimizer = get_optimizer(optimizer, getattr(model, "trainable_variables", None))
         self._keras_optimizer = optimizer if is_keras_optimizer(optimizer) else None  # given its state back
         self._names = functools.partial(state_names, model, optimizer)  # what backups call each array
         self.dtype_policy = resolve_policy(model, dtype_policy)
-        if self.dtype_policy == "mixed_float16":  # dynamic loss scaling (a Keras LossScaleOptimizer's settings)
+        # dynamic loss scaling (a Keras LossScaleOptimizer's settings), unless Keras' compile left it out
+        if self.dtype_policy == "mixed_float16" and not (keras_compiled and not is_loss_scaled(optimizer)):
             self._optimizer = with_loss_scaling(self._optimizer, *loss_scale_settings(optimizer))
         self._loss_fn = _losses.get(loss)
         self._labels = LabelCheck(loss)  # labels checked on the host against a named loss
@@ -212,6 +220,8 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         self._placement: Replicated = Replicated(self._engine, self._optimizer)  # where the state lies, once built
         self.layouts: Any = None  # a sharded strategy's `ShardingPlan` of the variables, once built
         self.stop_training, self.history = False, None  # history: the last fit's `History`
+        self.stop_evaluating = self.stop_predicting = False  # a callback's, in a batch of evaluate / predict
+        self.log_skipped_steps = True  # mixed_float16: the epoch's logs count the steps skipped (not Keras' fit's)
         self._state: TrainState | None = None  # the training state, replaced at each step; None until built
         self._resume: TrainState | None = None  # a restored state, whose position the next fit takes up
         self._stream, self._callbacks = None, []  # the last fit's data and callbacks, for `train_state`
@@ -373,7 +383,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
                 break
         self._state = self._state.replace(epoch=epoch + 1, step=0)
         logs = read_logs(self._engine, self._all, self._state.metric_state)
-        if (skipped := skipped_steps(self._state.opt_state)) is not None:
+        if (skipped := skipped_steps(self._state.opt_state)) is not None and self.log_skipped_steps:
             logs["skipped_steps"] = skipped  # mixed_float16: steps skipped for non-finite gradients so far
         if val is not None and val.due(epoch):
             logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val.batches, cblist, steps=val.steps).items()})
@@ -387,11 +397,14 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         first = first_batch(data)
         data = checked(data, self._labels, y, arg, inputs=self._build(first, "x" if arg in ("x", "y") else arg))
         state = self._fresh_state()
+        self.stop_evaluating = False
         cblist.on_test_begin()
         for step, batch in enumerate(itertools.islice(data.distributed(self._engine), steps)):  # steps: None, all
             cblist.on_test_batch_begin(step)
             state = self._runner.evaluate(self._state.params, state, batch)
             cblist.on_test_batch_end(step, LazyLogs(self._engine, self._all, state, cblist.reads["on_test_batch_end"]))
+            if cblist.in_batches["testing"] and _agreed(self.stop_evaluating):
+                break
         logs = read_logs(self._engine, self._all, state)
         cblist.on_test_end(logs)
         return logs
@@ -421,12 +434,15 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         first = first_batch(data)
         data = checked(data, LabelCheck(None), None, "x", inputs=self._build(first, "x"))
         cblist = CallbackList(list(callbacks or []), self)
+        self.stop_predicting = False
         cblist.on_predict_begin()
         outputs = []
         for step, batch in enumerate(data.distributed(self._engine)):
             cblist.on_predict_batch_begin(step)
             outputs.append(self._runner.predict(self._state.params, batch))
             cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})
+            if cblist.in_batches["predicting"] and _agreed(self.stop_predicting):
+                break
         cblist.on_predict_end()
         return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
 

@@ -1,0 +1,193 @@
+"""Keras settings and idioms that Keras' own `fit` / `evaluate` / `predict` honour, run as written
+on a lockstep strategy: each gives Keras' own one-device numbers, or the error Keras gives.
+
+Each test builds the same model twice from one seed, compiles it alike, and runs it once with
+Keras alone and once in a `MirroredStrategy(4)` scope, on 13 rows in batches of 8 (the last batch
+leaves replica 3 without rows).
+"""
+
+import warnings
+
+import keras
+import numpy as np
+import pytest
+
+import lockstep as ls
+from keras_reference import assert_logs_close, assert_weights_close
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(13, 3)).astype("float32")
+Y = np.arange(13) % 3
+
+
+def _model(regularized=False, policy=None):
+    keras.utils.set_random_seed(0)
+    inputs = keras.Input((3,))
+    hidden = keras.layers.Dense(4, activation="relu", kernel_regularizer="l2" if regularized else None,
+                                dtype=policy)(inputs)
+    return keras.Model(inputs, keras.layers.Dense(3, dtype=policy)(hidden))
+
+
+def _both(build, run):
+    """`run(model)` of a model built and compiled by `build()` with Keras alone, then in a lockstep
+    scope: (Keras' result and weights, lockstep's result and weights). `run` may take a second
+    argument: whether lockstep runs the model."""
+    out = []
+    for strategy in (None, ls.MirroredStrategy(4)):
+        if strategy is None:
+            model = build()
+        else:
+            with strategy.scope():
+                model = build()
+        result = run(model, strategy is not None) if run.__code__.co_argcount == 2 else run(model)
+        out.append((result, [np.asarray(w) for w in model.get_weights()]))
+    return out
+
+
+def _fit(model, **kw):
+    return model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0, **kw).history
+
+
+def test_a_model_compiled_without_a_loss_trains_on_its_add_loss_terms_alone():
+    """Keras trains such a model on its layers' losses (here an L2 penalty); lockstep took its
+    default loss instead."""
+    def build():
+        model = _model(regularized=True)
+        model.compile(optimizer="sgd")
+        return model
+    (want, want_w), (got, got_w) = _both(build, _fit)
+    assert_logs_close(got, want)
+    assert_weights_close(got_w, want_w)
+    assert want["loss"][0] > 0
+
+
+def test_compiling_again_with_other_loss_weights_is_taken_up():
+    """A second `compile` with the same optimizer object and loss name but other `loss_weights`
+    (or `steps_per_execution`) changes what evaluate reports, in Keras and in lockstep alike."""
+    optimizer = keras.optimizers.SGD(0.1)
+
+    def build():
+        model = _model()
+        model.compile(optimizer=optimizer, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def run(model):
+        first = model.evaluate(X, Y, batch_size=8, verbose=0)
+        model.compile(optimizer=model.optimizer, loss=model.loss, loss_weights=[10.0])
+        return [first, model.evaluate(X, Y, batch_size=8, verbose=0)]
+    (want, _), (got, _) = _both(build, run)
+    np.testing.assert_allclose(got, want, rtol=1e-5)
+    np.testing.assert_allclose(want[1], 10 * want[0], rtol=1e-5)
+
+
+def test_mixed_float16_follows_keras_auto_scale_loss_and_reports_keras_logs():
+    """With `auto_scale_loss=False` Keras' compile leaves the optimizer unscaled, and Keras' logs
+    (History, `train_on_batch`) hold no count of skipped steps."""
+    for auto_scale_loss in (True, False):
+        def build():
+            model = _model(policy="mixed_float16")
+            model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                          auto_scale_loss=auto_scale_loss)
+            return model
+
+        def run(model):
+            return _fit(model), model.train_on_batch(X[:8], Y[:8])
+        (want, want_w), (got, got_w) = _both(build, run)
+        assert_logs_close(got[0], want[0], rtol=1e-3, atol=1e-4)  # float16 steps: the same to its precision
+        assert np.ndim(got[1]) == np.ndim(want[1]) == 0, (got[1], want[1])
+        assert_weights_close(got_w, want_w, atol=2e-3)
+
+
+def test_class_weight_as_keras_reads_it_and_refused_beside_sample_weight():
+    """Keras rounds soft labels, weighs a class `class_weight` leaves out by 1, and refuses
+    `class_weight` beside `sample_weight`."""
+    soft = np.where(np.arange(13) % 2, 0.9, 0.2).astype("float32")[:, None]  # labels 1 and 0
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1, activation="sigmoid")])
+        model.compile(optimizer="sgd", loss="binary_crossentropy")
+        return model
+
+    def run(model):
+        history = model.fit(X, soft, batch_size=8, epochs=2, shuffle=False, verbose=0, class_weight={1: 5.0}).history
+        with pytest.raises(ValueError, match=r"You cannot `class_weight` and `sample_weight` at the same time"):
+            model.fit(X, soft, batch_size=8, verbose=0, class_weight={1: 5.0}, sample_weight=np.ones(13))
+        return history
+    (want, want_w), (got, got_w) = _both(build, run)
+    assert_logs_close(got, want)
+    assert_weights_close(got_w, want_w)
+
+
+class _StopAt(keras.callbacks.Callback):
+    """Ends evaluate (or predict) after batch `at`, as Keras' `stop_evaluating` does."""
+
+    def __init__(self, flag, at=0):
+        super().__init__()
+        self.flag, self.at = flag, at
+
+    def on_test_batch_end(self, batch, logs=None):
+        if self.flag == "stop_evaluating" and batch == self.at:
+            self.model.stop_evaluating = True
+
+    def on_predict_batch_end(self, batch, logs=None):
+        if self.flag == "stop_predicting" and batch == self.at:
+            self.model.stop_predicting = True
+
+
+def test_a_callback_ends_evaluate_and_predict_where_keras_does():
+    def build():
+        model = _model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    def run(model):
+        return (model.evaluate(X, Y, batch_size=4, verbose=0, callbacks=[_StopAt("stop_evaluating", 1)]),
+                model.predict(X, batch_size=4, verbose=0, callbacks=[_StopAt("stop_predicting", 1)]),
+                model.evaluate(X, Y, batch_size=4, verbose=0))  # the next evaluate runs whole again
+    (want, _), (got, _) = _both(build, run)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert got[1].shape == want[1].shape == (8, 3)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5)
+    assert not np.allclose(want[0], want[2])
+
+
+def test_keras_debugging_limits_on_epochs_and_steps_are_honoured():
+    def build():
+        model = _model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def run(model, in_lockstep):
+        keras.config.set_max_epochs(1)
+        keras.config.set_max_steps_per_epoch(1)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # Keras' "Limiting epochs to 1", "Limiting steps_per_epoch to 1"
+                history = model.fit(X, Y, batch_size=4, epochs=3, shuffle=False, verbose=0,
+                                    validation_data=(X, Y)).history
+                evaluated = model.evaluate(X, Y, batch_size=4, verbose=0)
+            if in_lockstep:  # Keras would predict one batch: lockstep refuses to cut predict short
+                with pytest.raises(ValueError, match=r"set_max_steps_per_epoch\(1\)"):
+                    model.predict(X, verbose=0)
+        finally:
+            keras.config.set_max_epochs(None)
+            keras.config.set_max_steps_per_epoch(None)
+        return history, evaluated
+    (want, want_w), (got, got_w) = _both(build, run)
+    assert len(want[0]["loss"]) == 1
+    assert_logs_close(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    assert_weights_close(got_w, want_w)
+
+
+def test_validation_data_given_as_a_list_is_read_as_keras_reads_it():
+    def build():
+        model = _model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+    (want, _), (got, _) = _both(build, lambda model: _fit(model, validation_data=[X[:5], Y[:5]]))
+    assert "val_loss" in want
+    assert_logs_close(got, want)
