@@ -91,19 +91,21 @@ def test_a_resume_on_changed_data_is_refused():
         next(changed.epoch(0, done=2))
 
 
-def test_steps_per_epoch_goes_on_into_the_next_pass_with_a_warning():
+def test_steps_per_epoch_ends_an_epoch_with_its_pass_as_keras_does():
     engine = Engine(jax.devices()[:4])
     x = _data(7)
     train = batches(x, 3, shuffle=True, seed=2)  # passes of 3 batches (3, 3, 1 rows)
     stream = DataStream(engine, train, 2, 1)
-    want = _expected(x, 3, train.order(0)) + _expected(x, 3, train.order(1))
+    want = _expected(x, 3, train.order(0)) + _expected(x, 3, train.order(1))[:2]
     got = [_rows(b) for b in stream.epoch(0)]
-    with pytest.warns(UserWarning, match="ended inside epoch 2"):
+    with pytest.warns(UserWarning, match=r"ended after 1 of `steps_per_epoch=2` steps in epoch 2: the epoch ends"):
         got += [_rows(b) for b in stream.epoch(1)]
-    assert len(got) == 4
+    assert len(got) == 3 and (stream.position().pass_index, stream.position().offset) == (1, 0)
+    got += [_rows(b) for b in stream.epoch(2)]  # a new pass
+    assert len(got) == 5
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
-    assert (stream.position().pass_index, stream.position().offset) == (1, 1)
+    assert (stream.position().pass_index, stream.position().offset) == (1, 2)
 
 
 def test_a_one_shot_iterator_that_runs_out_is_an_error():

@@ -66,6 +66,7 @@ def backup(path, freq=3):
     return ls.callbacks.BackupAndRestore(path, save_freq=freq)
 
 
+@pytest.mark.filterwarnings("ignore:a pass over the training data ended")  # epochs end with their pass
 @crossing
 @pytest.mark.parametrize("steps_per_epoch", variants([None, 5], {5}))
 def test_a_resume_sets_the_iterator_state_and_reads_nothing_again(steps_per_epoch, tmp_path):
@@ -154,6 +155,7 @@ def test_data_that_differs_on_resume_is_an_error(source, tmp_path):
         common.trainer(ls.MirroredStrategy(2)).fit(data, callbacks=[backup(tmp_path)], **kw)
 
 
+@pytest.mark.filterwarnings("ignore:a pass over the training data ended")  # epochs end with their pass
 @crossing
 def test_a_deterministic_re_iterable_resumes_by_reading_again(tmp_path):
     """A plain iterable of batches (no iterator state) is read again up to the position; the

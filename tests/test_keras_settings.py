@@ -191,3 +191,36 @@ def test_validation_data_given_as_a_list_is_read_as_keras_reads_it():
     (want, _), (got, _) = _both(build, lambda model: _fit(model, validation_data=[X[:5], Y[:5]]))
     assert "val_loss" in want
     assert_logs_close(got, want)
+
+
+@pytest.mark.parametrize("steps_per_epoch", [5, 9])
+def test_steps_per_epoch_that_a_pass_does_not_fill_ends_the_epoch_with_the_pass_as_in_keras(steps_per_epoch):
+    """7 batches a pass: Keras' epochs of `steps_per_epoch=5` take 5, 2, 5 steps (the second ends
+    with the pass, the third starts a new one), of 9 take 7 each; lockstep went on into the next
+    pass inside the epoch (5, 5, 5 and 9, 9, 9 steps)."""
+    x, y = RNG.normal(size=(14, 3)).astype("float32"), np.arange(14) % 3
+
+    def build():
+        model = _model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def run(model):
+        steps = []
+
+        class Count(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                steps.append(0)
+
+            def on_train_batch_end(self, batch, logs=None):
+                steps[-1] += 1
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras': "Your input ran out of data"
+            history = model.fit(x, y, batch_size=2, epochs=3, steps_per_epoch=steps_per_epoch, shuffle=False,
+                                verbose=0, callbacks=[Count()]).history
+        return history, steps
+    (want, want_w), (got, got_w) = _both(build, run)
+    assert want[1] == ([5, 2, 5] if steps_per_epoch == 5 else [7, 7, 7])
+    assert got[1] == want[1]
+    assert_logs_close(got[0], want[0])
+    assert_weights_close(got_w, want_w)

@@ -127,13 +127,13 @@ class DataStream:
 
     def epoch(self, epoch: int, done: int = 0) -> Iterator["DistributedBatch | ResidentBatch"]:
         """Epoch `epoch`'s batches: the rest of a pass, or of `steps_per_epoch` steps (`done` steps
-        of it taken before a resume). In-memory data that fits on the devices comes as
+        of it taken before a resume; as in Keras, fewer where a pass of re-readable data ends). In-memory data that fits on the devices comes as
         `ResidentBatch`es (its rows gathered by the step), other data as placed batches."""
         if self._per_epoch is None and self._batches is None and (self._offset == 0 or self._ended or not done):
             # an epoch is a pass: its order derives from (seed, epoch); a resume at an epoch's start
             # (from a backup at the previous epoch's end) starts its pass afresh too
             self._pass, self._offset, self._ended = epoch, 0, False
-        given, crossed = done * self._k, False
+        given = done * self._k
         while self._per_epoch is None or given < self._per_epoch:
             if self._batches is None:
                 self._batches = self._open()
@@ -150,15 +150,10 @@ class DataStream:
                 if self._offset == 0:  # a new pass gave nothing
                     self._ran_out(epoch, given)
                 self._pass, self._offset = self._pass + 1, 0
-                crossed = given > 0
+                if given and not getattr(self._train, "one_shot", False):  # (a generator: `_ran_out` next)
+                    self._ended_early(epoch, given)
+                    return  # as Keras: the epoch ends with its pass, the next starts a new one
                 continue
-            if crossed and not self._warned:
-                self._warned = True
-                warnings.warn(
-                    f"a pass over the training data ended inside epoch {epoch + 1}, before "
-                    f"`steps_per_epoch={self._steps}` steps: the next pass follows in the same epoch (as "
-                    "`repeat()` would). Keras stops training here instead ('Your input ran out of data'). "
-                    "Lower `steps_per_epoch` to keep epochs within a pass.", UserWarning, stacklevel=3)
             self._offset += 1
             given += 1
             self._last, self._carried = batch, None
@@ -170,6 +165,15 @@ class DataStream:
         memory; its arrays read again by the next `fit`)."""
         self._batches = None
         self._train.release()
+
+    def _ended_early(self, epoch: int, given: int) -> None:
+        if not self._warned:
+            self._warned = True
+            warnings.warn(
+                f"a pass over the training data ended after {given // self._k} of `steps_per_epoch={self._steps}` "
+                f"steps in epoch {epoch + 1}: the epoch ends there and the next starts a new pass, as in Keras "
+                "('Your input ran out of data'). Use a `steps_per_epoch` that divides the batches of a pass to "
+                "keep epochs alike.", UserWarning, stacklevel=4)
 
     def _ran_out(self, epoch: int, given: int) -> None:
         if self._per_epoch is None:
