@@ -224,3 +224,22 @@ def test_steps_per_epoch_that_a_pass_does_not_fill_ends_the_epoch_with_the_pass_
     assert got[1] == want[1]
     assert_logs_close(got[0], want[0])
     assert_weights_close(got_w, want_w)
+
+
+def test_shuffle_batch_keeps_the_batches_in_order_as_keras_does_on_jax():
+    """Keras' `shuffle="batch"` (on JAX) permutes the rows inside each batch, in order: the steps of
+    an unshuffled fit; lockstep shuffled the whole data. Other values are refused, naming them."""
+    def build():
+        model = _model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def run(model, in_lockstep):
+        history = model.fit(X, Y, batch_size=4, epochs=2, shuffle="batch", verbose=0).history
+        if in_lockstep:
+            with pytest.raises(ValueError, match=r"`shuffle` must be True, False or 'batch'.*shuffle='rows'"):
+                model.fit(X, Y, batch_size=4, shuffle="rows", verbose=0)
+        return history
+    (want, want_w), (got, got_w) = _both(build, run)
+    assert_logs_close(got, want)
+    assert_weights_close(got_w, want_w)

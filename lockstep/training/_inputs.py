@@ -44,6 +44,10 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
     as `lockstep.data.adapt` makes it (a distributed dataset must be `strategy`'s)."""
     if x is None:
         raise ValueError(f"`{arg}` is required, got None.")
+    if not isinstance(shuffle, (bool, np.bool_)) and shuffle != "batch":
+        raise ValueError(f"`shuffle` must be True, False or 'batch' (as in Keras), got shuffle={shuffle!r}.")
+    if shuffle == "batch":  # Keras (JAX) keeps the batches in order and permutes each one's rows: no sum changes
+        shuffle = False
     if isinstance(x, (list, tuple)) and y is not None and not is_arrays(x):
         raise TypeError(
             f"`{arg}` is a Python {type(x).__name__} and `y` is given: pass NumPy arrays (`np.asarray({arg})`), "
