@@ -100,12 +100,38 @@ def test_steps_per_epoch_ends_an_epoch_with_its_pass_as_keras_does():
     got = [_rows(b) for b in stream.epoch(0)]
     with pytest.warns(UserWarning, match=r"ended after 1 of `steps_per_epoch=2` steps in epoch 2: the epoch ends"):
         got += [_rows(b) for b in stream.epoch(1)]
-    assert len(got) == 3 and (stream.position().pass_index, stream.position().offset) == (1, 0)
+    assert len(got) == 3 and (stream.position().pass_index, stream.position().offset) == (0, 3)  # the pass's end
     got += [_rows(b) for b in stream.epoch(2)]  # a new pass
     assert len(got) == 5
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
     assert (stream.position().pass_index, stream.position().offset) == (1, 2)
+
+
+@pytest.mark.filterwarnings("ignore:a pass over the training data ended")
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_resume_at_the_end_of_an_epoch_that_ended_with_its_pass_goes_on_as_the_run_did(k):
+    """7 batches a pass, epochs of 3 updates of k batches: with k=1 epochs of 3, 3, 1 batches, with
+    k=2 of 6, 1 (a short group). A backup at the last update of the epoch that ended with its pass
+    holds the pass's end: the resumed stream ends that epoch there and starts the next pass in the
+    next epoch, as the run did (it read the next pass into that epoch when the position had moved
+    on at once)."""
+    engine = Engine(jax.devices()[:2])
+    x = _data(7)
+    make = lambda: batches(x, 1, shuffle=True, seed=4)  # noqa: E731 - 7 batches of one row
+    run = DataStream(engine, make(), 3, k)
+    last = 2 if k == 1 else 1  # the epoch that ends with its pass
+    assert [len(list(run.epoch(e))) for e in range(last + 1)] == ([3, 3, 1] if k == 1 else [6, 1])
+    at = run.position()  # a backup at that epoch's last update
+    assert (at.pass_index, at.offset) == (0, 7)
+    want = [_rows(b) for b in run.epoch(last + 1)]
+    resumed = DataStream(engine, make(), 3, k)
+    resumed.start(DataPosition.from_json(at.to_json()))
+    assert list(resumed.epoch(last, done=1)) == []
+    got = [_rows(b) for b in resumed.epoch(last + 1)]
+    assert len(got) == len(want) == 3 * k
+    for a, b in zip(got, want):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_a_one_shot_iterator_that_runs_out_is_an_error():

@@ -80,22 +80,34 @@ def test_compiling_again_with_other_loss_weights_is_taken_up():
     np.testing.assert_allclose(want[1], 10 * want[0], rtol=1e-5)
 
 
-def test_mixed_float16_follows_keras_auto_scale_loss_and_reports_keras_logs():
-    """With `auto_scale_loss=False` Keras' compile leaves the optimizer unscaled, and Keras' logs
-    (History, `train_on_batch`) hold no count of skipped steps."""
-    for auto_scale_loss in (True, False):
-        def build():
-            model = _model(policy="mixed_float16")
-            model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                          auto_scale_loss=auto_scale_loss)
-            return model
+@pytest.mark.parametrize("auto_scale_loss", [True, False])
+def test_mixed_float16_follows_keras_auto_scale_loss_and_reports_keras_logs(auto_scale_loss):
+    """A model built under the `mixed_float16` policy: Keras' compile wraps its optimizer in a
+    `LossScaleOptimizer` unless `auto_scale_loss=False`, and lockstep scales the loss exactly then
+    (its own `Trainer.fit` logs `skipped_steps` when it scales); Keras' logs (History,
+    `train_on_batch`) hold no count of skipped steps."""
+    def build():
+        keras.config.set_dtype_policy("mixed_float16")
+        try:
+            model = _model()
+        finally:
+            keras.config.set_dtype_policy("float32")
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      auto_scale_loss=auto_scale_loss)
+        return model
 
-        def run(model):
-            return _fit(model), model.train_on_batch(X[:8], Y[:8])
-        (want, want_w), (got, got_w) = _both(build, run)
-        assert_logs_close(got[0], want[0], rtol=1e-3, atol=1e-4)  # float16 steps: the same to its precision
-        assert np.ndim(got[1]) == np.ndim(want[1]) == 0, (got[1], want[1])
-        assert_weights_close(got_w, want_w, atol=2e-3)
+    def run(model, in_lockstep):
+        scaled = type(model.optimizer).__name__ == "LossScaleOptimizer"
+        result = _fit(model), model.train_on_batch(X[:8], Y[:8]), scaled
+        if in_lockstep:  # lockstep's own Trainer on the compiled model: does it scale the loss?
+            logs = ls.Trainer(model).fit(X, Y, batch_size=8, epochs=1, shuffle=False, verbose=0).history
+            result += ("skipped_steps" in logs,)
+        return result
+    (want, want_w), (got, got_w) = _both(build, run)
+    assert want[2] == got[2] == auto_scale_loss  # Keras' own decision, seen on the model
+    assert got[3] == auto_scale_loss
+    assert_logs_close(got[0], want[0], rtol=1e-3, atol=1e-4)  # float16 steps: the same to its precision
+    assert np.ndim(got[1]) == np.ndim(want[1]) == 0, (got[1], want[1])
 
 
 def test_class_weight_as_keras_reads_it_and_refused_beside_sample_weight():
@@ -135,6 +147,13 @@ class _StopAt(keras.callbacks.Callback):
             self.model.stop_predicting = True
 
 
+class _StopAtBegin(keras.callbacks.Callback):
+    """Asks to end evaluate before its first batch: Keras runs that one batch."""
+
+    def on_test_begin(self, logs=None):
+        self.model.stop_evaluating = True
+
+
 def test_a_callback_ends_evaluate_and_predict_where_keras_does():
     def build():
         model = _model()
@@ -145,8 +164,11 @@ def test_a_callback_ends_evaluate_and_predict_where_keras_does():
     def run(model):
         return (model.evaluate(X, Y, batch_size=4, verbose=0, callbacks=[_StopAt("stop_evaluating", 1)]),
                 model.predict(X, batch_size=4, verbose=0, callbacks=[_StopAt("stop_predicting", 1)]),
-                model.evaluate(X, Y, batch_size=4, verbose=0))  # the next evaluate runs whole again
+                model.evaluate(X, Y, batch_size=4, verbose=0),  # the next evaluate runs whole again
+                model.evaluate(X, Y, batch_size=4, verbose=0, callbacks=[_StopAtBegin()]))
     (want, _), (got, _) = _both(build, run)
+    np.testing.assert_allclose(got[3], want[3], rtol=1e-5)
+    assert not np.allclose(want[3], want[0])
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
     assert got[1].shape == want[1].shape == (8, 3)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5, atol=1e-6)

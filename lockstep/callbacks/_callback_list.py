@@ -32,11 +32,11 @@ class CallbackList:
         agreed = any_worker("the callbacks' reading of the batch logs", {  # a progress bar on worker 0 alone
             **{hook: reads_batch_logs(given, hook, (params or {}).get("verbose", 0))
                for hook in ("on_train_batch_end", "on_test_batch_end")},
-            **{f"{loop}ing": any(overrides(cb, f"on_{loop}_batch_{at}") for cb in given for at in ("begin", "end"))
-               for loop in ("test", "predict")}})
+            **{f"{loop}ing": any(overrides(cb, f"on_{loop}_{at}") for cb in given
+                                 for at in ("begin", "batch_begin", "batch_end")) for loop in ("test", "predict")}})
         self.reads = {hook: agreed[hook] for hook in ("on_train_batch_end", "on_test_batch_end")}
-        #: whether a callback runs in each batch of `evaluate` ("testing") / `predict` ("predicting"),
-        #: where it may set `stop_evaluating` / `stop_predicting` (on every worker alike)
+        #: whether a callback runs at the start or in the batches of `evaluate` ("testing") / `predict`
+        #: ("predicting"), where it may set `stop_evaluating` / `stop_predicting` (on every worker alike)
         self.in_batches = {loop: agreed[loop] for loop in ("testing", "predicting")}
         self.callbacks = [as_lockstep(cb) if is_keras_callback(cb) else cb for cb in callbacks]
         # those that back up the training state last, so the backup holds what the others did at that step

@@ -2,9 +2,9 @@
 
 Without `steps_per_epoch` an epoch is one pass over the data. With it, the stream goes on across
 epochs as Keras' does (epoch 2 continues where epoch 1 stopped); when a pass ends inside an
-epoch, the next pass follows (arrays and Grain `MapDataset`s reshuffled from the seed and the
-pass number, other re-iterables started again, as ``repeat()`` would); a one-shot iterator that
-runs out before the promised steps is an error, not a short epoch.
+epoch, that epoch ends there, as Keras 3's do, and the next starts a new pass (arrays and Grain
+`MapDataset`s reshuffled from the seed and the pass number, other re-iterables started again);
+a one-shot iterator that runs out before the promised steps is an error, not a short epoch.
 
 The position (`DataPosition`: pass, batches consumed, a checksum of the last batch consumed and
 the Grain iterator states) goes into every backup. A resume starts the pass at that batch: by
@@ -133,6 +133,8 @@ class DataStream:
             # an epoch is a pass: its order derives from (seed, epoch); a resume at an epoch's start
             # (from a backup at the previous epoch's end) starts its pass afresh too
             self._pass, self._offset, self._ended = epoch, 0, False
+        elif self._ended:  # the last epoch ended with its pass: this one starts the next
+            self._pass, self._offset, self._ended = self._pass + 1, 0, False
         given = done * self._k
         while self._per_epoch is None or given < self._per_epoch:
             if self._batches is None:
@@ -149,10 +151,11 @@ class DataStream:
                     return
                 if self._offset == 0:  # a new pass gave nothing
                     self._ran_out(epoch, given)
-                self._pass, self._offset = self._pass + 1, 0
                 if given and not getattr(self._train, "one_shot", False):  # (a generator: `_ran_out` next)
-                    self._ended_early(epoch, given)
-                    return  # as Keras: the epoch ends with its pass, the next starts a new one
+                    self._ended_early(epoch, given)  # as Keras: the epoch ends with its pass; the position
+                    self._ended = True               # stays at the pass's end (a backup here resumes
+                    return                           # into this epoch's end), the next epoch starts anew
+                self._pass, self._offset = self._pass + 1, 0
                 continue
             self._offset += 1
             given += 1

@@ -44,7 +44,7 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
     as `lockstep.data.adapt` makes it (a distributed dataset must be `strategy`'s)."""
     if x is None:
         raise ValueError(f"`{arg}` is required, got None.")
-    if not isinstance(shuffle, (bool, np.bool_)) and shuffle != "batch":
+    if isinstance(shuffle, str) and shuffle != "batch":  # Keras would take a misspelt "batch" as True
         raise ValueError(f"`shuffle` must be True, False or 'batch' (as in Keras), got shuffle={shuffle!r}.")
     if shuffle == "batch":  # Keras (JAX) keeps the batches in order and permutes each one's rows: no sum changes
         shuffle = False
@@ -161,7 +161,10 @@ def class_weighted(y: Any, sample_weight: Any, class_weight: dict[int, float] | 
     labels = np.asarray(y)
     if labels.ndim > 1:
         labels = labels.argmax(-1) if labels.shape[-1] != 1 else labels.squeeze(-1)  # one-hot, as Keras reads it
-    labels = np.round(labels.reshape(len(labels), -1)[:, 0]).astype(int)
+    if labels.ndim > 1:  # Keras fails on these too (a class per sample is what it weighs)
+        raise ValueError(f"`class_weight` weighs each sample by its class, but `y` has labels of shape "
+                         f"{np.asarray(y).shape[1:]} per sample: give one class per sample, or `sample_weight`.")
+    labels = np.round(labels).astype(int)
     return np.asarray([class_weight.get(c, 1.0) for c in labels.tolist()], np.float32)
 
 
