@@ -293,7 +293,11 @@ def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_f
     want = keras_model.fit(X[:194], Y_VALUE[:194], batch_size=16, epochs=2, shuffle=False, verbose=0,
                            sample_weight=WEIGHTS[:194], validation_data=(X[194:], Y_VALUE[194:]))
     want_eval = keras_model.evaluate(X[:194], Y_VALUE[:194], batch_size=16, verbose=0, return_dict=True)
+    want_stopped = keras_model.evaluate(X[:194], Y_VALUE[:194], batch_size=16, verbose=0, return_dict=True,
+                                        callbacks=[StopAfter(2)])
+    assert want_stopped["int_count"] == 48  # 3 batches of 16
     for got in results:
+        assert_logs_close(got["stopped"], want_stopped)  # worker 0 alone asked to stop: both stopped there
         assert got["history"]["val_count"] == [N - 194] * 2 and got["evaluate"]["int_count"] == 194
         assert_logs_close(got["history"], want.history)
         assert_logs_close(got["evaluate"], want_eval)
@@ -301,6 +305,18 @@ def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_f
         assert_weights_close([np.asarray(v) for v in got["optimizer"]],
                              [np.asarray(v) for v in keras_model.optimizer.variables], atol=1e-5)
         assert_weights_close([np.asarray(w) for w in got["weights"]], keras_model.get_weights(), atol=1e-5)
+
+
+class StopAfter(keras.callbacks.Callback):
+    """Ends Keras' evaluate after batch `at` (`stop_evaluating`)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_test_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            self.model.stop_evaluating = True
 
 
 class EpochRecorder(keras.callbacks.Callback):
