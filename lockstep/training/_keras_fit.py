@@ -195,10 +195,11 @@ def _limited(epochs: Any, *steps: Any) -> tuple[Any, ...]:
 
     from keras import config
 
-    if epochs is not None and config.max_epochs() and config.max_epochs() < epochs:
-        warnings.warn(f"Limiting epochs to {config.max_epochs()}", stacklevel=3)
-        epochs = config.max_epochs()
-    limit = config.max_steps_per_epoch()
+    most = getattr(config, "max_epochs", lambda: None)()  # (Keras 3.8 has neither limit)
+    if epochs is not None and most and most < epochs:
+        warnings.warn(f"Limiting epochs to {most}", stacklevel=3)
+        epochs = most
+    limit = getattr(config, "max_steps_per_epoch", lambda: None)()
     return (epochs, *(limit if limit and (not s or limit < s) else s for s in steps))
 
 
