@@ -224,9 +224,7 @@ def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: i
     """`validation_data` (``(x, y)`` / ``(x, y, sample_weight)`` arrays, or batches) as global batches."""
     if validation_data is None:
         return None
-    if (isinstance(validation_data, list) and 2 <= len(validation_data) <= 3
-            and not isinstance(validation_data[0], tuple) and is_arrays(validation_data[0])):
-        validation_data = tuple(validation_data)  # [x, y], as Keras reads it (a list of (x, y) is of batches)
+    validation_data = _as_arrays(validation_data)
     if isinstance(validation_data, tuple) and is_arrays(validation_data[0]):
         if not 2 <= len(validation_data) <= 3:
             raise ValueError(f"`validation_data` must be (x, y) or (x, y, sample_weight) arrays, or an iterable of "
@@ -240,11 +238,19 @@ def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: i
 
 def validation_labels(validation_data: Any) -> Any:
     """The labels of array `validation_data` ``(x, y[, sample_weight])``, else None."""
-    if isinstance(validation_data, list) and validation_data and isinstance(validation_data[0], tuple):
-        return None  # batches
-    if isinstance(validation_data, (tuple, list)) and 2 <= len(validation_data) <= 3 and is_arrays(validation_data[0]):
+    validation_data = _as_arrays(validation_data)
+    if isinstance(validation_data, tuple) and 2 <= len(validation_data) <= 3 and is_arrays(validation_data[0]):
         return validation_data[1]
     return None
+
+
+def _as_arrays(validation_data: Any) -> Any:
+    """`validation_data` given as a list ``[x, y]`` / ``[x, y, sample_weight]`` as the tuple (Keras reads
+    it so; a list of ``(x, y)`` tuples is of batches), else as given."""
+    if (isinstance(validation_data, list) and 2 <= len(validation_data) <= 3
+            and not isinstance(validation_data[0], tuple) and is_arrays(validation_data[0])):
+        return tuple(validation_data)
+    return validation_data
 
 
 def first_batch(data: DataAdapter) -> Any:

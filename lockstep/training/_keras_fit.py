@@ -168,8 +168,8 @@ def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", s
     if strategy is None:
         return _ORIGINAL["predict"](self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
     _unsupported(steps=(steps, None))
-    if _limited(None, None)[1] is not None:
-        raise ValueError(f"keras.config.set_max_steps_per_epoch({_limited(None, None)[1]}) is in force, which would "
+    if (limit := _limited(None, None)[1]) is not None:
+        raise ValueError(f"keras.config.set_max_steps_per_epoch({limit}) is in force, which would "
                          "cut `predict` short; lockstep's predict gives every row: set it back to None.")
     try:
         return _trainer(self, strategy, compiled=False).predict(x, batch_size=batch_size, verbose=verbose,

@@ -148,7 +148,7 @@ def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> Non
 
 def _agreed(flag: bool) -> bool:
     """Worker 0's `flag` on every worker (a collective with several workers): where one stops, all do."""
-    return bool(broadcast_from_chief(np.asarray(flag))) if jax.process_count() > 1 else bool(flag)
+    return bool(broadcast_from_chief(np.asarray(flag)))
 
 
 class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
@@ -388,7 +388,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         if val is not None and val.due(epoch):
             logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val.batches, cblist, steps=val.steps).items()})
         cblist.on_epoch_end(epoch, logs)
-        self.stop_training = bool(broadcast_from_chief(np.asarray(self.stop_training)))  # every worker agrees
+        self.stop_training = _agreed(self.stop_training)
         return logs
 
     # --- evaluate / predict --------------------------------------------------------------------
