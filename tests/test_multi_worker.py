@@ -88,6 +88,28 @@ def test_workers_evaluate_predict_fit_and_stop_exactly_like_one_process(nproc, d
     assert len(stop_epochs["last_worker_alone"]) < len(stop_epochs["union"])
 
 
+def test_a_runtime_call_cut_off_by_a_peer_leaving_is_not_named_as_the_cause(tmp_path):
+    """Worker 0 names the lost worker 1 and leaves; worker 2's next runtime call then breaks
+    ("UNAVAILABLE: Socket closed", exit 1), sometimes before worker 0's exit is seen: the summary
+    names the lost worker, not worker 2's broken call."""
+    script = tmp_path / "job.py"
+    script.write_text(
+        "import os, sys, time\n"
+        "rank = int(os.environ['LOCKSTEP_PROCESS_ID'])\n"
+        "if rank == 2:\n"
+        "    print('jax.errors.JaxRuntimeError: UNAVAILABLE: Socket closed', flush=True)\n"
+        "    sys.exit(1)\n"
+        "if rank == 0:\n"
+        "    time.sleep(0.3)\n"
+        f"    print('lockstep: worker 0: lost worker 1: no heartbeat for 10 s', flush=True)\n"
+        f"    sys.exit({LOST_WORKER_EXIT_CODE})\n"
+        "time.sleep(60)\n")
+    proc = launch_workers(script, nproc=3, timeout=60)
+    summary = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1
+    assert "rank 1 lost; rank 0 exited with code 75" in summary, summary
+
+
 _ES_CACHE = {}
 
 

@@ -19,6 +19,8 @@ from .._exit_codes import LOST_WORKER_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 _PR_SET_PDEATHSIG = 1
 _PRINT_LOCK = threading.Lock()  # one whole line at a time from the workers' reader threads
+# a runtime call that broke because a peer (or the coordinator, on worker 0) had gone: a consequence
+_CONNECTION_LOST = re.compile(r"JaxRuntimeError: (UNAVAILABLE|CANCELLED|ABORTED)\b")
 _ERROR_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt|Exit)\b.*")  # `KeyError: 'x'`
 
 
@@ -214,12 +216,18 @@ def _summary(failed: _Worker, frozen: list[int], finished: list[_Worker], count:
 
 def _first_cause(workers: list[_Worker], bad: list[_Worker], settle: float = 1.0) -> _Worker:
     """The failed worker to name: one that failed by itself (an error of its own) rather than one
-    that only lost a peer (code 75) or was killed, waiting up to `settle` s for the peer whose exit
-    caused theirs."""
+    that only lost a peer (code 75, or a runtime call cut off: "UNAVAILABLE: Socket closed") or
+    was killed, waiting up to `settle` s for the peer whose exit caused theirs."""
     deadline = time.monotonic() + settle
+    read: set[int] = set()
     while True:
         codes = [(w, w.proc.poll()) for w in workers]
-        own = [w for w, rc in codes if rc is not None and rc > 0 and rc != LOST_WORKER_EXIT_CODE]
+        for w, rc in codes:
+            if rc is not None and w.rank not in read:  # its last lines read before they are judged
+                w.join(0.5)
+                read.add(w.rank)
+        own = [w for w, rc in codes if rc is not None and rc > 0 and rc != LOST_WORKER_EXIT_CODE
+               and not _CONNECTION_LOST.search(w.last_message() or "")]
         if own:
             return own[0]
         if time.monotonic() > deadline:  # else one killed from outside (not the runtime's own abort)
