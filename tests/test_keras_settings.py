@@ -265,3 +265,30 @@ def test_shuffle_batch_keeps_the_batches_in_order_as_keras_does_on_jax():
     (want, want_w), (got, got_w) = _both(build, run)
     assert_logs_close(got, want)
     assert_weights_close(got_w, want_w)
+
+
+def test_steps_that_are_not_whole_executions_are_rounded_up_as_keras_runs_them():
+    """Keras' loops run whole calls of `steps_per_execution` batches: `steps_per_epoch=5` at 3 a
+    call reads 6 batches (the second epoch the one left of a 7-batch pass), `evaluate(steps=5)` 6;
+    lockstep ran 5."""
+    x, y = RNG.normal(size=(14, 3)).astype("float32"), np.arange(14) % 3
+
+    def build():
+        model = _model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      steps_per_execution=3)
+        return model
+
+    def run(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras': "Your input ran out of data"
+            history = model.fit(x, y, batch_size=2, epochs=3, steps_per_epoch=5, shuffle=False, verbose=0,
+                                validation_data=(x, y), validation_steps=2).history
+            evaluated = model.evaluate(x, y, batch_size=2, steps=5, verbose=0)
+        return history, evaluated, int(model.optimizer.iterations)
+    (want, want_w), (got, got_w) = _both(build, run)
+    assert want[2] == 6 + 1 + 6
+    assert got[2] == want[2]
+    assert_logs_close(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    assert_weights_close(got_w, want_w)

@@ -133,6 +133,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                 validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     trainer = _trainer(self, strategy)
     epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
+    steps_per_epoch, validation_steps = (_in_executions(self, s) for s in (steps_per_epoch, validation_steps))
     try:
         self.history = trainer.fit(
             x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
@@ -154,6 +155,7 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, v
                                      steps=steps, callbacks=callbacks, return_dict=return_dict, **kwargs)
     _unsupported(**{k: (v, None) for k, v in kwargs.items()})
     _, steps = _limited(None, steps)
+    steps = _in_executions(self, steps)
     try:
         logs = _trainer(self, strategy).evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight,
                                                  verbose=verbose, callbacks=callbacks, return_dict=True, steps=steps)
@@ -201,6 +203,13 @@ def _limited(epochs: Any, *steps: Any) -> tuple[Any, ...]:
         epochs = most
     limit = getattr(config, "max_steps_per_epoch", lambda: None)()
     return (epochs, *(limit if limit and (not s or limit < s) else s for s in steps))
+
+
+def _in_executions(model: Any, steps: Any) -> Any:
+    """`steps` as Keras' loops run them: whole calls of the compile's `steps_per_execution`
+    batches, so `steps_per_epoch=5` at 3 a call reads 6 batches (or to the pass's end)."""
+    k = getattr(model, "steps_per_execution", 1) or 1
+    return -(-steps // k) * k if steps and k > 1 else steps
 
 
 def _in_order(logs: dict[str, Any], return_dict: bool) -> Any:
