@@ -292,3 +292,33 @@ def test_steps_that_are_not_whole_executions_are_rounded_up_as_keras_runs_them()
     assert_logs_close(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
     assert_weights_close(got_w, want_w)
+
+
+def test_callbacks_of_evaluate_and_predict_are_given_keras_params():
+    """Keras gives every loop's callbacks `params` (verbose, epochs, steps); lockstep gave those of
+    evaluate and predict none."""
+    def build():
+        model = _model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def run(model):
+        seen = []
+
+        class Params(keras.callbacks.Callback):
+            def on_train_begin(self, logs=None):
+                seen.append(("fit", dict(self.params)))
+
+            def on_test_begin(self, logs=None):
+                seen.append(("evaluate", dict(self.params)))
+
+            def on_predict_begin(self, logs=None):
+                seen.append(("predict", dict(self.params)))
+        _fit(model, callbacks=[Params()])
+        model.evaluate(X, Y, batch_size=4, verbose=0, callbacks=[Params()])
+        model.evaluate(X, Y, batch_size=4, steps=2, callbacks=[Params()])  # verbose "auto", as Keras passes it on
+        model.predict(X, batch_size=5, verbose=0, callbacks=[Params()])
+        return seen
+    (want, _), (got, _) = _both(build, run)
+    assert want[1] == ("evaluate", {"verbose": 0, "epochs": 1, "steps": 4})
+    assert got == want

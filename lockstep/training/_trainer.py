@@ -116,14 +116,24 @@ def _fit_callbacks(cbs: list[Callback], verbose: int | str, train: Iterable[Any]
     """(`cbs` with a progress bar first when `verbose` asks for one (on the chief only), and the
     `params` every callback is given, as Keras gives them: verbose, epochs and steps an epoch, in
     optimizer steps (groups of `accumulation` batches))."""
-    verbose = 1 if verbose == "auto" else int(verbose)
+    shown = 1 if verbose == "auto" else int(verbose)
     try:
         steps: int | None = -(-len(train) // accumulation)  # type: ignore[arg-type]
     except TypeError:  # no length (a generator, a tf.data dataset of unknown cardinality)
         steps = None
     params = {"verbose": verbose, "epochs": epochs,
               "steps": min(steps, steps_per_epoch) if steps and steps_per_epoch else steps or steps_per_epoch}
-    return ([ProgbarLogger(verbose)] if verbose and is_chief() else []) + cbs, params
+    return ([ProgbarLogger(shown)] if shown and is_chief() else []) + cbs, params
+
+
+def _loop_params(verbose: int | str, data: Any, steps: int | None = None) -> dict[str, Any]:
+    """The `params` Keras gives the callbacks of `evaluate` / `predict`: `verbose`, one epoch, and
+    the batches (`steps` where given; None where the data's length is unknown)."""
+    try:
+        count: int | None = len(data)
+    except TypeError:
+        count = None
+    return {"verbose": verbose, "epochs": 1, "steps": steps or count}
 
 
 def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any, verbose: Any = 0) -> None:
@@ -420,7 +430,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         agree_on("the settings of evaluate", lambda: fit_settings(self, dict(batch_size=batch_size, steps=steps)))
         data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
         _note_weighted_metrics(sample_weight, self._metrics)
-        cblist = CallbackList(list(callbacks or []), self)
+        cblist = CallbackList(list(callbacks or []), self, _loop_params(verbose, data, checked_steps(steps)))
         logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x", checked_steps(steps))
         if verbose and is_chief():
             print(format_logs(logs))
@@ -433,7 +443,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
         first = first_batch(data)
         data = checked(data, LabelCheck(None), None, "x", inputs=self._build(first, "x"))
-        cblist = CallbackList(list(callbacks or []), self)
+        cblist = CallbackList(list(callbacks or []), self, _loop_params(verbose, data))
         self.stop_predicting = False
         cblist.on_predict_begin()
         outputs = []
