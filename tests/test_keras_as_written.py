@@ -586,8 +586,8 @@ def test_what_lockstep_cannot_run_as_keras_does_is_refused_and_the_model_left_wh
         model.train_on_batch(X[:8], Y_CLASS[:8], sample_weight=WEIGHTS[:8], class_weight={0: 1.0, 1: 1.0, 2: 1.0})
     with pytest.raises(ValueError, match=r"`validation_freq` must be a positive integer .* got validation_freq=0"):
         model.fit(X, Y_CLASS, validation_data=(X, Y_CLASS), validation_freq=0, verbose=0)
-    with pytest.raises(ValueError, match=r"`steps` is not supported .* got steps=2"):
-        model.predict(X, steps=2, verbose=0)
+    with pytest.raises(ValueError, match=r"`steps` must be a positive integer .* got steps=0"):
+        model.predict(X, steps=0, verbose=0)
     assert model(X[:3]).shape == (3, 3)
     assert model.predict(X[:5], verbose=0).shape == (5, 3)
     plain = classifier()  # built outside any lockstep scope: Keras' own methods, untouched

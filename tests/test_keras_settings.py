@@ -191,17 +191,16 @@ def test_keras_debugging_limits_on_epochs_and_steps_are_honoured():
                 history = model.fit(X, Y, batch_size=4, epochs=3, shuffle=False, verbose=0,
                                     validation_data=(X, Y)).history
                 evaluated = model.evaluate(X, Y, batch_size=4, verbose=0)
-            if in_lockstep:  # Keras would predict one batch: lockstep refuses to cut predict short
-                with pytest.raises(ValueError, match=r"set_max_steps_per_epoch\(1\)"):
-                    model.predict(X, verbose=0)
+                predicted = model.predict(X, batch_size=4, verbose=0)  # one batch, as Keras predicts
         finally:
             keras.config.set_max_epochs(None)
             keras.config.set_max_steps_per_epoch(None)
-        return history, evaluated
+        return history, evaluated, predicted
     (want, want_w), (got, got_w) = _both(build, run)
-    assert len(want[0]["loss"]) == 1
+    assert len(want[0]["loss"]) == 1 and len(want[2]) == 4
     assert_logs_close(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
     assert_weights_close(got_w, want_w)
 
 
@@ -269,8 +268,8 @@ def test_shuffle_batch_keeps_the_batches_in_order_as_keras_does_on_jax():
 
 def test_steps_that_are_not_whole_executions_are_rounded_up_as_keras_runs_them():
     """Keras' loops run whole calls of `steps_per_execution` batches: `steps_per_epoch=5` at 3 a
-    call reads 6 batches (the second epoch the one left of a 7-batch pass), `evaluate(steps=5)` 6;
-    lockstep ran 5."""
+    call reads 6 batches (the second epoch the one left of a 7-batch pass), `evaluate(steps=5)` and
+    `predict(steps=5)` 6; lockstep ran 5 (and refused `predict(steps=...)`)."""
     x, y = RNG.normal(size=(14, 3)).astype("float32"), np.arange(14) % 3
 
     def build():
@@ -285,10 +284,12 @@ def test_steps_that_are_not_whole_executions_are_rounded_up_as_keras_runs_them()
             history = model.fit(x, y, batch_size=2, epochs=3, steps_per_epoch=5, shuffle=False, verbose=0,
                                 validation_data=(x, y), validation_steps=2).history
             evaluated = model.evaluate(x, y, batch_size=2, steps=5, verbose=0)
-        return history, evaluated, int(model.optimizer.iterations)
+            predicted = model.predict(x, batch_size=2, steps=5, verbose=0)
+        return history, evaluated, int(model.optimizer.iterations), predicted
     (want, want_w), (got, got_w) = _both(build, run)
-    assert want[2] == 6 + 1 + 6
+    assert want[2] == 6 + 1 + 6 and len(want[3]) == 12
     assert got[2] == want[2]
+    np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-6)
     assert_logs_close(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
     assert_weights_close(got_w, want_w)

@@ -169,13 +169,10 @@ def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", s
     strategy = strategy_of_model(self, by_devices=False)
     if strategy is None:
         return _ORIGINAL["predict"](self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
-    _unsupported(steps=(steps, None))
-    if (limit := _limited(None, None)[1]) is not None:
-        raise ValueError(f"keras.config.set_max_steps_per_epoch({limit}) is in force, which would "
-                         "cut `predict` short; lockstep's predict gives every row: set it back to None.")
+    _, steps = _limited(None, steps)
     try:
         return _trainer(self, strategy, compiled=False).predict(x, batch_size=batch_size, verbose=verbose,
-                                                                callbacks=callbacks)
+                                                                callbacks=callbacks, steps=_in_executions(self, steps))
     finally:
         _ran(self)
 

@@ -437,17 +437,19 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         return logs if return_dict else list(logs.values())
 
     def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0,
-                callbacks: Iterable[Callback] | None = None) -> Any:
-        """The model's outputs for every sample: exactly `len(x)` rows, in input order (NumPy)."""
-        agree_on("the settings of predict", lambda: fit_settings(self, dict(batch_size=batch_size)))
+                callbacks: Iterable[Callback] | None = None, steps: int | None = None) -> Any:
+        """The model's outputs for every sample: exactly `len(x)` rows (those of the first `steps`
+        batches), in input order (NumPy)."""
+        steps = checked_steps(steps)
+        agree_on("the settings of predict", lambda: fit_settings(self, dict(batch_size=batch_size, steps=steps)))
         data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
         first = first_batch(data)
         data = checked(data, LabelCheck(None), None, "x", inputs=self._build(first, "x"))
-        cblist = CallbackList(list(callbacks or []), self, _loop_params(verbose, data))
+        cblist = CallbackList(list(callbacks or []), self, _loop_params(verbose, data, steps))
         self.stop_predicting = False
         cblist.on_predict_begin()
         outputs = []
-        for step, batch in enumerate(data.distributed(self._engine)):
+        for step, batch in enumerate(itertools.islice(data.distributed(self._engine), steps)):
             cblist.on_predict_batch_begin(step)
             outputs.append(self._runner.predict(self._state.params, batch))
             cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})
