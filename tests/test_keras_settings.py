@@ -323,3 +323,58 @@ def test_callbacks_of_evaluate_and_predict_are_given_keras_params():
     (want, _), (got, _) = _both(build, run)
     assert want[1] == ("evaluate", {"verbose": 0, "epochs": 1, "steps": 4})
     assert got == want
+
+
+def test_monitors_in_auto_mode_and_get_metrics_result_read_keras_compiled_metrics():
+    """`EarlyStopping(monitor="val_accuracy")` (mode "auto") finds the metric's direction in Keras'
+    compiled metrics, which lockstep left unbuilt (a ValueError); `get_metrics_result()` is the last
+    loop's, as Keras' (it raised "not built")."""
+    def build():
+        model = _model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    def run(model):
+        callbacks = [keras.callbacks.EarlyStopping(monitor="val_accuracy", patience=1),
+                     keras.callbacks.ReduceLROnPlateau(monitor="accuracy", patience=1, factor=0.5)]
+        history = _fit(model, callbacks=callbacks, validation_data=(X[:6], Y[:6]))
+        after_fit = model.get_metrics_result()
+        model.evaluate(X, Y, batch_size=8, verbose=0)
+        return history, after_fit, model.get_metrics_result()
+    (want, want_w), (got, got_w) = _both(build, run)
+    assert_logs_close(got[0], want[0])
+    assert_weights_close(got_w, want_w)
+    for g, w in zip(got[1:], want[1:]):
+        assert list(g) == list(w)
+        np.testing.assert_allclose([float(v) for v in g.values()], [float(v) for v in w.values()], rtol=1e-5)
+
+
+def test_model_history_history_model_stop_training_and_logs_as_keras_sets_them():
+    """`model.history` is the running fit's History from its start (lockstep set it at the end),
+    `history.model` the Keras model (it was the Trainer), `model.stop_training` stays True after a
+    callback stopped the fit; hooks without logs get `{}` and batch logs take new entries."""
+    def build():
+        model = _model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def run(model):
+        seen = []
+
+        class Reads(keras.callbacks.Callback):
+            def on_epoch_begin(self, epoch, logs=None):
+                seen.append((epoch, logs.get("loss"), dict(self.model.history.history)))
+
+            def on_train_batch_end(self, batch, logs=None):
+                logs["twice"] = 2 * logs["loss"]
+                seen.append(sorted(logs.copy()))
+                if batch == 1:
+                    self.model.stop_training = True
+        history = model.fit(X, Y, batch_size=4, epochs=3, shuffle=False, verbose=0, callbacks=[Reads()])
+        return (seen, model.history is history, model.stop_training, history.model is model,
+                history.model.evaluate(X, Y, batch_size=8, verbose=0))
+    (want, _), (got, _) = _both(build, run)
+    assert want[0][0] == (0, None, {}) and want[1:4] == (True, True, True)
+    assert got[0] == want[0] and got[1:4] == want[1:4]
+    np.testing.assert_allclose(got[4], want[4], rtol=1e-5)

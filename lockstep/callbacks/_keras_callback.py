@@ -129,6 +129,17 @@ class _OptimizerView:
         self._trainer.learning_rate = float(value)
 
 
+def _logs_given(call: Any, indexed: bool) -> Any:
+    """`call`, a Keras callback's hook, given a dict of logs where lockstep has none (`{}`, as
+    Keras gives every hook), positionally after the epoch or batch number of `indexed` hooks."""
+    @functools.wraps(call)
+    def hook(*args: Any, **kwargs: Any) -> Any:
+        n = 1 if indexed else 0
+        logs = args[n] if len(args) > n else kwargs.pop("logs", None)
+        return call(*args[:n], {} if logs is None else logs)
+    return hook
+
+
 class _ModelView:
     """The Keras model as a Keras callback sees it during lockstep's `fit`."""
 
@@ -237,7 +248,7 @@ class KerasCallback(Callback):
                  and not any(n in _WRITERS for n in names))  # a writer runs on worker 0 alone: no collective
         for hook in _HOOKS:  # only the hooks it overrides: the others would cost a read of the logs a step
             if overrides(callback, hook):
-                call = getattr(callback, hook)
+                call = _logs_given(getattr(callback, hook), "batch" in hook or "epoch" in hook)
                 setattr(self, hook, functools.partial(self._with_variables, call) if users else call)
 
     def _with_variables(self, hook: Any, *args: Any, **kwargs: Any) -> Any:

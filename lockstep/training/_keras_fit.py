@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..callbacks import Callback
 from ..distribute import strategy_of_model
 from ..engine import host_value, spread
 from ._inputs import class_weighted
@@ -58,6 +59,7 @@ def install(keras: Any) -> None:
     for name, method in (("fit", _fit), ("evaluate", _evaluate), ("predict", _predict),
                          ("predict_on_batch", _predict_on_batch), ("train_on_batch", _train_on_batch),
                          ("test_on_batch", _test_on_batch), ("get_weights", _get_weights),
+                         ("get_metrics_result", _get_metrics_result),
                          ("save", _written("save")), ("save_weights", _written("save_weights"))):
         _ORIGINAL[name] = getattr(keras.Model, name)
         method.__doc__ = _ORIGINAL[name].__doc__
@@ -132,6 +134,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                                 validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     trainer = _trainer(self, strategy)
+    callbacks = [*(callbacks or []), _KerasModelHistory(self)]
     epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
     steps_per_epoch, validation_steps = (_in_executions(self, s) for s in (steps_per_epoch, validation_steps))
     try:
@@ -141,9 +144,22 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+        self.history.set_trainer(self)  # `history.model` is the Keras model, as in Keras
         return self.history  # Keras keeps the last fit's History on the model
     finally:
+        self.stop_training = trainer.stop_training  # as Keras leaves it: True after a callback stopped the fit
         _ran(self)
+
+
+class _KerasModelHistory(Callback):
+    """`model.history` as Keras sets it: the running fit's `History`, from the fit's start."""
+
+    def __init__(self, model: Any):
+        super().__init__()
+        self._keras_model = model
+
+    def on_train_begin(self, logs: dict[str, Any] | None = None) -> None:
+        self._keras_model.history = self.trainer.history if self.trainer is not None else None
 
 
 def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, verbose: Any = "auto",
@@ -207,6 +223,15 @@ def _in_executions(model: Any, steps: Any) -> Any:
     batches, so `steps_per_epoch=5` at 3 a call reads 6 batches (or to the pass's end)."""
     k = getattr(model, "steps_per_execution", 1) or 1
     return -(-steps // k) * k if steps and k > 1 else steps
+
+
+def _get_metrics_result(self: Any) -> Any:
+    """Keras' `get_metrics_result`: the loss and metrics of the last loop run (an epoch, or the
+    evaluation after it), from the trainer that ran it."""
+    held = self.__dict__.get(_HELD)
+    if held is None or held[1].last_logs is None or strategy_of_model(self, by_devices=False) is None:
+        return _ORIGINAL["get_metrics_result"](self)
+    return dict(held[1].last_logs)
 
 
 def _in_order(logs: dict[str, Any], return_dict: bool) -> Any:

@@ -5,7 +5,7 @@ compiled reduction of every state (`read_logs`), and per-batch logs read only wh
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, MutableMapping
 from typing import Any
 
 import jax
@@ -14,14 +14,15 @@ import numpy as np
 from ..metrics import MetricCollection, synced_result
 
 
-class LazyLogs(Mapping[str, Any]):
+class LazyLogs(MutableMapping[str, Any]):
     """Running logs that are read (one reduction of every state) only when a callback looks.
 
     In a job of several workers, where a callback reads them (`read`: the same on every worker),
     the reduction is dispatched at once on every worker (a program over all of them, which no
     worker may run alone) and only its transfer to the host waits for a callback to look: a
     callback that reads on one worker alone (the chief's progress bar, a user's ``if is_chief()``)
-    neither stalls nor desynchronises the others."""
+    neither stalls nor desynchronises the others. A callback may add or copy entries, as in
+    Keras' dict of logs."""
 
     def __init__(self, engine: Any, metrics: MetricCollection, state: Any, read: bool = True):
         self._logs: dict[str, Any] | None = None
@@ -42,6 +43,15 @@ class LazyLogs(Mapping[str, Any]):
 
     def __len__(self) -> int:
         return len(self._get())
+
+    def __setitem__(self, key: str, value: Any) -> None:  # a callback adds to the logs, as to Keras' dict
+        self._get()[key] = value
+
+    def __delitem__(self, key: str) -> None:
+        del self._get()[key]
+
+    def copy(self) -> dict[str, Any]:
+        return dict(self._get())
 
 
 def _to_python(v: Any) -> Any:

@@ -181,6 +181,17 @@ class _KerasAdapter:
         return {"trainable": [held(v.value) for v in self.model.trainable_variables],
                 "non_trainable": [held(v.value) for v in self.model.non_trainable_variables]}
 
+    def build_compiled(self, x: Any, y: Any) -> None:
+        """Keras' compiled loss and metrics built for a batch like `(x, y)`, as Keras' own `fit`
+        builds them (Keras callbacks read them: `EarlyStopping(monitor="val_accuracy")` finds the
+        direction of "accuracy" there). A model Keras cannot build so is left as it is."""
+        compiled = getattr(self.model, "_compile_metrics", None), getattr(self.model, "_compile_loss", None)
+        if any(c is not None and not c.built for c in compiled):
+            try:
+                self.model._symbolic_build(data_batch=(x, y))
+            except Exception:  # noqa: BLE001 - lockstep's step does not need them; a callback says what it misses
+                pass
+
     def _seed_states(self) -> list[int]:
         """Positions of the seed generators' states among the non-trainable variables."""
         if self._seed_slots is None:

@@ -231,6 +231,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         self.layouts: Any = None  # a sharded strategy's `ShardingPlan` of the variables, once built
         self.stop_training, self.history = False, None  # history: the last fit's `History`
         self.stop_evaluating = self.stop_predicting = False  # a callback's, in a batch of evaluate / predict
+        self.last_logs: dict[str, Any] | None = None  # the loss and metrics of the last epoch or evaluation
         self.log_skipped_steps = True  # mixed_float16: the epoch's logs count the steps skipped (not Keras' fit's)
         self._state: TrainState | None = None  # the training state, replaced at each step; None until built
         self._resume: TrainState | None = None  # a restored state, whose position the next fit takes up
@@ -251,6 +252,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
             pred_shape = output_shape(self._adapter, self._state.params, x, self._placement.on_stored(self._adapter.apply))
             self._labels.set_classes(pred_shape)
             self._all.build(shapes_of(y), pred_shape)
+            getattr(self._adapter, "build_compiled", lambda x, y: None)(x, y)
         if self._runner is None:
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
             self._runner = StepRunner(self._engine, make_steps(
@@ -393,6 +395,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
                 break
         self._state = self._state.replace(epoch=epoch + 1, step=0)
         logs = read_logs(self._engine, self._all, self._state.metric_state)
+        self.last_logs = dict(logs)
         if (skipped := skipped_steps(self._state.opt_state)) is not None and self.log_skipped_steps:
             logs["skipped_steps"] = skipped  # mixed_float16: steps skipped for non-finite gradients so far
         if val is not None and val.due(epoch):
@@ -415,7 +418,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
             cblist.on_test_batch_end(step, LazyLogs(self._engine, self._all, state, cblist.reads["on_test_batch_end"]))
             if cblist.in_batches["testing"] and _agreed(self.stop_evaluating):
                 break
-        logs = read_logs(self._engine, self._all, state)
+        logs = self.last_logs = read_logs(self._engine, self._all, state)
         cblist.on_test_end(logs)
         return logs
 
