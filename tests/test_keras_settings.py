@@ -378,3 +378,28 @@ def test_model_history_history_model_stop_training_and_logs_as_keras_sets_them()
     assert want[0][0] == (0, None, {}) and want[1:4] == (True, True, True)
     assert got[0] == want[0] and got[1:4] == want[1:4]
     np.testing.assert_allclose(got[4], want[4], rtol=1e-5)
+
+
+def test_a_generator_as_validation_data_read_by_several_epochs_is_refused():
+    """Keras keeps a one-shot generator's first 2 batches and validates on them alone after the
+    first epoch; lockstep went on reading what was left: refused, naming the argument. Read by one
+    validation, it gives Keras' numbers."""
+    def build():
+        model = _model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+
+    def batches():
+        return ((X[i:i + 4], Y[i:i + 4]) for i in range(0, 13, 4))
+
+    def run(model, in_lockstep):
+        if in_lockstep:
+            with pytest.raises(ValueError, match=r"`validation_data` is a one-shot iterator .* 2 epochs validate"):
+                _fit(model, validation_data=batches())
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras': "Your input ran out of data" (its generator's end)
+            return model.fit(X, Y, batch_size=8, epochs=2, shuffle=False, verbose=0, validation_data=batches(),
+                             validation_freq=2).history
+    (want, _), (got, _) = _both(build, run)
+    assert "val_loss" in want
+    assert_logs_close(got, want)
