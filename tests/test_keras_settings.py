@@ -403,3 +403,33 @@ def test_a_generator_as_validation_data_read_by_several_epochs_is_refused():
     (want, _), (got, _) = _both(build, run)
     assert "val_loss" in want
     assert_logs_close(got, want)
+
+
+def test_logs_history_and_returned_dicts_name_their_entries_in_keras_order():
+    """Keras sorts the logs' names (`accuracy` before `loss`) in every hook, the History and the
+    dicts `evaluate` / `train_on_batch` return; lockstep put the loss first. Values were equal."""
+    def build():
+        model = _model()
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    def run(model):
+        keys = []
+
+        class Keys(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                keys.append(("batch", list(logs)))
+
+            def on_test_end(self, logs=None):
+                keys.append(("test", list(logs)))
+
+            def on_epoch_end(self, epoch, logs=None):
+                keys.append(("epoch", list(logs)))
+        history = _fit(model, callbacks=[Keys()], validation_data=(X, Y))
+        return (keys, list(history), list(model.evaluate(X, Y, batch_size=8, verbose=0, return_dict=True)),
+                list(model.train_on_batch(X[:8], Y[:8], return_dict=True)), model.evaluate(X, Y, verbose=0))
+    (want, _), (got, _) = _both(build, run)
+    assert want[1] == ["accuracy", "loss", "val_accuracy", "val_loss"]
+    assert got[:4] == want[:4]
+    np.testing.assert_allclose(got[4], want[4], rtol=1e-5)  # the list form: the loss first, as Keras'

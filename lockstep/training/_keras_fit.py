@@ -235,9 +235,9 @@ def _get_metrics_result(self: Any) -> Any:
 
 
 def _in_order(logs: dict[str, Any], return_dict: bool) -> Any:
-    """Logs as Keras returns them: the dict, or the values in order (a lone loss as a scalar)."""
+    """Logs as Keras returns them: the dict (by name), or the values in order (a lone loss as a scalar)."""
     if return_dict:
-        return logs
+        return dict(sorted(logs.items()))
     values = list(logs.values())
     return values[0] if len(values) == 1 else values
 
@@ -251,12 +251,12 @@ def _train_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None,
     if class_weight is not None and sample_weight is not None:
         raise ValueError("Arguments `sample_weight` and `class_weight` cannot be specified at the same time.")
     try:
-        history = _trainer(self, strategy).fit(
-            x, y, batch_size=len(jax.tree.leaves(x)[0]), epochs=1, shuffle=False, verbose=0,
-            sample_weight=class_weighted(y, sample_weight, class_weight))
+        trainer = _trainer(self, strategy)
+        trainer.fit(x, y, batch_size=len(jax.tree.leaves(x)[0]), epochs=1, shuffle=False, verbose=0,
+                    sample_weight=class_weighted(y, sample_weight, class_weight))
     finally:
         _ran(self)
-    return _in_order({k: v[0] for k, v in history.history.items()}, return_dict)
+    return _in_order(dict(trainer.last_logs or {}), return_dict)  # the loss first: Keras' order of a list
 
 
 def _test_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None, return_dict: bool = False) -> Any:

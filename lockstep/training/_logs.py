@@ -32,7 +32,7 @@ class LazyLogs(MutableMapping[str, Any]):
     def _get(self) -> dict[str, Any]:
         if self._logs is None:
             values = self._read() if self._values is None else self._values
-            self._logs = {k: _to_python(v) for k, v in values.items()}
+            self._logs = {k: _to_python(v) for k, v in sorted(values.items())}  # Keras' order: by name
         return self._logs
 
     def __getitem__(self, key: str) -> Any:

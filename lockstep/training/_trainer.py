@@ -400,7 +400,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
             logs["skipped_steps"] = skipped  # mixed_float16: steps skipped for non-finite gradients so far
         if val is not None and val.due(epoch):
             logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val.batches, cblist, steps=val.steps).items()})
-        cblist.on_epoch_end(epoch, logs)
+        cblist.on_epoch_end(epoch, logs := dict(sorted(logs.items())))  # Keras' callbacks get the names sorted
         self.stop_training = _agreed(self.stop_training)
         return logs
 
@@ -419,7 +419,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
             if cblist.in_batches["testing"] and _agreed(self.stop_evaluating):
                 break
         logs = self.last_logs = read_logs(self._engine, self._all, state)
-        cblist.on_test_end(logs)
+        cblist.on_test_end(dict(sorted(logs.items())))
         return logs
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, sample_weight: Any = None,
