@@ -6,6 +6,7 @@ Keras alone and once in a `MirroredStrategy(4)` scope, on 13 rows in batches of 
 leaves replica 3 without rows).
 """
 
+import functools
 import warnings
 
 import keras
@@ -26,6 +27,13 @@ def _model(regularized=False, policy=None):
     hidden = keras.layers.Dense(4, activation="relu", kernel_regularizer="l2" if regularized else None,
                                 dtype=policy)(inputs)
     return keras.Model(inputs, keras.layers.Dense(3, dtype=policy)(hidden))
+
+
+def _sgd_model(**compile_kw):
+    """`_model()` compiled with SGD and a sparse cross-entropy on its logits."""
+    model = _model()
+    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), **compile_kw)
+    return model
 
 
 def _both(build, run):
@@ -155,11 +163,7 @@ class _StopAtBegin(keras.callbacks.Callback):
 
 
 def test_a_callback_ends_evaluate_and_predict_where_keras_does():
-    def build():
-        model = _model()
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-        return model
+    build = functools.partial(_sgd_model, metrics=["accuracy"])
 
     def run(model):
         return (model.evaluate(X, Y, batch_size=4, verbose=0, callbacks=[_StopAt("stop_evaluating", 1)]),
@@ -177,10 +181,7 @@ def test_a_callback_ends_evaluate_and_predict_where_keras_does():
 
 
 def test_keras_debugging_limits_on_epochs_and_steps_are_honoured():
-    def build():
-        model = _model()
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
+    build = _sgd_model
 
     def run(model, in_lockstep):
         keras.config.set_max_epochs(1)
@@ -221,10 +222,7 @@ def test_steps_per_epoch_that_a_pass_does_not_fill_ends_the_epoch_with_the_pass_
     pass inside the epoch (5, 5, 5 and 9, 9, 9 steps)."""
     x, y = RNG.normal(size=(14, 3)).astype("float32"), np.arange(14) % 3
 
-    def build():
-        model = _model()
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
+    build = _sgd_model
 
     def run(model):
         steps = []
@@ -250,10 +248,7 @@ def test_steps_per_epoch_that_a_pass_does_not_fill_ends_the_epoch_with_the_pass_
 def test_shuffle_batch_keeps_the_batches_in_order_as_keras_does_on_jax():
     """Keras' `shuffle="batch"` (on JAX) permutes the rows inside each batch, in order: the steps of
     an unshuffled fit; lockstep shuffled the whole data. Other values are refused, naming them."""
-    def build():
-        model = _model()
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
+    build = _sgd_model
 
     def run(model, in_lockstep):
         history = model.fit(X, Y, batch_size=4, epochs=2, shuffle="batch", verbose=0).history
@@ -272,11 +267,7 @@ def test_steps_that_are_not_whole_executions_are_rounded_up_as_keras_runs_them()
     `predict(steps=5)` 6; lockstep ran 5 (and refused `predict(steps=...)`)."""
     x, y = RNG.normal(size=(14, 3)).astype("float32"), np.arange(14) % 3
 
-    def build():
-        model = _model()
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      steps_per_execution=3)
-        return model
+    build = functools.partial(_sgd_model, steps_per_execution=3)
 
     def run(model):
         with warnings.catch_warnings():
@@ -298,10 +289,7 @@ def test_steps_that_are_not_whole_executions_are_rounded_up_as_keras_runs_them()
 def test_callbacks_of_evaluate_and_predict_are_given_keras_params():
     """Keras gives every loop's callbacks `params` (verbose, epochs, steps); lockstep gave those of
     evaluate and predict none."""
-    def build():
-        model = _model()
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
+    build = _sgd_model
 
     def run(model):
         seen = []
@@ -329,11 +317,7 @@ def test_monitors_in_auto_mode_and_get_metrics_result_read_keras_compiled_metric
     """`EarlyStopping(monitor="val_accuracy")` (mode "auto") finds the metric's direction in Keras'
     compiled metrics, which lockstep left unbuilt (a ValueError); `get_metrics_result()` is the last
     loop's, as Keras' (it raised "not built")."""
-    def build():
-        model = _model()
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-        return model
+    build = functools.partial(_sgd_model, metrics=["accuracy"])
 
     def run(model):
         callbacks = [keras.callbacks.EarlyStopping(monitor="val_accuracy", patience=1),
@@ -354,10 +338,7 @@ def test_model_history_history_model_stop_training_and_logs_as_keras_sets_them()
     """`model.history` is the running fit's History from its start (lockstep set it at the end),
     `history.model` the Keras model (it was the Trainer), `model.stop_training` stays True after a
     callback stopped the fit; hooks without logs get `{}` and batch logs take new entries."""
-    def build():
-        model = _model()
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
+    build = _sgd_model
 
     def run(model):
         seen = []
@@ -384,10 +365,7 @@ def test_a_generator_as_validation_data_read_by_several_epochs_is_refused():
     """Keras keeps a one-shot generator's first 2 batches and validates on them alone after the
     first epoch; lockstep went on reading what was left: refused, naming the argument. Read by one
     validation, it gives Keras' numbers."""
-    def build():
-        model = _model()
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
+    build = _sgd_model
 
     def batches():
         return ((X[i:i + 4], Y[i:i + 4]) for i in range(0, 13, 4))
@@ -408,11 +386,7 @@ def test_a_generator_as_validation_data_read_by_several_epochs_is_refused():
 def test_logs_history_and_returned_dicts_name_their_entries_in_keras_order():
     """Keras sorts the logs' names (`accuracy` before `loss`) in every hook, the History and the
     dicts `evaluate` / `train_on_batch` return; lockstep put the loss first. Values were equal."""
-    def build():
-        model = _model()
-        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                      metrics=["accuracy"])
-        return model
+    build = functools.partial(_sgd_model, metrics=["accuracy"])
 
     def run(model):
         keys = []
