@@ -407,3 +407,19 @@ def test_logs_history_and_returned_dicts_name_their_entries_in_keras_order():
     assert want[1] == ["accuracy", "loss", "val_accuracy", "val_loss"]
     assert got[:4] == want[:4]
     np.testing.assert_allclose(got[4], want[4], rtol=1e-5)  # the list form: the loss first, as Keras'
+
+
+def test_a_lambda_callback_runs_its_hooks_as_in_keras():
+    """`keras.callbacks.LambdaCallback` keeps its hooks on the instance: lockstep, which looked for
+    them on the class, never called them."""
+    def run(model):
+        seen = []
+        callback = keras.callbacks.LambdaCallback(
+            on_epoch_end=lambda epoch, logs: seen.append(("epoch", epoch, round(logs["loss"], 5))),
+            on_train_batch_end=lambda batch, logs: seen.append(("batch", batch, round(logs["loss"], 5))),
+            on_batch_begin=lambda batch, logs: seen.append(("begin", batch)))
+        _fit(model, callbacks=[callback])
+        return seen
+    (want, _), (got, _) = _both(_sgd_model, run)
+    assert len(want) == 2 * (2 + 2 + 1)
+    assert got == want

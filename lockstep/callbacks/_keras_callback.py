@@ -43,7 +43,8 @@ def overrides(callback: Any, hook: str) -> bool:
     classes = _keras_classes(callback)
     base = next((c for c in classes if c.__name__ == "Callback"), None) if classes else Callback
     own = [hook] + ([_ALIASES[hook]] if hook in _ALIASES else [])
-    return any(getattr(type(callback), h, None) is not getattr(base, h, None) for h in own)
+    given = getattr(callback, "__dict__", {})  # `keras.callbacks.LambdaCallback` sets its hooks on the instance
+    return any(h in given or getattr(type(callback), h, None) is not getattr(base, h, None) for h in own)
 
 
 def is_keras_callback(obj: Any) -> bool:
