@@ -217,11 +217,14 @@ def run_trial(scenario: str, workers: int, reference: tuple[np.ndarray, dict] | 
                          orphans=orphans, equal=equal)
         if scenario == "term" and rc == 0:
             # the runtime agrees on the save step a little after the signal: when that step fell after the
-            # last one, every worker finished training (exit 0): correct if nothing was lost
+            # last one, every worker finished training (exit 0): correct if the signal was taken as a
+            # preemption (the victim says so) and nothing was lost
             res = _result(out_dir)
             equal = res is not None and reference is not None and bool(
                 np.array_equal(res[0], reference[0]) and res[1] == reference[1])
-            return Trial(equal, "" if equal else f"finished (rc 0) with other weights or history | {_tail(out)}",
+            taken = any(f"worker {victim}: SIGTERM received: every worker backs up" in line for _, line in out + err)
+            return Trial(equal and taken, "" if equal and taken else
+                         f"finished (rc 0): signal taken {taken}, equal {equal} | {_tail(out)}",
                          orphans=orphans, equal=equal, finished=True)
         detected = next((t for t, line in err if _is_summary(line)), None)
         expected = {

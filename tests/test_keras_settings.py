@@ -362,9 +362,9 @@ def test_model_history_history_model_stop_training_and_logs_as_keras_sets_them()
 
 
 def test_a_generator_as_validation_data_read_by_several_epochs_is_refused():
-    """Keras keeps a one-shot generator's first 2 batches and validates on them alone after the
-    first epoch; lockstep went on reading what was left: refused, naming the argument. Read by one
-    validation, it gives Keras' numbers."""
+    """Keras keeps a one-shot generator's first 2 batches and reads them again at each later
+    validation before what is left of it; lockstep read on: refused, naming the argument. Read by
+    one validation, it gives Keras' numbers."""
     build = _sgd_model
 
     def batches():
@@ -372,7 +372,7 @@ def test_a_generator_as_validation_data_read_by_several_epochs_is_refused():
 
     def run(model, in_lockstep):
         if in_lockstep:
-            with pytest.raises(ValueError, match=r"`validation_data` is a one-shot iterator .* 2 epochs validate"):
+            with pytest.raises(ValueError, match=r"`validation_data` is a one-shot .* and 2 epochs validate"):
                 _fit(model, validation_data=batches())
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Keras': "Your input ran out of data" (its generator's end)

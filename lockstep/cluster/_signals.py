@@ -64,13 +64,18 @@ class _Ending:
 
     def act(self, signum: int) -> None:
         if signum == signal.SIGTERM and _BACKUPS and self._notifier is not None:
+            self._say(f"lockstep: worker {self._rank}: SIGTERM received: every worker backs up at a step they agree "
+                      "on and exits with code 83 (a fit that ends first ends as usual).\n")
             self._notifier(signum)  # the runtime records it; BackupAndRestore backs up and stops
             return
         name = signal.Signals(signum).name
         why = " (no BackupAndRestore backs up this fit)" if signum == signal.SIGTERM else ""
-        line = f"lockstep: worker {self._rank}: {name} received{why}: ending this worker now, exit code {128 + signum}.\n"
-        os.write(sys.__stderr__.fileno() if sys.__stderr__ else 2, line.encode())  # no stream lock to wait on
+        self._say(f"lockstep: worker {self._rank}: {name} received{why}: ending this worker now, exit code {128 + signum}.\n")
         os._exit(128 + signum)
+
+    @staticmethod
+    def _say(line: str) -> None:
+        os.write(sys.__stderr__.fileno() if sys.__stderr__ else 2, line.encode())  # no stream lock to wait on
 
     def watch(self, fd: int) -> None:
         while True:

@@ -220,9 +220,8 @@ class Validation:
 
 
 def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: int | None, validation_freq: Any = 1,
-                       validation_steps: Any = None, epochs: range = range(1)) -> Validation | None:
-    """`validation_data` (``(x, y)`` / ``(x, y, sample_weight)`` arrays, or batches) as global batches;
-    a one-shot source (a generator) read by more than one of `epochs`' validations is refused."""
+                       validation_steps: Any = None) -> Validation | None:
+    """`validation_data` (``(x, y)`` / ``(x, y, sample_weight)`` arrays, or batches) as global batches."""
     if validation_data is None:
         return None
     validation_data = _as_arrays(validation_data)
@@ -234,15 +233,7 @@ def validation_batches(strategy: "Strategy", validation_data: Any, batch_size: i
         batches = to_batches(strategy, vx, vy, vw, batch_size, False, 0, "validation_data")
     else:
         batches = to_batches(strategy, validation_data, None, None, None, False, 0, "validation_data")
-    validation = Validation(batches, validation_freq, validation_steps)
-    if getattr(batches, "one_shot", False) and sum(map(validation.due, epochs)) > 1:
-        raise ValueError(
-            "`validation_data` is a one-shot iterator (a generator), which the first validation reads, and "
-            f"{sum(map(validation.due, epochs))} epochs validate: Keras' fit would validate again on its first "
-            "2 batches alone (it keeps them), lockstep on what is left, so the numbers would differ. Give data that "
-            "can be read again (arrays, a keras.utils.PyDataset, a tf.data.Dataset, a list of batches), or "
-            "validate once (`validation_freq`).")
-    return validation
+    return Validation(batches, validation_freq, validation_steps)
 
 
 def validation_labels(validation_data: Any) -> Any:

@@ -27,6 +27,7 @@ before each); arguments lockstep does not take are refused before Keras touches 
 
 from __future__ import annotations
 
+import collections.abc
 from typing import Any
 
 import jax
@@ -35,7 +36,7 @@ import numpy as np
 from ..callbacks import Callback
 from ..distribute import strategy_of_model
 from ..engine import host_value, spread
-from ._inputs import class_weighted
+from ._inputs import Validation, class_weighted
 from ._trainer import Trainer
 from ._weight_files import whole_on_host, writing
 
@@ -133,6 +134,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                 class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
                                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                                 validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+    _one_validation_of(validation_data, validation_freq, range(initial_epoch, epochs))
     trainer = _trainer(self, strategy)
     callbacks = [*(callbacks or []), _KerasModelHistory(self)]
     epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
@@ -149,6 +151,21 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     finally:
         self.stop_training = trainer.stop_training  # as Keras leaves it: True after a callback stopped the fit
         _ran(self)
+
+
+def _one_validation_of(validation_data: Any, validation_freq: Any, epochs: range) -> None:
+    """Refuses a one-shot iterator (a generator) as `validation_data` that several of `epochs`
+    validate on: Keras keeps its first 2 batches, so each later validation reads those again and
+    then what is left of it, where lockstep's reads on (other numbers)."""
+    if not isinstance(validation_data, collections.abc.Iterator):
+        return
+    due = sum(map(Validation([], validation_freq, None).due, epochs))
+    if due > 1:
+        raise ValueError(
+            f"`validation_data` is a one-shot iterator (a generator) and {due} epochs validate on it: Keras' fit "
+            "keeps its first 2 batches, so every later validation reads those again before what is left of it, "
+            "where lockstep's reads on: the numbers would differ. Give data that can be read again (arrays, a "
+            "keras.utils.PyDataset, a tf.data.Dataset, a list of batches), or validate once (`validation_freq`).")
 
 
 class _KerasModelHistory(Callback):

@@ -343,7 +343,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
                                                                     validation_data)
         train = to_batches(self.strategy, x, y, class_weighted(y, sample_weight, class_weight), batch_size, shuffle, seed)
         val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size, validation_freq,
-                                 validation_steps, range(initial_epoch, epochs))
+                                 validation_steps)
         first = first_batch(train)
         inputs = self._build(first, "x")
         if val is not None:  # its inputs checked now, not after an epoch has trained
