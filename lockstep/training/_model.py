@@ -181,10 +181,15 @@ class _KerasAdapter:
         return {"trainable": [held(v.value) for v in self.model.trainable_variables],
                 "non_trainable": [held(v.value) for v in self.model.non_trainable_variables]}
 
-    def build_compiled(self, x: Any, y: Any) -> None:
+    def build_compiled(self, x: Any, y: Any, keras_optimizer: bool = True) -> None:
         """Keras' compiled loss and metrics built for a batch like `(x, y)`, as Keras' own `fit`
         builds them (Keras callbacks read them: `EarlyStopping(monitor="val_accuracy")` finds the
-        direction of "accuracy" there). A model Keras cannot build so is left as it is."""
+        direction of "accuracy" there). A model Keras cannot build so is left as it is, and so is one
+        whose unbuilt Keras optimizer the trainer does not use (`keras_optimizer` False: Keras would
+        build it too, slots and all)."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if not keras_optimizer and optimizer is not None and not optimizer.built:
+            return
         compiled = getattr(self.model, "_compile_metrics", None), getattr(self.model, "_compile_loss", None)
         if any(c is not None and not c.built for c in compiled):
             try:

@@ -252,7 +252,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
             pred_shape = output_shape(self._adapter, self._state.params, x, self._placement.on_stored(self._adapter.apply))
             self._labels.set_classes(pred_shape)
             self._all.build(shapes_of(y), pred_shape)
-            getattr(self._adapter, "build_compiled", lambda x, y: None)(x, y)
+            getattr(self._adapter, "build_compiled", lambda *_: None)(x, y, self._keras_optimizer is not None)
         if self._runner is None:
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
             self._runner = StepRunner(self._engine, make_steps(
