@@ -117,23 +117,25 @@ def _fit_callbacks(cbs: list[Callback], verbose: int | str, train: Iterable[Any]
     `params` every callback is given, as Keras gives them: verbose, epochs and steps an epoch, in
     optimizer steps (groups of `accumulation` batches))."""
     shown = 1 if verbose == "auto" else int(verbose)
-    try:
-        steps: int | None = -(-len(train) // accumulation)  # type: ignore[arg-type]
-    except TypeError:  # no length (a generator, a tf.data dataset of unknown cardinality)
-        steps = None
+    steps = None if (batches := _length(train)) is None else -(-batches // accumulation)
     params = {"verbose": verbose, "epochs": epochs,
               "steps": min(steps, steps_per_epoch) if steps and steps_per_epoch else steps or steps_per_epoch}
     return ([ProgbarLogger(shown)] if shown and is_chief() else []) + cbs, params
 
 
+def _length(data: Any) -> int | None:
+    """The number of batches of `data`; None without a length (a generator, a tf.data dataset of
+    unknown cardinality)."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
 def _loop_params(verbose: int | str, data: Any, steps: int | None = None) -> dict[str, Any]:
     """The `params` Keras gives the callbacks of `evaluate` / `predict`: `verbose`, one epoch, and
     the batches (`steps` where given; None where the data's length is unknown)."""
-    try:
-        count: int | None = len(data)
-    except TypeError:
-        count = None
-    return {"verbose": verbose, "epochs": 1, "steps": steps or count}
+    return {"verbose": verbose, "epochs": 1, "steps": steps or _length(data)}
 
 
 def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any, verbose: Any = 0) -> None:
