@@ -423,3 +423,50 @@ def test_a_lambda_callback_runs_its_hooks_as_in_keras():
     (want, _), (got, _) = _both(_sgd_model, run)
     assert len(want) == 2 * (2 + 2 + 1)
     assert got == want
+
+
+class _Hooks(keras.callbacks.Callback):
+    """Records every batch hook Keras calls: its name, batch number, and what its logs hold (the
+    outputs' shape for predict)."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def _note(self, hook, batch, logs):
+        logs = logs or {}
+        shown = ({"outputs": np.shape(logs["outputs"])} if "outputs" in logs
+                 else {k: round(float(v), 4) for k, v in logs.items()})
+        self.seen.append((hook, batch, shown))
+
+
+for _hook in ("on_train_batch_begin", "on_train_batch_end", "on_test_batch_begin", "on_test_batch_end",
+              "on_predict_batch_begin", "on_predict_batch_end"):
+    setattr(_Hooks, _hook, functools.partialmethod(lambda self, batch, logs=None, h=_hook: self._note(h, batch, logs)))
+
+
+def test_batch_hooks_under_steps_per_execution_are_called_once_a_call_numbered_as_keras_numbers_them():
+    """Keras calls the batch hooks of fit, evaluate (and fit's validation) and predict once per call
+    of `steps_per_execution` batches: begin with the call's first batch number, end with that plus
+    `steps_per_execution` - 1, the epoch's last, shorter call included (so 8 for a 7-batch pass at 3
+    a call), and predict's end with the call's outputs. Lockstep called evaluate's and predict's once
+    a batch, and gave the last call's true number."""
+    x, y = RNG.normal(size=(13, 3)).astype("float32"), np.arange(13) % 3
+    build = functools.partial(_sgd_model, steps_per_execution=3, metrics=["accuracy"])
+
+    def run(model):
+        seen = []
+        model.fit(x, y, batch_size=2, epochs=1, shuffle=False, verbose=0, validation_data=(x, y),
+                  callbacks=[_Hooks(seen)])
+        model.evaluate(x, y, batch_size=2, verbose=0, callbacks=[_Hooks(seen)])
+        model.predict(x, batch_size=2, verbose=0, callbacks=[_Hooks(seen)])
+        return seen
+    (want, _), (got, _) = _both(build, run)
+    ends = [b for h, b, _ in want if h.endswith("batch_end")]
+    assert ends == [2, 5, 8] * 4, want
+    assert ("on_predict_batch_end", 8, {"outputs": (1, 3)}) in want
+    assert [(h, b) for h, b, _ in got] == [(h, b) for h, b, _ in want]
+    for (_, _, g), (_, _, w) in zip(got, want):
+        assert g.keys() == w.keys()
+        for k in g:
+            np.testing.assert_allclose(g[k], w[k], rtol=1e-3, atol=1e-4)

@@ -242,6 +242,7 @@ class KerasCallback(Callback):
         classes = _keras_classes(callback)
         names = [c.__name__ for c in classes]
         self.keras_callback = callback
+        self._first: dict[str, int] = {}  # the first batch number of each loop's running call
         self.state_name = f"keras.{type(callback).__name__}"  # its bookkeeping's name in backups
         if any(n in _WRITERS for n in names) and not is_chief():
             return  # a callback that only writes files or prints: worker 0's job
@@ -251,6 +252,21 @@ class KerasCallback(Callback):
             if overrides(callback, hook):
                 call = _logs_given(getattr(callback, hook), "batch" in hook or "epoch" in hook)
                 setattr(self, hook, functools.partial(self._with_variables, call) if users else call)
+        for loop in ("train", "test", "predict"):  # batch numbers as Keras gives them
+            if (end := f"on_{loop}_batch_end") in vars(self):
+                begin = f"on_{loop}_batch_begin"
+                setattr(self, begin, functools.partial(self._call_begins, loop, vars(self).get(begin)))
+                setattr(self, end, functools.partial(self._numbered_as_keras, loop, vars(self)[end]))
+
+    def _call_begins(self, loop: str, hook: Any, batch: int, logs: Any = None) -> Any:
+        self._first[loop] = batch
+        return None if hook is None else hook(batch, logs)
+
+    def _numbered_as_keras(self, loop: str, hook: Any, batch: int, logs: Any = None) -> Any:
+        """Keras numbers the end of a call of `steps_per_execution` batches as if the call were
+        whole, the epoch's last, shorter call too: its first batch's number + steps_per_execution - 1."""
+        first = self._first.get(loop, batch)
+        return hook(max(batch, first + getattr(self.trainer, "steps_per_execution", 1) - 1), logs)
 
     def _with_variables(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
         """A user's hook, which reads and assigns the Keras model's variables as in Keras' `fit`:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import itertools
 import warnings
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -28,16 +27,14 @@ import optax
 
 from ..cluster import agree_on
 from .. import losses as _losses
-from ..engine import broadcast_from_chief
 from ..distribute import Strategy, get_strategy, recent, strategy_of_model
-from ..callbacks import Callback, CallbackList, History, ProgbarLogger, format_logs, is_chief
-from ..data import DataAdapter, IterableBatches
+from ..callbacks import Callback, CallbackList, History, ProgbarLogger, is_chief
+from ..data import IterableBatches
 from ..metrics import Mean, Metric, MetricCollection, get as get_metric
 from ._inputs import (
     class_weighted,
     first_batch,
     Validation,
-    checked_steps,
     split_validation,
     to_batches,
     validation_batches,
@@ -47,6 +44,7 @@ from ._compiled import is_compiled_keras
 from ._compiled import settings as compiled_settings
 from ._compiled import steps_per_execution as compiled_steps_per_execution
 from ._data_stream import DataStream
+from ._evaluation import TrainerEvaluation, agreed, batches_in, note_weighted_metrics
 from ._executions import executions
 from ._input_shapes import InputCheck
 from ._labels import LabelCheck, checked
@@ -117,25 +115,10 @@ def _fit_callbacks(cbs: list[Callback], verbose: int | str, train: Iterable[Any]
     `params` every callback is given, as Keras gives them: verbose, epochs and steps an epoch, in
     optimizer steps (groups of `accumulation` batches))."""
     shown = 1 if verbose == "auto" else int(verbose)
-    steps = None if (batches := _length(train)) is None else -(-batches // accumulation)
+    steps = None if (batches := batches_in(train)) is None else -(-batches // accumulation)
     params = {"verbose": verbose, "epochs": epochs,
               "steps": min(steps, steps_per_epoch) if steps and steps_per_epoch else steps or steps_per_epoch}
     return ([ProgbarLogger(shown)] if shown and is_chief() else []) + cbs, params
-
-
-def _length(data: Any) -> int | None:
-    """The number of batches of `data`; None without a length (a generator, a tf.data dataset of
-    unknown cardinality)."""
-    try:
-        return len(data)
-    except TypeError:
-        return None
-
-
-def _loop_params(verbose: int | str, data: Any, steps: int | None = None) -> dict[str, Any]:
-    """The `params` Keras gives the callbacks of `evaluate` / `predict`: `verbose`, one epoch, and
-    the batches (`steps` where given; None where the data's length is unknown)."""
-    return {"verbose": verbose, "epochs": 1, "steps": steps or _length(data)}
 
 
 def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any, verbose: Any = 0) -> None:
@@ -149,21 +132,7 @@ def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any, ve
         raise ValueError(f"`steps_per_epoch` must be a positive integer, got steps_per_epoch={steps_per_epoch!r}.")
 
 
-def _note_weighted_metrics(sample_weight: Any, metrics: MetricCollection) -> None:
-    weighted = sorted(k for k, m in metrics.metrics.items() if m.weighted is None)  # Trainer(metrics=...)'s
-    if sample_weight is not None and weighted:
-        warnings.warn(
-            "`sample_weight` weighs the loss and every metric given to the Trainer; Keras 3 weighs only "
-            f"`weighted_metrics` (its `metrics` ignore sample weights, as do a compiled model's here): {weighted} "
-            "are weighted here.", UserWarning, stacklevel=3)
-
-
-def _agreed(flag: bool) -> bool:
-    """Worker 0's `flag` on every worker (a collective with several workers): where one stops, all do."""
-    return bool(broadcast_from_chief(np.asarray(flag)))
-
-
-class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
+class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
     """Trains, evaluates and predicts with a model on a strategy, Keras style.
 
     Every number it reports — losses, metrics, evaluation results, predictions, callback
@@ -339,7 +308,7 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
             shuffle=shuffle, seed=seed, class_weight=class_weight, validation_split=validation_split,
             validation_freq=validation_freq, validation_steps=validation_steps, validation_batch_size=validation_batch_size,
             gradient_accumulation_steps=self._accumulation, model_seed=self.seed)))
-        _note_weighted_metrics(sample_weight, self._metrics)
+        note_weighted_metrics(sample_weight, self._metrics)
         if validation_split:
             x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split,
                                                                     validation_data)
@@ -403,63 +372,5 @@ class Trainer(TrainerWeights, WeightFiles, TrainerMeasures):
         if val is not None and val.due(epoch):
             logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val.batches, cblist, steps=val.steps).items()})
         cblist.on_epoch_end(epoch, logs := dict(sorted(logs.items())))  # Keras' callbacks get the names sorted
-        self.stop_training = _agreed(self.stop_training)
+        self.stop_training = agreed(self.stop_training)
         return logs
-
-    # --- evaluate / predict --------------------------------------------------------------------
-    def _evaluate_batches(self, data: DataAdapter, cblist: CallbackList, y: Any = None,
-                          arg: str = "validation_data", steps: int | None = None) -> dict[str, Any]:
-        first = first_batch(data)
-        data = checked(data, self._labels, y, arg, inputs=self._build(first, "x" if arg in ("x", "y") else arg))
-        state = self._fresh_state()
-        self.stop_evaluating = False
-        cblist.on_test_begin()
-        for step, batch in enumerate(itertools.islice(data.distributed(self._engine), steps)):  # steps: None, all
-            cblist.on_test_batch_begin(step)
-            state = self._runner.evaluate(self._state.params, state, batch)
-            cblist.on_test_batch_end(step, LazyLogs(self._engine, self._all, state, cblist.reads["on_test_batch_end"]))
-            if cblist.in_batches["testing"] and _agreed(self.stop_evaluating):
-                break
-        logs = self.last_logs = read_logs(self._engine, self._all, state)
-        cblist.on_test_end(dict(sorted(logs.items())))
-        return logs
-
-    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, sample_weight: Any = None,
-                 verbose: int | str = 0, callbacks: Iterable[Callback] | None = None, return_dict: bool = True,
-                 steps: int | None = None) -> dict[str, Any] | list[Any]:
-        """Loss and metrics over the whole data (its first `steps` batches), exactly as one device computes them.
-
-        Returns:
-          ``{"loss": ..., <metric name>: ...}`` (a list in that order if `return_dict` is False).
-        """
-        agree_on("the settings of evaluate", lambda: fit_settings(self, dict(batch_size=batch_size, steps=steps)))
-        data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
-        _note_weighted_metrics(sample_weight, self._metrics)
-        cblist = CallbackList(list(callbacks or []), self, _loop_params(verbose, data, checked_steps(steps)))
-        logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x", checked_steps(steps))
-        if verbose and is_chief():
-            print(format_logs(logs))
-        return logs if return_dict else list(logs.values())
-
-    def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0,
-                callbacks: Iterable[Callback] | None = None, steps: int | None = None) -> Any:
-        """The model's outputs for every sample: exactly `len(x)` rows (those of the first `steps`
-        batches), in input order (NumPy)."""
-        steps = checked_steps(steps)
-        agree_on("the settings of predict", lambda: fit_settings(self, dict(batch_size=batch_size, steps=steps)))
-        data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
-        first = first_batch(data)
-        data = checked(data, LabelCheck(None), None, "x", inputs=self._build(first, "x"))
-        cblist = CallbackList(list(callbacks or []), self, _loop_params(verbose, data, steps))
-        self.stop_predicting = False
-        cblist.on_predict_begin()
-        outputs = []
-        for step, batch in enumerate(itertools.islice(data.distributed(self._engine), steps)):
-            cblist.on_predict_batch_begin(step)
-            outputs.append(self._runner.predict(self._state.params, batch))
-            cblist.on_predict_batch_end(step, {"outputs": outputs[-1]})
-            if cblist.in_batches["predicting"] and _agreed(self.stop_predicting):
-                break
-        cblist.on_predict_end()
-        return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *outputs)
-

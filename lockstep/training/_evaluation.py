@@ -1,0 +1,148 @@
+"""`TrainerEvaluation`: the passes of a `Trainer` that do not train, `evaluate` (and fit's
+validation) and `predict`, batch by batch through the compiled steps, with the callbacks called
+as Keras' own loops call them: once per call of `steps_per_execution` batches.
+
+>>> list(calls(iter("abcdefg"), 5, 2))
+[(0, ['a', 'b']), (2, ['c', 'd']), (4, ['e'])]
+"""
+
+from __future__ import annotations
+
+import itertools
+import warnings
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import jax
+import numpy as np
+
+from ..callbacks import Callback, CallbackList, format_logs, is_chief
+from ..cluster import agree_on
+from ..data import DataAdapter
+from ..engine import broadcast_from_chief
+from ._inputs import checked_steps, first_batch, to_batches
+from ._labels import LabelCheck, checked
+from ._logs import LazyLogs, read_logs
+from ._worker_settings import fit_settings
+
+
+def agreed(flag: bool) -> bool:
+    """Worker 0's `flag` on every worker (a collective with several workers): where one stops, all do."""
+    return bool(broadcast_from_chief(np.asarray(flag)))
+
+
+def batches_in(data: Any) -> int | None:
+    """The number of batches of `data`; None without a length (a generator, a tf.data dataset of
+    unknown cardinality)."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
+def calls(batches: Iterator[Any], steps: int | None, steps_per_execution: int) -> Iterator[tuple[int, list[Any]]]:
+    """(the number of its first batch, its batches) for each call of `steps_per_execution` batches
+    of the first `steps` of `batches` (all for None): Keras' loops call the batch hooks once a call."""
+    batches = itertools.islice(batches, steps)
+    step = 0
+    while group := list(itertools.islice(batches, steps_per_execution)):
+        yield step, group
+        step += len(group)
+
+
+def note_weighted_metrics(sample_weight: Any, metrics: Any) -> None:
+    """Warns where `sample_weight` weighs metrics that Keras 3 would not weigh."""
+    weighted = sorted(k for k, m in metrics.metrics.items() if m.weighted is None)  # Trainer(metrics=...)'s
+    if sample_weight is not None and weighted:
+        warnings.warn(
+            "`sample_weight` weighs the loss and every metric given to the Trainer; Keras 3 weighs only "
+            f"`weighted_metrics` (its `metrics` ignore sample weights, as do a compiled model's here): {weighted} "
+            "are weighted here.", UserWarning, stacklevel=3)
+
+
+def _loop_params(verbose: int | str, data: Any, steps: int | None = None) -> dict[str, Any]:
+    """The `params` Keras gives the callbacks of `evaluate` / `predict`: `verbose`, one epoch, and
+    the batches (`steps` where given; None where the data's length is unknown)."""
+    return {"verbose": verbose, "epochs": 1, "steps": steps or batches_in(data)}
+
+
+class TrainerEvaluation:
+    """Mixed into `Trainer` (it reads `_runner`, `_state`, `_engine`, `_all`, `_labels`, `strategy`,
+    `steps_per_execution`, and builds the model on the first batch with `_build`)."""
+
+    _runner: Any
+    _state: Any
+    _engine: Any
+    _all: Any
+    _labels: LabelCheck
+    _metrics: Any
+    strategy: Any
+    steps_per_execution: int
+    stop_evaluating: bool
+    stop_predicting: bool
+    last_logs: dict[str, Any] | None
+    _build: Any
+    _fresh_state: Any
+
+    def _evaluate_batches(self, data: DataAdapter, cblist: CallbackList, y: Any = None,
+                          arg: str = "validation_data", steps: int | None = None) -> dict[str, Any]:
+        first = first_batch(data)
+        data = checked(data, self._labels, y, arg, inputs=self._build(first, "x" if arg in ("x", "y") else arg))
+        state = self._fresh_state()
+        self.stop_evaluating = False
+        cblist.on_test_begin()
+        for step, group in calls(data.distributed(self._engine), steps, self.steps_per_execution):
+            cblist.on_test_batch_begin(step)
+            for batch in group:
+                state = self._runner.evaluate(self._state.params, state, batch)
+            cblist.on_test_batch_end(step + len(group) - 1,
+                                     LazyLogs(self._engine, self._all, state, cblist.reads["on_test_batch_end"]))
+            if cblist.in_batches["testing"] and agreed(self.stop_evaluating):
+                break
+        logs = self.last_logs = read_logs(self._engine, self._all, state)
+        cblist.on_test_end(dict(sorted(logs.items())))
+        return logs
+
+    def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, sample_weight: Any = None,
+                 verbose: int | str = 0, callbacks: Iterable[Callback] | None = None, return_dict: bool = True,
+                 steps: int | None = None) -> dict[str, Any] | list[Any]:
+        """Loss and metrics over the whole data (its first `steps` batches), exactly as one device computes them.
+
+        Returns:
+          ``{"loss": ..., <metric name>: ...}`` (a list in that order if `return_dict` is False).
+        """
+        agree_on("the settings of evaluate", lambda: fit_settings(self, dict(batch_size=batch_size, steps=steps)))
+        data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
+        note_weighted_metrics(sample_weight, self._metrics)
+        cblist = CallbackList(list(callbacks or []), self, _loop_params(verbose, data, checked_steps(steps)))
+        logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x", checked_steps(steps))
+        if verbose and is_chief():
+            print(format_logs(logs))
+        return logs if return_dict else list(logs.values())
+
+    def predict(self, x: Any, batch_size: int | None = None, verbose: int | str = 0,
+                callbacks: Iterable[Callback] | None = None, steps: int | None = None) -> Any:
+        """The model's outputs for every sample: exactly `len(x)` rows (those of the first `steps`
+        batches), in input order (NumPy)."""
+        steps = checked_steps(steps)
+        agree_on("the settings of predict", lambda: fit_settings(self, dict(batch_size=batch_size, steps=steps)))
+        data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
+        first = first_batch(data)
+        data = checked(data, LabelCheck(None), None, "x", inputs=self._build(first, "x"))
+        cblist = CallbackList(list(callbacks or []), self, _loop_params(verbose, data, steps))
+        self.stop_predicting = False
+        cblist.on_predict_begin()
+        outputs = []
+        for step, group in calls(data.distributed(self._engine), steps, self.steps_per_execution):
+            cblist.on_predict_batch_begin(step)
+            outputs.append(_joined([self._runner.predict(self._state.params, batch) for batch in group]))
+            cblist.on_predict_batch_end(step + len(group) - 1, {"outputs": outputs[-1]})  # the call's, as in Keras
+            if cblist.in_batches["predicting"] and agreed(self.stop_predicting):
+                break
+        cblist.on_predict_end()
+        return _joined(outputs)
+
+
+def _joined(parts: list[Any]) -> Any:
+    """Outputs of consecutive batches as one (NumPy, along the batch axis)."""
+    return jax.tree.map(lambda *p: np.concatenate(p, axis=0), *parts)
