@@ -470,3 +470,20 @@ def test_batch_hooks_under_steps_per_execution_are_called_once_a_call_numbered_a
         assert g.keys() == w.keys()
         for k in g:
             np.testing.assert_allclose(g[k], w[k], rtol=1e-3, atol=1e-4)
+
+
+def test_get_metrics_result_after_compiling_again_is_keras_fresh_metrics_not_the_last_fit():
+    """After another `compile`, Keras' `get_metrics_result()` reads the new, unbuilt metrics (Keras
+    raises) until a loop runs; lockstep returned the previous compile's last results."""
+    def run(model):
+        _fit(model)
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        with pytest.raises(ValueError) as raised:
+            model.get_metrics_result()
+        model.evaluate(X, Y, batch_size=8, verbose=0)
+        return str(raised.value), model.get_metrics_result()
+    (want, _), (got, _) = _both(functools.partial(_sgd_model, metrics=["accuracy"]), run)
+    assert got[0] == want[0]
+    assert list(got[1]) == list(want[1])
+    np.testing.assert_allclose([float(v) for v in got[1].values()], [float(v) for v in want[1].values()], rtol=1e-5)

@@ -98,15 +98,21 @@ def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:
     may predict, as in Keras)."""
     if compiled and not model.compiled:
         raise ValueError("You must call `compile()` before using the model.")  # Keras' own words
-    key = (strategy, model.compiled, id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_config", None)),
-           id(getattr(model, "_compile_metrics", None)), id(getattr(model, "loss", None)),  # each `compile` a new config
-           tuple(id(v) for v in model.trainable_variables), _fingerprint(model))  # `trainable` set: a new Trainer
+    key = _key(model, strategy)
     held = model.__dict__.get(_HELD)
     if held is None or held[0] != key:  # a new compile, or weights set from elsewhere: a Trainer that reads them
         held = (key, Trainer(model, strategy=strategy))
         held[1].log_skipped_steps = False  # Keras' logs hold no such entry
         object.__setattr__(model, _HELD, held)  # past Keras' attribute tracking
     return held[1]
+
+
+def _key(model: Any, strategy: Any) -> tuple[Any, ...]:
+    """What a model's Trainer is made for: the strategy, the `compile` (each makes a new config), the
+    trainable variables (`trainable` set anew) and, last, the arrays they hold (`_fingerprint`)."""
+    return (strategy, model.compiled, id(getattr(model, "optimizer", None)), id(getattr(model, "_compile_config", None)),
+            id(getattr(model, "_compile_metrics", None)), id(getattr(model, "loss", None)),
+            tuple(id(v) for v in model.trainable_variables), _fingerprint(model))
 
 
 def _ran(model: Any) -> None:
@@ -244,9 +250,11 @@ def _in_executions(model: Any, steps: Any) -> Any:
 
 def _get_metrics_result(self: Any) -> Any:
     """Keras' `get_metrics_result`: the loss and metrics of the last loop run (an epoch, or the
-    evaluation after it), from the trainer that ran it."""
-    held = self.__dict__.get(_HELD)
-    if held is None or held[1].last_logs is None or strategy_of_model(self, by_devices=False) is None:
+    evaluation after it), from the trainer that ran it; after another `compile`, Keras' own (its new
+    metrics: unbuilt until a loop runs)."""
+    held, strategy = self.__dict__.get(_HELD), strategy_of_model(self, by_devices=False)
+    if (held is None or held[1].last_logs is None or strategy is None
+            or held[0][:-1] != _key(self, strategy)[:-1]):  # compiled since: Keras' fresh metrics
         return _ORIGINAL["get_metrics_result"](self)
     return dict(held[1].last_logs)
 
