@@ -487,3 +487,83 @@ def test_get_metrics_result_after_compiling_again_is_keras_fresh_metrics_not_the
     assert got[0] == want[0]
     assert list(got[1]) == list(want[1])
     np.testing.assert_allclose([float(v) for v in got[1].values()], [float(v) for v in want[1].values()], rtol=1e-5)
+
+
+class _Draws(keras.callbacks.Callback):
+    """Draws from NumPy's global random state at each epoch's end, as a user's callback may."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def on_epoch_end(self, epoch, logs=None):
+        self.seen.append(float(np.random.uniform()))
+
+
+@pytest.mark.parametrize("how", ["epochs", "validation_split", "steps_per_epoch"])
+def test_shuffled_epochs_are_drawn_from_numpys_global_state_as_keras_draws_them(how):
+    """Keras' fit draws each pass's order with `np.random.permutation` as the pass begins (and one
+    more, left unused, when its first fit builds the compiled metrics), so a script seeded with
+    `keras.utils.set_random_seed` trains on Keras' order; lockstep drew its own from (seed, pass).
+    Two fits in a row, a callback drawing from NumPy at each epoch's end, and NumPy's state after."""
+    kw = {"epochs": dict(epochs=3), "validation_split": dict(epochs=2, validation_split=0.3),
+          "steps_per_epoch": dict(epochs=3, steps_per_epoch=3)}[how]
+    x, y = RNG.normal(size=(37, 3)).astype("float32"), np.arange(37) % 3
+
+    def run(model):
+        seen = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras': "Your input ran out of data"
+            first = model.fit(x, y, batch_size=8, verbose=0, callbacks=[_Draws(seen)], **kw).history
+            second = model.fit(x, y, batch_size=8, epochs=2, verbose=0).history
+        return first, second, seen, float(np.random.uniform())
+    (want, want_w), (got, got_w) = _both(functools.partial(_sgd_model, metrics=["accuracy"]), run)
+    assert_logs_close(got[0], want[0])
+    assert_logs_close(got[1], want[1])
+    assert got[2:] == want[2:]
+    assert_weights_close(got_w, want_w)
+
+    def unshuffled(model):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            return model.fit(x, y, batch_size=8, shuffle=False, verbose=0, **kw).history
+    (plain, _), _ = _both(functools.partial(_sgd_model, metrics=["accuracy"]), unshuffled)
+    assert not np.allclose(plain["loss"], want[0]["loss"])  # the order matters to the numbers
+
+
+class _InterruptAt(keras.callbacks.Callback):
+    def __init__(self, epoch, batch):
+        super().__init__()
+        self.at, self.epoch = (epoch, batch), None
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self.epoch = epoch
+
+    def on_train_batch_end(self, batch, logs=None):
+        if (self.epoch, batch) == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("at", [(1, 2), (0, 4)])
+def test_a_fit_resumed_from_a_backup_shuffles_on_as_keras_uninterrupted_fit(at, tmp_path):
+    """A backup of a fit whose passes are drawn from NumPy's global state holds where that state
+    stood before the pass in progress was drawn and at the backup: the fit of a restarted script
+    (which seeds NumPy again) draws that pass again and goes on as Keras' own uninterrupted fit."""
+    x, y = RNG.normal(size=(37, 3)).astype("float32"), np.arange(37) % 3
+    build = functools.partial(_sgd_model, metrics=["accuracy"])
+    keras_model = build()
+    want = keras_model.fit(x, y, batch_size=8, epochs=3, verbose=0).history
+    want_after = float(np.random.uniform())
+    strategy = ls.MirroredStrategy(4)
+    with strategy.scope():
+        model = build()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
+            keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=1), _InterruptAt(*at)])
+    with strategy.scope():
+        resumed = build()  # the restarted script seeds NumPy's global state again
+    history = resumed.fit(x, y, batch_size=8, epochs=3, verbose=0,
+                          callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=1)])
+    assert_logs_close(history.history, want)
+    assert_weights_close([np.asarray(w) for w in resumed.get_weights()], keras_model.get_weights())
+    assert float(np.random.uniform()) == want_after

@@ -87,6 +87,13 @@ def test_two_workers_at_keras_defaults_start_from_worker_0_and_equal_keras_own_f
         want = keras.metrics.SparseCategoricalAccuracy()
         want.update_state(Y, np.asarray(res["predictions"]))
         assert res["accuracy_in_run"] == pytest.approx(float(want.result()), abs=1e-7)
+    # shuffled as Keras' fit shuffles, on worker 0's NumPy state (seed 0) where worker 1's was seeded 1
+    reference = classifier(seed=0)
+    shuffled = reference.fit(X, Y, batch_size=B, epochs=2, verbose=0).history
+    for res in results:
+        assert_logs_close(res["shuffled"]["history"], shuffled, rtol=2e-5)
+        assert_weights_close(res["shuffled"]["weights"], reference.get_weights(), atol=5e-6)
+    assert results[0]["shuffled"]["after"] == float(np.random.uniform())  # NumPy's state moved on as in Keras
     # the progress bar (verbose=1) is worker 0's alone, and it ran to the end of both epochs
     lines = proc.stdout.splitlines() + proc.stderr.splitlines()
     assert any(line.startswith("[rank 0]") and "Epoch 2/2" in line for line in lines), output_of(proc)

@@ -71,6 +71,14 @@ class DataAdapter:
         """The state of the pass in progress's iterator (a Grain pipeline's), for backups."""
         return None
 
+    def order_state(self, epoch: int) -> dict[str, Any] | None:
+        """For backups, where the random state that draws pass `epoch`'s order stands (arrays
+        shuffled from NumPy's global state, `GlobalOrders`), else None."""
+        return None
+
+    def restore_order(self, epoch: int, state: dict[str, Any]) -> None:
+        """Takes up a backup's `order_state` at pass `epoch`."""
+
     def whole(self) -> Any:
         """All the data as one batch when it is in memory (arrays: its labels are checked at once), else None."""
         return None

@@ -11,6 +11,7 @@ import numpy as np
 
 from ..engine import BatchRows, ResidentBatch, ResidentPass, fits_on_devices, padded_per_replica, place_ahead
 from ._adapter import DataAdapter
+from ._global_orders import GlobalOrders
 
 if TYPE_CHECKING:
     from ..engine import Engine
@@ -20,14 +21,16 @@ class Batches(DataAdapter):
     """A re-iterable sequence of global batches over a pytree of arrays.
 
     Made by `lockstep.data.batches`. With `shuffle=True` each pass over the data uses a new
-    permutation, drawn from `seed` and the number of the pass, so runs are reproducible. `fit`
+    permutation, drawn from `seed` and the number of the pass, so runs are reproducible (with
+    `seed=None`, from NumPy's global random state as the pass begins, as Keras' `fit` draws it:
+    `GlobalOrders`). `fit`
     reads in-memory arrays a pass ahead (placing the next while one trains): change them between
     fits, not from a callback during one.
     """
 
     by_index = True
 
-    def __init__(self, arrays: Any, batch_size: int, shuffle: bool, seed: int, drop_remainder: bool):
+    def __init__(self, arrays: Any, batch_size: int, shuffle: bool, seed: int | None, drop_remainder: bool):
         self.arrays = arrays
         self._leaves, self._treedef = jax.tree.flatten(arrays)
         self._n = int(np.shape(self._leaves[0])[0])
@@ -36,6 +39,7 @@ class Batches(DataAdapter):
         self.seed = seed
         self.drop_remainder = drop_remainder
         self.epoch = 0
+        self._global = GlobalOrders(self._n) if shuffle and seed is None else None  # Keras' draws
         self._next_pass: tuple[Any, int, int, Future[ResidentPass]] | None = None  # (engine, pass, start, placing)
 
     @property
@@ -50,7 +54,18 @@ class Batches(DataAdapter):
         """The sample order of pass number `epoch`."""
         if not self.shuffle:
             return np.arange(self._n)
+        if self._global is not None:
+            return self._global.order(epoch)
         return np.random.default_rng([self.seed, epoch]).permutation(self._n)
+
+    def order_state(self, epoch: int) -> dict[str, Any] | None:
+        if self._global is None:
+            return None
+        return self._global.state(epoch)
+
+    def restore_order(self, epoch: int, state: dict[str, Any]) -> None:
+        if self._global is not None:
+            self._global.restore(epoch, state)
 
     def iterate(self, epoch: int, start: int = 0) -> Iterator[Any]:
         """Batches of pass number `epoch`, from batch index `start` on (whole: every row read)."""
@@ -62,6 +77,8 @@ class Batches(DataAdapter):
         return self.iterate(epoch)
 
     def first(self) -> Any:
+        if self._global is not None:  # its shapes, without drawing a pass's order from NumPy's global state
+            return self._batch_rows(np.arange(self._n), 0).read(0, min(self.batch_size, self._n))
         return next(self.iterate(0), None)
 
     def whole(self) -> Any:
@@ -99,6 +116,7 @@ class Batches(DataAdapter):
         if not fits_on_devices(self._leaves):
             return None
         pass_of = (lambda e: e) if self.shuffle else (lambda e: 0)
+        ahead = ahead and self._global is None  # a pass drawn from NumPy's global state is drawn as it begins
         waiting, self._next_pass = self._next_pass, None
         whole = None
         if waiting is not None and waiting[0] is engine and waiting[1:3] == (pass_of(epoch), start):
@@ -132,7 +150,7 @@ class Batches(DataAdapter):
                             lambda i: self._batch_rows(order, start + i))
 
 
-def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int = 0,
+def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int | None = 0,
             drop_remainder: bool = False) -> Batches:
     """Yields global batches of `batch_size` samples from a pytree of arrays.
 
@@ -140,7 +158,8 @@ def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int = 0,
       arrays: an array, or a pytree (tuple, dict, ...) of arrays sharing their first dimension.
       batch_size: global batch size (all replicas and workers together), at least 1.
       shuffle: draw a new permutation on every pass over the data.
-      seed: seed of the permutations.
+      seed: seed of the permutations; None: each pass's drawn from NumPy's global random state as
+        the pass begins (``np.random.permutation``, worker 0's on every worker), as Keras' `fit` draws it.
       drop_remainder: leave out a last batch shorter than `batch_size`.
 
     Returns:
@@ -168,4 +187,4 @@ def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int = 0,
     if lengths[0] == 0:
         raise ValueError("`arrays` hold no samples (length 0).")
     return Batches(jax.tree.unflatten(jax.tree.structure(arrays), leaves), int(batch_size),
-                   bool(shuffle), int(seed), bool(drop_remainder))
+                   bool(shuffle), None if seed is None else int(seed), bool(drop_remainder))

@@ -41,26 +41,29 @@ class DataPosition:
       offset: batches of that pass consumed.
       fingerprint: checksum of the last batch consumed (every worker's rows), or None.
       iterators: each worker's Grain iterator state (JSON), in worker order, or None.
+      order: where NumPy's global random state stood before the pass was drawn and stands now,
+        for arrays shuffled from it as Keras does (`fit(seed=None)`; JSON), or None.
 
     >>> DataPosition(2, 5).to_json()
-    {'pass_index': 2, 'offset': 5, 'fingerprint': None, 'iterators': None}
+    {'pass_index': 2, 'offset': 5, 'fingerprint': None, 'iterators': None, 'order': None}
     """
 
     pass_index: int = 0
     offset: int = 0
     fingerprint: int | None = None
     iterators: tuple[str, ...] | None = None
+    order: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {"pass_index": self.pass_index, "offset": self.offset, "fingerprint": self.fingerprint,
-                "iterators": None if self.iterators is None else list(self.iterators)}
+                "iterators": None if self.iterators is None else list(self.iterators), "order": self.order}
 
     @classmethod
     def from_json(cls, d: dict[str, Any]) -> "DataPosition":
         its = d.get("iterators")
         fp = d.get("fingerprint")
         return cls(int(d["pass_index"]), int(d["offset"]), None if fp is None else int(fp),
-                   None if its is None else tuple(its))
+                   None if its is None else tuple(its), d.get("order"))
 
 
 def _whole_digest(batch: "DistributedBatch | ResidentBatch") -> int:
@@ -111,19 +114,22 @@ class DataStream:
         self._pass, self._offset = position.pass_index, position.offset
         self._batches, self._last, self._ended = None, None, False
         self._restored = self._carried = position
+        if position.order is not None:  # arrays shuffled from NumPy's global state: drawn again as they were
+            self._train.restore_order(position.pass_index, position.order)
 
     def position(self, share: bool = False) -> DataPosition:
         """The position now. With several workers, the checksum and the iterator states are every
         worker's only with `share=True`, a collective that every worker must call at the same step."""
+        order = self._train.order_state(self._pass)
         if self._offset == 0:
-            return DataPosition(self._pass, 0)
+            return DataPosition(self._pass, 0, order=order)
         if self._last is None and self._carried is not None:
-            return self._carried
+            return dataclasses.replace(self._carried, order=order)
         if jax.process_count() > 1 and not share:
-            return DataPosition(self._pass, self._offset)
+            return DataPosition(self._pass, self._offset, order=order)
         state = self._train.iterator_state()
         return DataPosition(self._pass, self._offset, None if self._last is None else _whole_digest(self._last),
-                            None if state is None else tuple(_allgather_strings(state)))
+                            None if state is None else tuple(_allgather_strings(state)), order)
 
     def epoch(self, epoch: int, done: int = 0) -> Iterator["DistributedBatch | ResidentBatch"]:
         """Epoch `epoch`'s batches: the rest of a pass, or of `steps_per_epoch` steps (`done` steps

@@ -28,6 +28,7 @@ before each); arguments lockstep does not take are refused before Keras touches 
 from __future__ import annotations
 
 import collections.abc
+import math
 from typing import Any
 
 import jax
@@ -36,7 +37,7 @@ import numpy as np
 from ..callbacks import Callback
 from ..distribute import strategy_of_model
 from ..engine import host_value, spread
-from ._inputs import Validation, class_weighted
+from ._inputs import Validation, class_weighted, is_arrays
 from ._trainer import Trainer
 from ._weight_files import whole_on_host, writing
 
@@ -141,6 +142,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                                 validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     _one_validation_of(validation_data, validation_freq, range(initial_epoch, epochs))
+    _draw_as_keras_builds(self, x, shuffle, validation_split)
     trainer = _trainer(self, strategy)
     callbacks = [*(callbacks or []), _KerasModelHistory(self)]
     epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
@@ -148,7 +150,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     try:
         self.history = trainer.fit(
             x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
-            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle,
+            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle, seed=None,
             class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
             steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
             validation_batch_size=validation_batch_size, validation_freq=validation_freq)
@@ -157,6 +159,20 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     finally:
         self.stop_training = trainer.stop_training  # as Keras leaves it: True after a callback stopped the fit
         _ran(self)
+
+
+def _draw_as_keras_builds(model: Any, x: Any, shuffle: Any, validation_split: float) -> None:
+    """Keras' fit builds an unbuilt model, compiled loss or metrics on the first batch of a pass
+    over the arrays that it then leaves: with `shuffle`, that pass's permutation is drawn from
+    NumPy's global random state all the same. It is drawn here too, so that the passes that train
+    are drawn (`fit(seed=None)`) where Keras draws them."""
+    if not shuffle or shuffle == "batch" or not is_arrays(x):
+        return
+    compiled = (getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None))
+    if all(layer.built for layer in model._flatten_layers()) and all(c is None or c.built for c in compiled):
+        return
+    n = len(jax.tree.leaves(x)[0])
+    np.random.permutation(int(math.floor(n * (1.0 - validation_split))) if validation_split else n)
 
 
 def _one_validation_of(validation_data: Any, validation_freq: Any, epochs: range) -> None:

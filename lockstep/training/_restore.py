@@ -44,7 +44,7 @@ def initial_state(placement: Any, params: Any, names: Any = None) -> TrainState:
                       callbacks={}, names=None if names is None else names(params, opt_state))
 
 
-def fit_start(state: TrainState, epoch: int, seed: int, metric_state: Any, batch_size: int | None,
+def fit_start(state: TrainState, epoch: int, seed: int | None, metric_state: Any, batch_size: int | None,
               accumulation: int) -> TrainState:
     """`state` at the start of a `fit`: epoch `epoch`, no step taken, `metric_state` empty."""
     return state.replace(epoch=epoch, step=0, global_step=0, seed=seed, callbacks={}, metric_state=metric_state,

@@ -36,7 +36,8 @@ class LoopRecord:
       epoch: epochs completed.
       epoch_start: the `global_step` at which the epoch in progress started (the state's `step`,
         steps completed in the epoch, is the difference).
-      seed: the seed of `fit`'s shuffling (the order of an epoch derives from seed and epoch).
+      seed: the seed of `fit`'s shuffling (the order of an epoch derives from seed and epoch; None:
+        from NumPy's global random state, as Keras draws it, whose place the data position holds).
       callbacks: each callback's `get_state()`, keyed by class name and rank among callbacks of
         that class (``"EarlyStopping.0"``).
       batch_size: the global batch size of `fit` (None: batches came whole from an iterable).
@@ -53,7 +54,7 @@ class LoopRecord:
 
     epoch: int = 0
     epoch_start: int = 0
-    seed: int = 0
+    seed: int | None = 0
     callbacks: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     batch_size: int | None = None
     accumulation: int = 1
@@ -357,6 +358,6 @@ def unflatten_train_state(arrays: dict[str, Any], meta: dict[str, Any], like: Tr
     callbacks = {key: _join_state(cb_state, arrays) for key, cb_state in meta["callbacks"].items()}
     batch_size, data = meta.get("batch_size"), meta.get("data")
     return like.replace(epoch=int(meta["epoch"]), step=int(meta["step"]), global_step=int(meta["global_step"]),
-                        data=None if data is None else DataPosition.from_json(data), seed=int(meta["seed"]),
+                        data=None if data is None else DataPosition.from_json(data), seed=None if meta["seed"] is None else int(meta["seed"]),
                         batch_size=None if batch_size is None else int(batch_size),
                         accumulation=int(meta.get("accumulation", 1)), callbacks=callbacks, **trees)

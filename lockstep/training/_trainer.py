@@ -288,7 +288,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
     # --- fit -------------------------------------------------------------------------------
     def fit(self, x: Any = None, y: Any = None, batch_size: int | None = None, epochs: int = 1,
             verbose: int | str = "auto", callbacks: Iterable[Callback] | None = None,
-            validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True, seed: int = 0,
+            validation_split: float = 0.0, validation_data: Any = None, shuffle: bool = True, seed: int | None = 0,
             class_weight: dict[int, float] | None = None, sample_weight: Any = None, initial_epoch: int = 0, steps_per_epoch: int | None = None,
             validation_steps: int | None = None, validation_batch_size: int | None = None,
             validation_freq: int | list[int] = 1) -> History:
@@ -297,7 +297,9 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         `batch_size` is global (all replicas). `x` may be arrays (with `y`, `sample_weight`) or an
         iterable of batches ``(x, y)`` / ``(x, y, sample_weight)``. Validation runs after the epochs
         `validation_freq` names (as in Keras), on `validation_steps` batches at most; `class_weight`
-        weighs the training samples only (Keras' validation loss does not see it).
+        weighs the training samples only (Keras' validation loss does not see it). With `shuffle`,
+        each pass's order derives from `seed` and the pass; `seed=None` draws the order of arrays
+        from NumPy's global random state as the pass begins, as Keras' `fit` does (worker 0's).
 
         Raises:
           ValueError: `x` and `y` of different lengths, `validation_split` outside [0, 1), ...

@@ -58,4 +58,11 @@ for batch in strategy.experimental_distribute_dataset(tf.data.Dataset.from_tenso
     strategy.run(update, args=(batch,))
 result["accuracy_in_run"] = float(accuracy.result())
 result["predictions"] = predictions.tolist()
+# Keras' default shuffle, each worker seeded apart (`set_random_seed(rank)`): the initial values and
+# every epoch's order are worker 0's (drawn from its NumPy global state, as Keras' fit draws them)
+keras.utils.set_random_seed(strategy.worker_index)
+shuffled = build()
+h = shuffled.fit(x, y, batch_size=B, epochs=2, verbose=0)
+result["shuffled"] = {"history": h.history, "weights": [w.tolist() for w in shuffled.get_weights()],
+                      "after": float(np.random.uniform())}
 print("RESULT", json.dumps(result), flush=True)
