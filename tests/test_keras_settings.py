@@ -7,6 +7,7 @@ leaves replica 3 without rows).
 """
 
 import functools
+import random
 import warnings
 
 import keras
@@ -544,26 +545,83 @@ class _InterruptAt(keras.callbacks.Callback):
             raise KeyboardInterrupt
 
 
+class _Plain(keras.utils.PyDataset):
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y = x, y
+
+    def __len__(self):
+        return -(-len(self.x) // 8)
+
+    def __getitem__(self, i):
+        return self.x[i * 8:(i + 1) * 8], self.y[i * 8:(i + 1) * 8]
+
+
+@pytest.mark.parametrize("data", ["arrays", "py_dataset"])
 @pytest.mark.parametrize("at", [(1, 2), (0, 4)])
-def test_a_fit_resumed_from_a_backup_shuffles_on_as_keras_uninterrupted_fit(at, tmp_path):
-    """A backup of a fit whose passes are drawn from NumPy's global state holds where that state
-    stood before the pass in progress was drawn and at the backup: the fit of a restarted script
-    (which seeds NumPy again) draws that pass again and goes on as Keras' own uninterrupted fit."""
+def test_a_fit_resumed_from_a_backup_shuffles_on_as_keras_uninterrupted_fit(at, data, tmp_path):
+    """A backup of a fit whose passes are drawn from NumPy's (arrays) or Python's (a PyDataset's
+    batches) global random state holds where that state stood before the pass in progress was drawn
+    and at the backup: the fit of a restarted script (which seeds them again) draws that pass again
+    and goes on as Keras' own uninterrupted fit."""
     x, y = RNG.normal(size=(37, 3)).astype("float32"), np.arange(37) % 3
+    given = (lambda: dict(x=x, y=y, batch_size=8)) if data == "arrays" else (lambda: dict(x=_Plain(x, y)))
     build = functools.partial(_sgd_model, metrics=["accuracy"])
     keras_model = build()
-    want = keras_model.fit(x, y, batch_size=8, epochs=3, verbose=0).history
-    want_after = float(np.random.uniform())
+    want = keras_model.fit(**given(), epochs=3, verbose=0).history
+    want_after = float(np.random.uniform()), random.random()
     strategy = ls.MirroredStrategy(4)
     with strategy.scope():
         model = build()
     with pytest.raises(KeyboardInterrupt):
-        model.fit(x, y, batch_size=8, epochs=3, verbose=0, callbacks=[
+        model.fit(**given(), epochs=3, verbose=0, callbacks=[
             keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=1), _InterruptAt(*at)])
     with strategy.scope():
-        resumed = build()  # the restarted script seeds NumPy's global state again
-    history = resumed.fit(x, y, batch_size=8, epochs=3, verbose=0,
+        resumed = build()  # the restarted script seeds the global random states again
+    history = resumed.fit(**given(), epochs=3, verbose=0,
                           callbacks=[keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=1)])
     assert_logs_close(history.history, want)
     assert_weights_close([np.asarray(w) for w in resumed.get_weights()], keras_model.get_weights())
-    assert float(np.random.uniform()) == want_after
+    assert (float(np.random.uniform()), random.random()) == want_after
+
+
+class _Reshuffled(keras.utils.PyDataset):
+    """A user's PyDataset that reshuffles its rows itself at each epoch's end (NumPy's global
+    state), recording the batches read and its hooks."""
+
+    def __init__(self, x, y):
+        super().__init__()
+        self.x, self.y, self.rows, self.seen = x, y, np.arange(len(x)), []
+
+    def __len__(self):
+        return -(-len(self.x) // 4)
+
+    def __getitem__(self, i):
+        self.seen.append(i)
+        rows = self.rows[i * 4:(i + 1) * 4]
+        return self.x[rows], self.y[rows]
+
+    def on_epoch_begin(self):
+        self.seen.append("begin")
+
+    def on_epoch_end(self):
+        self.seen.append("end")
+        np.random.shuffle(self.rows)
+
+
+def test_a_py_dataset_is_read_shuffled_and_reshuffles_itself_as_in_keras_fit():
+    """Keras' first fit reads a PyDataset's first batch between its on_epoch_begin and on_epoch_end
+    (building the compiled metrics) before epoch 0, so one that reshuffles itself there trains
+    epoch 0 reshuffled; each epoch shuffles the batches with Python's `random.shuffle`. Lockstep
+    read epoch 0 unshuffled and drew the batches' order from its own (seed, pass)."""
+    x, y = RNG.normal(size=(21, 3)).astype("float32"), np.arange(21) % 3
+
+    def run(model):
+        data = _Reshuffled(x, y)
+        history = model.fit(data, epochs=3, verbose=0).history
+        return history, [s for s in data.seen if isinstance(s, str)], len(data.seen)
+    (want, want_w), (got, got_w) = _both(functools.partial(_sgd_model, metrics=["accuracy"]), run)
+    assert want[1][:2] == ["begin", "end"]
+    assert got[1:] == want[1:]
+    assert_logs_close(got[0], want[0])
+    assert_weights_close(got_w, want_w)

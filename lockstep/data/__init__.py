@@ -11,7 +11,8 @@ from ._accumulation import accumulation_groups as accumulation_groups
 from ._batches import Batches as Batches
 from ._batches import batches as batches
 from ._indexed import IndexedBatches as IndexedBatches
+from ._py_dataset import PyDatasetBatches as PyDatasetBatches
 from ._tf_batches import TFDatasetBatches as TFDatasetBatches
 from ._worker_pipeline import WorkerPipeline as WorkerPipeline
 
-__all__ = ["AccumulationGroup", "Batches", "DataAdapter", "IterableBatches", "Regenerated", "ReplicaBatches", "adapt", "IndexedBatches", "TFDatasetBatches", "WorkerPipeline", "accumulation_groups", "batches"]
+__all__ = ["AccumulationGroup", "Batches", "DataAdapter", "IterableBatches", "Regenerated", "ReplicaBatches", "adapt", "IndexedBatches", "PyDatasetBatches", "TFDatasetBatches", "WorkerPipeline", "accumulation_groups", "batches"]

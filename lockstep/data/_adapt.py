@@ -22,7 +22,7 @@ from ._worker_pipeline import WorkerPipeline
 
 
 def adapt(x: Any, y: Any = None, sample_weight: Any = None, batch_size: int | None = None, shuffle: bool = False,
-          seed: int = 0, arg: str = "x", global_batches: bool = False) -> DataAdapter:
+          seed: int | None = 0, arg: str = "x", global_batches: bool = False) -> DataAdapter:
     """`x` (anything but arrays, which `lockstep.data.batches` takes) as a `DataAdapter`.
 
     `global_batches`: `x` must be an iterable of global batches (`experimental_distribute_dataset`):
@@ -42,7 +42,8 @@ def adapt(x: Any, y: Any = None, sample_weight: Any = None, batch_size: int | No
         if labels_given:
             raise ValueError(f"when `{arg}` is a {type(x).__name__} of samples, `y` and `sample_weight` must be None "
                              "(each sample carries them).")
-        return IndexedBatches(x, 32 if batch_size is None else batch_size, shuffle=shuffle, seed=seed)
+        return IndexedBatches(x, 32 if batch_size is None else batch_size, shuffle=shuffle,
+                              seed=0 if seed is None else seed)
     if PyDatasetBatches.accepts(x):  # a keras.utils.PyDataset of global batches, read by index
         if labels_given or batch_size is not None:
             raise ValueError(f"when `{arg}` is a keras.utils.PyDataset, `y`, `sample_weight` and `batch_size` must be "

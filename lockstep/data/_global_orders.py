@@ -1,12 +1,14 @@
-"""`GlobalOrders`: the sample order of each pass over in-memory arrays drawn as Keras' own `fit`
-draws it, from NumPy's global random state (``np.random.permutation``) when the pass begins, so
-that a script seeded with `keras.utils.set_random_seed` shuffles as it does in Keras alone.
+"""`GlobalOrders`: the order of each pass drawn as Keras' own `fit` draws it when the pass begins:
+a permutation of the samples of in-memory arrays from NumPy's global random state
+(``np.random.permutation``), or of the batches of a `keras.utils.PyDataset` from Python's
+(``random.shuffle``). So a script seeded with `keras.utils.set_random_seed` shuffles as it does in
+Keras alone.
 
 With several workers, worker 0's draw is every worker's (each worker's own global state moves on
-as its own draw moves it, as in Keras). For backups, `state` says where NumPy's global state stood
+as its own draw moves it, as in Keras). For backups, `state` says where the global state stood
 before the pass in progress was drawn, and where it stands now; `restore` draws that pass again
-from the first and leaves NumPy's global state at the second, so a resumed `fit` shuffles on as
-the uninterrupted one does.
+from the first and leaves the global state at the second, so a resumed `fit` shuffles on as the
+uninterrupted one does.
 
 >>> import numpy as np
 >>> orders = GlobalOrders(5)
@@ -20,6 +22,7 @@ True
 
 from __future__ import annotations
 
+import random
 from typing import Any
 
 import numpy as np
@@ -27,45 +30,66 @@ import numpy as np
 from ..engine import broadcast_from_chief
 
 
-def _to_json(state: Any) -> dict[str, Any] | None:
-    if state is None:
-        return None
-    kind, keys, pos, has_gauss, gauss = state
+def _python_order(n: int) -> list[int]:
+    order = list(range(n))
+    random.shuffle(order)
+    return order
+
+
+def _numpy_state() -> dict[str, Any]:
+    kind, keys, pos, has_gauss, gauss = np.random.get_state()
     return {"kind": kind, "keys": np.asarray(keys).tolist(), "pos": int(pos), "has_gauss": int(has_gauss),
             "gauss": float(gauss)}
 
 
-def _from_json(d: dict[str, Any]) -> tuple[Any, ...]:
-    return (d["kind"], np.asarray(d["keys"], np.uint32), int(d["pos"]), int(d["has_gauss"]), float(d["gauss"]))
+def _set_numpy_state(d: dict[str, Any]) -> None:
+    np.random.set_state((d["kind"], np.asarray(d["keys"], np.uint32), int(d["pos"]), int(d["has_gauss"]),
+                         float(d["gauss"])))
+
+
+def _python_state() -> dict[str, Any]:
+    version, internal, gauss = random.getstate()
+    return {"version": version, "internal": list(internal), "gauss": gauss}
+
+
+def _set_python_state(d: dict[str, Any]) -> None:
+    random.setstate((d["version"], tuple(d["internal"]), d["gauss"]))
+
+
+#: how each global random state draws a pass's order, reads its state (as JSON) and sets it
+_SOURCES = {"numpy": (np.random.permutation, _numpy_state, _set_numpy_state),
+            "python": (_python_order, _python_state, _set_python_state)}
 
 
 class GlobalOrders:
-    """The order of each pass over `n` samples, drawn from NumPy's global random state (worker 0's)."""
+    """The order of each pass over `n` items, drawn from NumPy's (`source` "numpy") or Python's
+    ("python") global random state, worker 0's on every worker."""
 
-    def __init__(self, n: int):
+    def __init__(self, n: int, source: str = "numpy"):
         self._n = n
+        self._draw, self._get, self._set = _SOURCES[source]
         self._drawn: tuple[int, Any, np.ndarray] | None = None  # (pass, the global state before its draw, its order)
 
     def order(self, pass_index: int) -> np.ndarray:
         """The order of pass `pass_index`: drawn when first asked for (a collective with several
         workers: every worker asks at the start of the same pass)."""
         if self._drawn is None or self._drawn[0] != pass_index:
-            before = np.random.get_state()
-            order = np.asarray(broadcast_from_chief(np.random.permutation(self._n)))
+            before = self._get()
+            order = np.asarray(broadcast_from_chief(np.asarray(self._draw(self._n), np.int64)))
             self._drawn = (pass_index, before, order)
         return self._drawn[2]
 
     def state(self, pass_index: int) -> dict[str, Any]:
-        """For a backup at pass `pass_index`: NumPy's global state before that pass was drawn (None:
-        not drawn yet) and now."""
+        """For a backup at pass `pass_index`: the global state before that pass was drawn (None: not
+        drawn yet) and now (JSON)."""
         drawn = self._drawn if self._drawn is not None and self._drawn[0] == pass_index else None
-        return {"before": _to_json(None if drawn is None else drawn[1]), "now": _to_json(np.random.get_state())}
+        return {"before": None if drawn is None else drawn[1], "now": self._get()}
 
     def restore(self, pass_index: int, state: dict[str, Any]) -> None:
-        """Takes up a backup's `state` at pass `pass_index`: that pass drawn again as it was, and
-        NumPy's global state where it stood at the backup."""
+        """Takes up a backup's `state` at pass `pass_index`: that pass drawn again as it was, and the
+        global state where it stood at the backup."""
         self._drawn = None
         if state.get("before") is not None:
-            np.random.set_state(_from_json(state["before"]))
+            self._set(state["before"])
             self.order(pass_index)
-        np.random.set_state(_from_json(state["now"]))
+        self._set(state["now"])

@@ -1,7 +1,9 @@
 """`PyDatasetBatches`: a `keras.utils.PyDataset` read as Keras' `fit` reads it — batch `i` is
 ``dataset[i]``, the order of the batches shuffled on every pass when `fit`'s `shuffle` is on
 (lockstep draws the permutation from its seed and the pass number, so every worker reads the
-same order), and the dataset's `on_epoch_begin` / `on_epoch_end` called around each pass.
+same order; with `seed=None`, as Keras does, from Python's global random state after the pass's
+`on_epoch_begin`: worker 0's), and the dataset's `on_epoch_begin` / `on_epoch_end` called around
+each pass.
 
 >>> import numpy as np
 >>> class Squares:  # a PyDataset's face: __getitem__ and num_batches
@@ -17,12 +19,14 @@ same order), and the dataset's `on_epoch_begin` / `on_epoch_end` called around e
 from __future__ import annotations
 
 import itertools
+import random
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
 
 from ._adapter import DataAdapter
+from ._global_orders import GlobalOrders
 
 
 class PyDatasetBatches(DataAdapter):
@@ -30,13 +34,15 @@ class PyDatasetBatches(DataAdapter):
 
     by_index = True
 
-    def __init__(self, dataset: Any, shuffle: bool = False, seed: int = 0,
+    def __init__(self, dataset: Any, shuffle: bool = False, seed: int | None = 0,
                  check: Callable[[Any, int], None] | None = None):
         self.dataset = dataset
         self.shuffle = shuffle
         self.seed = seed
         self.epoch = 0  # the next pass's number, when a pass does not say
         self._check = check
+        self._global: GlobalOrders | None = None  # seed None: the orders drawn as Keras draws them
+        self._first: Any = None  # the batch `build_pass` read
 
     @staticmethod
     def accepts(x: Any) -> bool:
@@ -49,17 +55,40 @@ class PyDatasetBatches(DataAdapter):
             return None
 
     def first(self) -> Any:
-        return self.dataset[0]
+        return self.dataset[0] if self._first is None else self._first
+
+    def build_pass(self) -> None:
+        """The pass Keras' first `fit` builds a model's compiled metrics on, before epoch 0: the
+        dataset's `on_epoch_begin`, its batches shuffled (with `shuffle`: Python's global random
+        state, this worker's), the first read (it is `first()` from then on) and `on_epoch_end`."""
+        if hasattr(self.dataset, "on_epoch_begin"):
+            self.dataset.on_epoch_begin()
+        n = self._num_batches()
+        order = list(range(1 if n is None else n))
+        if self.shuffle and n is not None:
+            random.shuffle(order)
+        self._first = self.dataset[order[0]]
+        if hasattr(self.dataset, "on_epoch_end"):
+            self.dataset.on_epoch_end()
 
     def host_pass(self, epoch: int | None, start: int = 0, state: str | None = None) -> Iterator[Any]:
+        """Pass `epoch`'s batches from `start`: the dataset's `on_epoch_begin` and the order drawn at
+        once (on the calling thread, as the pass opens: batches may be read ahead on another),
+        `on_epoch_end` after its last batch."""
         if epoch is None:
             epoch, self.epoch = self.epoch, self.epoch + 1
         n = self._num_batches()
-        order: Any = itertools.count() if n is None else range(n)
-        if self.shuffle and n is not None:
-            order = np.random.default_rng([self.seed, epoch]).permutation(n)
         if hasattr(self.dataset, "on_epoch_begin"):
             self.dataset.on_epoch_begin()
+        order: Any = itertools.count() if n is None else range(n)
+        if self.shuffle and n is not None and self.seed is None:
+            self._global = self._global or GlobalOrders(n, "python")
+            order = self._global.order(epoch)
+        elif self.shuffle and n is not None:
+            order = np.random.default_rng([self.seed, epoch]).permutation(n)
+        return self._read(order, start)
+
+    def _read(self, order: Any, start: int) -> Iterator[Any]:
         for i, index in enumerate(itertools.islice(order, start, None), start=start):
             batch = self.dataset[int(index)]
             batch = tuple(batch) if isinstance(batch, list) else batch  # Keras takes a list as (x, y, ...)
@@ -71,5 +100,17 @@ class PyDatasetBatches(DataAdapter):
 
     def with_check(self, check: Callable[[Any, int], None], labels: bool = True) -> "PyDatasetBatches":
         out = PyDatasetBatches(self.dataset, self.shuffle, self.seed, check)
-        out.epoch = self.epoch
+        out.epoch, out._first = self.epoch, self._first
+        if self.shuffle and self.seed is None:  # one draw a pass, whichever view reads it
+            n = self._num_batches()
+            self._global = out._global = self._global or (None if n is None else GlobalOrders(n, "python"))
         return out
+
+    def order_state(self, epoch: int) -> dict[str, Any] | None:
+        return None if self._global is None else self._global.state(epoch)
+
+    def restore_order(self, epoch: int, state: dict[str, Any]) -> None:
+        n = self._num_batches()
+        if self.shuffle and self.seed is None and n is not None:
+            self._global = self._global or GlobalOrders(n, "python")
+            self._global.restore(epoch, state)

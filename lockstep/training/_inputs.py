@@ -42,7 +42,8 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
                seed: int | None, arg: str = "x") -> DataAdapter:
     """`x` as a data adapter: arrays (with `y` / `sample_weight`) as global batches, anything else
     as `lockstep.data.adapt` makes it (a distributed dataset must be `strategy`'s). `seed` None:
-    arrays shuffled from NumPy's global random state (as Keras does), other data from seed 0."""
+    arrays and `PyDataset`s shuffled from the global random states as Keras does (`GlobalOrders`),
+    Grain datasets from seed 0."""
     if x is None:
         raise ValueError(f"`{arg}` is required, got None.")
     if isinstance(shuffle, str) and shuffle != "batch":  # Keras would take a misspelt "batch" as True
@@ -54,7 +55,7 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
             f"`{arg}` is a Python {type(x).__name__} and `y` is given: pass NumPy arrays (`np.asarray({arg})`), "
             f"or pass an iterable of (x, y) batches as `{arg}` without `y`.")
     if not is_arrays(x):
-        data = adapt(x, y, sample_weight, batch_size, shuffle, 0 if seed is None else seed, arg)
+        data = adapt(x, y, sample_weight, batch_size, shuffle, seed, arg)
         if not data.belongs_to(strategy.extended):
             raise ValueError(f"`{arg}` is a distributed dataset of another strategy than the trainer's.")
         return data

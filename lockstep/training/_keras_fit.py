@@ -35,6 +35,7 @@ import jax
 import numpy as np
 
 from ..callbacks import Callback
+from ..data import PyDatasetBatches, adapt
 from ..distribute import strategy_of_model
 from ..engine import host_value, spread
 from ._inputs import Validation, class_weighted, is_arrays
@@ -142,7 +143,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                                 validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     _one_validation_of(validation_data, validation_freq, range(initial_epoch, epochs))
-    _draw_as_keras_builds(self, x, shuffle, validation_split)
+    x = _as_keras_builds(self, x, y, sample_weight, batch_size, shuffle, validation_split)
     trainer = _trainer(self, strategy)
     callbacks = [*(callbacks or []), _KerasModelHistory(self)]
     epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
@@ -161,18 +162,25 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
         _ran(self)
 
 
-def _draw_as_keras_builds(model: Any, x: Any, shuffle: Any, validation_split: float) -> None:
-    """Keras' fit builds an unbuilt model, compiled loss or metrics on the first batch of a pass
-    over the arrays that it then leaves: with `shuffle`, that pass's permutation is drawn from
-    NumPy's global random state all the same. It is drawn here too, so that the passes that train
-    are drawn (`fit(seed=None)`) where Keras draws them."""
-    if not shuffle or shuffle == "batch" or not is_arrays(x):
-        return
+def _as_keras_builds(model: Any, x: Any, y: Any, sample_weight: Any, batch_size: Any, shuffle: Any,
+                     validation_split: float) -> Any:
+    """`x` for lockstep's fit after what Keras' fit does to build an unbuilt model, compiled loss
+    or metrics on the first batch of a pass that it then leaves: a pass over arrays draws its
+    permutation from NumPy's global random state all the same (with `shuffle`); a
+    `keras.utils.PyDataset` has that pass (`PyDatasetBatches.build_pass`: one that reshuffles itself
+    in `on_epoch_end` does so before epoch 0), and is read as Keras reads it (its batches shuffled
+    from Python's global random state). So the passes that train begin where Keras' begin."""
     compiled = (getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None))
-    if all(layer.built for layer in model._flatten_layers()) and all(c is None or c.built for c in compiled):
-        return
-    n = len(jax.tree.leaves(x)[0])
-    np.random.permutation(int(math.floor(n * (1.0 - validation_split))) if validation_split else n)
+    unbuilt = not all(layer.built for layer in model._flatten_layers()) or any(c is not None and not c.built
+                                                                             for c in compiled)
+    if PyDatasetBatches.accepts(x):
+        x = adapt(x, y, sample_weight, batch_size, bool(shuffle), None)  # "batch": shuffled, as in Keras
+        if unbuilt:
+            x.build_pass()
+    elif unbuilt and is_arrays(x) and shuffle and shuffle != "batch":
+        n = len(jax.tree.leaves(x)[0])
+        np.random.permutation(int(math.floor(n * (1.0 - validation_split))) if validation_split else n)
+    return x
 
 
 def _one_validation_of(validation_data: Any, validation_freq: Any, epochs: range) -> None:
