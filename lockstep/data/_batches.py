@@ -40,7 +40,8 @@ class Batches(DataAdapter):
         self.drop_remainder = drop_remainder
         self.epoch = 0
         self._global = GlobalOrders(self._n) if shuffle and seed is None else None  # Keras' draws
-        self._next_pass: tuple[Any, int, int, Future[ResidentPass]] | None = None  # (engine, pass, start, placing)
+        # (engine, pass, start, placing, the order it is placed in where drawn from NumPy's global state)
+        self._next_pass: tuple[Any, int, int, Future[ResidentPass], Any] | None = None
 
     @property
     def num_samples(self) -> int:
@@ -116,23 +117,28 @@ class Batches(DataAdapter):
         if not fits_on_devices(self._leaves):
             return None
         pass_of = (lambda e: e) if self.shuffle else (lambda e: 0)
-        ahead = ahead and self._global is None  # a pass drawn from NumPy's global state is drawn as it begins
         waiting, self._next_pass = self._next_pass, None
+        drawn = None if self._global is None else self._global.order(epoch)  # drawn as the pass begins
         whole = None
-        if waiting is not None and waiting[0] is engine and waiting[1:3] == (pass_of(epoch), start):
+        if (waiting is not None and waiting[0] is engine and waiting[1:3] == (pass_of(epoch), start)
+                and (drawn is None or np.array_equal(drawn, waiting[4]))):  # placed ahead in the order drawn
             try:
                 whole = waiting[3].result()
             except Exception:  # placed again below: an error that stays is raised on this thread
                 whole = None
+        elif waiting is not None:
+            waiting[3].cancel()
         if whole is None:
             whole = self._place_pass(engine, epoch, start)
         if ahead and (pass_of(epoch + 1), 0) == (pass_of(epoch), start):
             done: Future[ResidentPass] = Future()
             done.set_result(whole)
-            self._next_pass = (engine, pass_of(epoch), start, done)
-        elif ahead:
+            self._next_pass = (engine, pass_of(epoch), start, done, None)
+        elif ahead:  # a pass drawn from NumPy's global state: placed in the order its draw will give if
+            # nothing else draws from that state meanwhile (else placed again when it begins)
+            order = None if self._global is None else self._global.peek()
             self._next_pass = (engine, pass_of(epoch + 1), 0,
-                               place_ahead(lambda: self._place_pass(engine, epoch + 1, 0)))
+                               place_ahead(lambda: self._place_pass(engine, epoch + 1, 0, order)), order)
         return (whole.batch(i) for i in range(len(whole)))
 
     def release(self) -> None:
@@ -142,8 +148,8 @@ class Batches(DataAdapter):
         if waiting is not None:
             waiting[3].cancel()
 
-    def _place_pass(self, engine: "Engine", epoch: int, start: int) -> ResidentPass:
-        order, b = self.order(epoch), self.batch_size
+    def _place_pass(self, engine: "Engine", epoch: int, start: int, order: np.ndarray | None = None) -> ResidentPass:
+        order, b = self.order(epoch) if order is None else order, self.batch_size
         padded = padded_per_replica(b, engine.num_replicas) * engine.num_replicas
         return ResidentPass(engine.distributor, self._leaves, self._treedef,
                             [order[i * b:(i + 1) * b] for i in range(start, len(self))], padded,
