@@ -169,8 +169,8 @@ def test_the_next_pass_is_placed_ahead_once_and_taken(monkeypatch, shuffle, repl
     train = batches(x, 4, shuffle=shuffle, seed=3)
     placed = []
     place = type(train)._place_pass
-    monkeypatch.setattr(train, "_place_pass", lambda e, epoch, start: placed.append(
-        (epoch, threading.current_thread().name.startswith("lockstep-next-pass"))) or place(train, e, epoch, start))
+    monkeypatch.setattr(train, "_place_pass", lambda e, epoch, start, *order: placed.append(
+        (epoch, threading.current_thread().name.startswith("lockstep-next-pass"))) or place(train, e, epoch, start, *order))
     stream = DataStream(engine, train, None, 1, epochs=3)
     for epoch in range(3):
         got = [_rows(b) for b in stream.epoch(epoch)]
@@ -180,6 +180,38 @@ def test_the_next_pass_is_placed_ahead_once_and_taken(monkeypatch, shuffle, repl
             np.testing.assert_array_equal(a, b)
     assert placed == ([(0, False), (1, True), (2, True)] if shuffle else [(0, False)])
     assert train._next_pass is None or not shuffle
+
+
+@pytest.mark.parametrize("draw_between", [False, True])
+def test_passes_drawn_from_numpys_global_state_are_keras_permutations_placed_ahead_when_still_so(
+        monkeypatch, draw_between):
+    """`seed=None`: each pass's order is `np.random.permutation` drawn as the pass begins (NumPy's
+    global state, as Keras' fit draws it). The next pass is placed ahead in the order a copy of the
+    state gives; it is taken when the pass's own draw gives that order, and placed again when
+    something drew from NumPy's global state in between."""
+    x = _data(11)
+    engine = Engine(jax.devices()[:3])
+    train = batches(x, 4, shuffle=True, seed=None)
+    placed = []
+    place = type(train)._place_pass
+    monkeypatch.setattr(train, "_place_pass", lambda e, epoch, start, *order: placed.append(
+        (epoch, threading.current_thread().name.startswith("lockstep-next-pass"))) or place(train, e, epoch, start, *order))
+    stream = DataStream(engine, train, None, 1, epochs=3)
+    np.random.seed(7)
+    want_orders = []
+    for epoch in range(3):
+        state = np.random.get_state()
+        got = [_rows(b) for b in stream.epoch(epoch)]
+        reference = np.random.RandomState()
+        reference.set_state(state)
+        want_orders.append(reference.permutation(11))
+        for a, b in zip(got, _expected(x, 4, want_orders[-1]), strict=True):
+            np.testing.assert_array_equal(a, b)
+        if draw_between:
+            np.random.uniform(size=7)
+    again = [(1, False), (2, True), (2, False)] if draw_between else [(2, True)]  # placed again when drawn from
+    assert placed == [(0, False), (1, True), *again]
+    assert len({tuple(o) for o in want_orders}) == 3
 
 
 def test_fit_lets_go_of_a_pass_placed_ahead_and_a_later_fit_reads_the_arrays_again():
