@@ -617,11 +617,16 @@ def test_a_py_dataset_is_read_shuffled_and_reshuffles_itself_as_in_keras_fit():
     x, y = RNG.normal(size=(21, 3)).astype("float32"), np.arange(21) % 3
 
     def run(model):
-        data = _Reshuffled(x, y)
-        history = model.fit(data, epochs=3, verbose=0).history
-        return history, [s for s in data.seen if isinstance(s, str)], len(data.seen)
+        data, val = _Reshuffled(x, y), _Reshuffled(x[:9], y[:9])
+        first = model.fit(data, epochs=3, verbose=0, validation_data=val).history
+        second = model.fit(data, epochs=2, verbose=0).history  # built: Keras ends the pass once more first
+        evaluated = model.evaluate(val, verbose=0)
+        hooks = [[s for s in d.seen if isinstance(s, str)] for d in (data, val)]
+        return (first, second), evaluated, hooks, [len(d.seen) for d in (data, val)]
     (want, want_w), (got, got_w) = _both(functools.partial(_sgd_model, metrics=["accuracy"]), run)
-    assert want[1][:2] == ["begin", "end"]
-    assert got[1:] == want[1:]
-    assert_logs_close(got[0], want[0])
+    assert want[2][0][:2] == ["begin", "end"] and want[2][1][:2] == ["end", "begin"]
+    assert got[2:] == want[2:]
+    for g, w in zip(got[0], want[0]):
+        assert_logs_close(g, w)
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
     assert_weights_close(got_w, want_w)

@@ -2,6 +2,7 @@
 initial weights, TF's distributed datasets, TF spellings. Every number is held to Keras' own
 one-device `model.fit` (or NumPy); every TF idiom lockstep cannot honour is a clear error."""
 
+import gc
 import os
 import subprocess
 import sys
@@ -271,6 +272,22 @@ def test_a_step_function_made_anew_each_step_is_named():
         for batch in ds:
             train_step(batch)
     assert sum("`step_fn` (" in str(w.message) and "define it once" in str(w.message) for w in caught) == 1
+
+
+def test_a_model_built_in_the_scope_of_a_strategy_nobody_keeps_trains_on_it_after_a_collection():
+    """TF's idiom `with ls.MirroredStrategy(4).scope(): model = ...`, then `model.fit` outside: the
+    model's variables keep their strategy, as TF's do. Lockstep held it weakly, so once the collector
+    had freed the strategy, `fit` ran Keras' own loop (labels no longer checked: Keras' error inside
+    the step, here; a test failed so now and then)."""
+    with ls.MirroredStrategy(4).scope():
+        model = classifier()
+    gc.collect()
+    with pytest.raises(ValueError, match=r"`y` has shape \(193, 2\), but the model predicts 3 classes"):
+        model.fit(X, np.stack([Y, Y], 1), batch_size=B, epochs=1, verbose=0)
+    want_w, want_h = keras_own_fit(model.get_weights(), epochs=1)
+    history = model.fit(X, Y, batch_size=B, epochs=1, shuffle=False, verbose=0)
+    assert_logs_close(history.history, want_h, rtol=2e-5)
+    assert_weights_close(model.get_weights(), want_w, atol=5e-6)
 
 
 def test_keras_backup_and_restore_resumes_exactly(tmp_path):

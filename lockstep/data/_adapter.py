@@ -33,6 +33,9 @@ class DataAdapter:
     host_labels: bool = True
     #: the global batch size when the adapter batches samples itself, else None
     batch_size: int | None = None
+    #: reading a batch runs the user's code (a `keras.utils.PyDataset`'s `__getitem__`, which may
+    #: draw random numbers): no batch is read that Keras' loops would not read
+    user_reads: bool = False
 
     def first(self) -> Any:
         """The first batch (its shapes build the model); no pass is used up."""

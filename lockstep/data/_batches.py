@@ -143,10 +143,13 @@ class Batches(DataAdapter):
 
     def release(self) -> None:
         """Lets go of the pass placed ahead, if any (its device memory): `fit` calls it as it ends,
-        so that a later `fit` reads the arrays again."""
+        so that a later `fit` reads the arrays again (and, drawn from NumPy's global state, draws
+        its passes anew)."""
         waiting, self._next_pass = self._next_pass, None
         if waiting is not None:
             waiting[3].cancel()
+        if self._global is not None:
+            self._global.forget()
 
     def _place_pass(self, engine: "Engine", epoch: int, start: int, order: np.ndarray | None = None) -> ResidentPass:
         order, b = self.order(epoch) if order is None else order, self.batch_size

@@ -5,7 +5,8 @@ a permutation of the samples of in-memory arrays from NumPy's global random stat
 Keras alone.
 
 With several workers, worker 0's draw is every worker's (each worker's own global state moves on
-as its own draw moves it, as in Keras). For backups, `state` says where the global state stood
+as its own draw moves it, as in Keras; a resume sets every worker's to worker 0's, which the
+backup holds: the orders are worker 0's as uninterrupted). For backups, `state` says where the global state stood
 before the pass in progress was drawn, and where it stands now; `restore` draws that pass again
 from the first and leaves the global state at the second, so a resumed `fit` shuffles on as the
 uninterrupted one does.
@@ -93,6 +94,10 @@ class GlobalOrders:
             order = np.asarray(broadcast_from_chief(np.asarray(self._draw(self._n), np.int64)))
             self._drawn = (pass_index, before, order)
         return self._drawn[2]
+
+    def forget(self) -> None:
+        """The end of a `fit`: the next asks for any pass draw it anew (Keras draws every pass)."""
+        self._drawn = None
 
     def peek(self) -> np.ndarray:
         """The order the next pass drawn will have if nothing draws from the global state before it

@@ -33,6 +33,7 @@ class PyDatasetBatches(DataAdapter):
     """A Keras `PyDataset` of global batches, read by index (see the module docstring)."""
 
     by_index = True
+    user_reads = True
 
     def __init__(self, dataset: Any, shuffle: bool = False, seed: int | None = 0,
                  check: Callable[[Any, int], None] | None = None):
@@ -42,7 +43,10 @@ class PyDatasetBatches(DataAdapter):
         self.epoch = 0  # the next pass's number, when a pass does not say
         self._check = check
         self._global: GlobalOrders | None = None  # seed None: the orders drawn as Keras draws them
-        self._first: Any = None  # the batch `build_pass` read
+        self._first: Any = None  # the batch `keras_start` read
+        #: each pass preceded by an `on_epoch_end`, as Keras' fit validates on a PyDataset (each
+        #: validation `evaluate` of the fit's iterator ends the previous pass again first)
+        self.ends_before_each_pass = False
 
     @staticmethod
     def accepts(x: Any) -> bool:
@@ -55,20 +59,25 @@ class PyDatasetBatches(DataAdapter):
             return None
 
     def first(self) -> Any:
-        return self.dataset[0] if self._first is None else self._first
+        if self._first is None:
+            self._first = self.dataset[0]
+        return self._first
 
-    def build_pass(self) -> None:
-        """The pass Keras' first `fit` builds a model's compiled metrics on, before epoch 0: the
-        dataset's `on_epoch_begin`, its batches shuffled (with `shuffle`: Python's global random
-        state, this worker's), the first read (it is `first()` from then on) and `on_epoch_end`."""
-        if hasattr(self.dataset, "on_epoch_begin"):
-            self.dataset.on_epoch_begin()
-        n = self._num_batches()
-        order = list(range(1 if n is None else n))
-        if self.shuffle and n is not None:
-            random.shuffle(order)
-        self._first = self.dataset[order[0]]
-        if hasattr(self.dataset, "on_epoch_end"):
+    def keras_start(self, unbuilt: bool, end: bool = True) -> None:
+        """What Keras' loops do with the dataset before they start: on a model that is not built
+        (or whose compiled metrics are not), a pass that builds it on its first batch (the dataset's
+        `on_epoch_begin`, its batches shuffled with `shuffle`, Python's global random state, this
+        worker's; the first read, `first()` from then on); then `on_epoch_end`, built or not where
+        `end` (`fit`, `evaluate`; `predict` only after such a pass)."""
+        if unbuilt:
+            if hasattr(self.dataset, "on_epoch_begin"):
+                self.dataset.on_epoch_begin()
+            n = self._num_batches()
+            order = list(range(1 if n is None else n))
+            if self.shuffle and n is not None:
+                random.shuffle(order)
+            self._first = self.dataset[order[0]]
+        if (unbuilt or end) and hasattr(self.dataset, "on_epoch_end"):
             self.dataset.on_epoch_end()
 
     def host_pass(self, epoch: int | None, start: int = 0, state: str | None = None) -> Iterator[Any]:
@@ -78,6 +87,8 @@ class PyDatasetBatches(DataAdapter):
         if epoch is None:
             epoch, self.epoch = self.epoch, self.epoch + 1
         n = self._num_batches()
+        if self.ends_before_each_pass and hasattr(self.dataset, "on_epoch_end"):
+            self.dataset.on_epoch_end()
         if hasattr(self.dataset, "on_epoch_begin"):
             self.dataset.on_epoch_begin()
         order: Any = itertools.count() if n is None else range(n)
@@ -100,7 +111,7 @@ class PyDatasetBatches(DataAdapter):
 
     def with_check(self, check: Callable[[Any, int], None], labels: bool = True) -> "PyDatasetBatches":
         out = PyDatasetBatches(self.dataset, self.shuffle, self.seed, check)
-        out.epoch, out._first = self.epoch, self._first
+        out.epoch, out._first, out.ends_before_each_pass = self.epoch, self._first, self.ends_before_each_pass
         if self.shuffle and self.seed is None:  # one draw a pass, whichever view reads it
             n = self._num_batches()
             self._global = out._global = self._global or (None if n is None else GlobalOrders(n, "python"))

@@ -41,8 +41,9 @@ class DataPosition:
       offset: batches of that pass consumed.
       fingerprint: checksum of the last batch consumed (every worker's rows), or None.
       iterators: each worker's Grain iterator state (JSON), in worker order, or None.
-      order: where NumPy's global random state stood before the pass was drawn and stands now,
-        for arrays shuffled from it as Keras does (`fit(seed=None)`; JSON), or None.
+      order: where the global random state (NumPy's for arrays, Python's for a `PyDataset`'s
+        batches) stood before the pass was drawn and stands now, for data shuffled from it as
+        Keras does (`fit(seed=None)`; JSON), or None.
 
     >>> DataPosition(2, 5).to_json()
     {'pass_index': 2, 'offset': 5, 'fingerprint': None, 'iterators': None, 'order': None}

@@ -20,7 +20,7 @@ from ..callbacks import Callback, CallbackList, format_logs, is_chief
 from ..cluster import agree_on
 from ..data import DataAdapter
 from ..engine import broadcast_from_chief
-from ._inputs import checked_steps, first_batch, to_batches
+from ._inputs import checked_steps, to_batches
 from ._labels import LabelCheck, checked
 from ._logs import LazyLogs, read_logs
 from ._worker_settings import fit_settings
@@ -68,7 +68,7 @@ def _loop_params(verbose: int | str, data: Any, steps: int | None = None) -> dic
 
 class TrainerEvaluation:
     """Mixed into `Trainer` (it reads `_runner`, `_state`, `_engine`, `_all`, `_labels`, `strategy`,
-    `steps_per_execution`, and builds the model on the first batch with `_build`)."""
+    `steps_per_execution`, and builds the model on the first batch with `_build_on`)."""
 
     _runner: Any
     _state: Any
@@ -81,13 +81,12 @@ class TrainerEvaluation:
     stop_evaluating: bool
     stop_predicting: bool
     last_logs: dict[str, Any] | None
-    _build: Any
+    _build_on: Any
     _fresh_state: Any
 
     def _evaluate_batches(self, data: DataAdapter, cblist: CallbackList, y: Any = None,
                           arg: str = "validation_data", steps: int | None = None) -> dict[str, Any]:
-        first = first_batch(data)
-        data = checked(data, self._labels, y, arg, inputs=self._build(first, "x" if arg in ("x", "y") else arg))
+        data = checked(data, self._labels, y, arg, inputs=self._build_on(data, "x" if arg in ("x", "y") else arg, y, arg))
         state = self._fresh_state()
         self.stop_evaluating = False
         cblist.on_test_begin()
@@ -127,8 +126,7 @@ class TrainerEvaluation:
         steps = checked_steps(steps)
         agree_on("the settings of predict", lambda: fit_settings(self, dict(batch_size=batch_size, steps=steps)))
         data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
-        first = first_batch(data)
-        data = checked(data, LabelCheck(None), None, "x", inputs=self._build(first, "x"))
+        data = checked(data, LabelCheck(None), None, "x", inputs=self._build_on(data, "x", metrics=False))
         cblist = CallbackList(list(callbacks or []), self, _loop_params(verbose, data, steps))
         self.stop_predicting = False
         cblist.on_predict_begin()

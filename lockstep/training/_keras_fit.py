@@ -143,8 +143,9 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                                 validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     _one_validation_of(validation_data, validation_freq, range(initial_epoch, epochs))
-    x = _as_keras_builds(self, x, y, sample_weight, batch_size, shuffle, validation_split)
     trainer = _trainer(self, strategy)
+    x = _as_keras_starts(self, x, y, sample_weight, batch_size, shuffle, validation_split, validation_data)
+    validation_data = _validated_as_keras(validation_data)
     callbacks = [*(callbacks or []), _KerasModelHistory(self)]
     epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
     steps_per_epoch, validation_steps = (_in_executions(self, s) for s in (steps_per_epoch, validation_steps))
@@ -162,25 +163,39 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
         _ran(self)
 
 
-def _as_keras_builds(model: Any, x: Any, y: Any, sample_weight: Any, batch_size: Any, shuffle: Any,
-                     validation_split: float) -> Any:
-    """`x` for lockstep's fit after what Keras' fit does to build an unbuilt model, compiled loss
-    or metrics on the first batch of a pass that it then leaves: a pass over arrays draws its
-    permutation from NumPy's global random state all the same (with `shuffle`); a
-    `keras.utils.PyDataset` has that pass (`PyDatasetBatches.build_pass`: one that reshuffles itself
-    in `on_epoch_end` does so before epoch 0), and is read as Keras reads it (its batches shuffled
-    from Python's global random state). So the passes that train begin where Keras' begin."""
+def _unbuilt(model: Any) -> bool:
+    """Whether Keras' loops would build the model, its compiled loss or metrics on a first batch."""
     compiled = (getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None))
-    unbuilt = not all(layer.built for layer in model._flatten_layers()) or any(c is not None and not c.built
-                                                                             for c in compiled)
+    return not all(layer.built for layer in model._flatten_layers()) or any(c is not None and not c.built
+                                                                           for c in compiled)
+
+
+def _as_keras_starts(model: Any, x: Any, y: Any, sample_weight: Any, batch_size: Any, shuffle: Any,
+                     validation_split: float = 0.0, validation_data: Any = None) -> Any:
+    """`x` for lockstep's loop after what Keras' `fit` (or `evaluate`, `shuffle` False) does before
+    its own: on an unbuilt model (`_unbuilt`) it builds on the first batch of a pass it then leaves,
+    which for arrays with `shuffle` draws that pass's permutation from NumPy's global random state
+    all the same; a `keras.utils.PyDataset` is read as Keras reads it (`PyDatasetBatches.keras_start`:
+    that pass, then `on_epoch_end` before every loop; its batches shuffled from Python's global
+    random state). So the passes that train begin (`fit(seed=None)`) where Keras' begin."""
     if PyDatasetBatches.accepts(x):
         x = adapt(x, y, sample_weight, batch_size, bool(shuffle), None)  # "batch": shuffled, as in Keras
-        if unbuilt:
-            x.build_pass()
-    elif unbuilt and is_arrays(x) and shuffle and shuffle != "batch":
+        x.keras_start(_unbuilt(model))
+    elif is_arrays(x) and shuffle and shuffle != "batch" and _unbuilt(model):
         n = len(jax.tree.leaves(x)[0])
-        np.random.permutation(int(math.floor(n * (1.0 - validation_split))) if validation_split else n)
+        split = validation_split if validation_data is None else 0.0  # Keras splits only without validation_data
+        np.random.permutation(int(math.floor(n * (1.0 - split))) if split else n)
     return x
+
+
+def _validated_as_keras(validation_data: Any) -> Any:
+    """A `keras.utils.PyDataset` as Keras' fit validates on it: each validation ends the previous
+    pass again first (`PyDatasetBatches.ends_before_each_pass`)."""
+    if not PyDatasetBatches.accepts(validation_data):
+        return validation_data
+    data = adapt(validation_data, seed=None, arg="validation_data")
+    data.ends_before_each_pass = True
+    return data
 
 
 def _one_validation_of(validation_data: Any, validation_freq: Any, epochs: range) -> None:
@@ -220,8 +235,10 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, v
     _, steps = _limited(None, steps)
     steps = _in_executions(self, steps)
     try:
-        logs = _trainer(self, strategy).evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight,
-                                                 verbose=verbose, callbacks=callbacks, return_dict=True, steps=steps)
+        trainer = _trainer(self, strategy)
+        x = _as_keras_starts(self, x, y, sample_weight, batch_size, False)
+        logs = trainer.evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight, verbose=verbose,
+                                callbacks=callbacks, return_dict=True, steps=steps)
     finally:
         _ran(self)
     return _in_order(logs, return_dict)  # Keras' order: the loss, then the metrics
@@ -234,8 +251,13 @@ def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", s
         return _ORIGINAL["predict"](self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
     _, steps = _limited(None, steps)
     try:
-        return _trainer(self, strategy, compiled=False).predict(x, batch_size=batch_size, verbose=verbose,
-                                                                callbacks=callbacks, steps=_in_executions(self, steps))
+        trainer = _trainer(self, strategy, compiled=False)
+        if PyDatasetBatches.accepts(x):  # Keras reads a first batch only to build an unbuilt model
+            unbuilt = not all(layer.built for layer in self._flatten_layers())
+            x = adapt(x, batch_size=batch_size, seed=None)
+            x.keras_start(unbuilt, end=False)
+        return trainer.predict(x, batch_size=batch_size, verbose=verbose, callbacks=callbacks,
+                               steps=_in_executions(self, steps))
     finally:
         _ran(self)
 

@@ -210,9 +210,11 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         self._cblist: CallbackList | None = None  # the last fit's, for `fit_counters`
 
     # --- building ------------------------------------------------------------------------
-    def _build(self, batch: Any, arg: str) -> Callable[[Any, str], None]:
+    def _build(self, batch: Any, arg: str, labels: Any = None, labels_arg: str | None = None
+               ) -> Callable[[Any, str], None]:
         """Builds the model on `batch` (the first of `arg`), checks that it takes it, and returns
-        the check of `arg`'s later batches."""
+        the check of `arg`'s later batches. The metrics are built from its labels once those are
+        checked (all of `labels`, `labels_arg`'s, where given): labels a fit refuses build nothing."""
         x, y, _ = unpack(batch)
         x = jax.tree.map(np.asarray, x)
         self._adapter.check_unchanged()
@@ -222,6 +224,9 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         if y is not None and (not self._all.built or self._labels.needs_classes):
             pred_shape = output_shape(self._adapter, self._state.params, x, self._placement.on_stored(self._adapter.apply))
             self._labels.set_classes(pred_shape)
+            if self._labels.kind is not None:
+                self._labels.check(y if labels is None else labels, labels_arg or arg,
+                                   " of batch 1" if labels is None else "")
             self._all.build(shapes_of(y), pred_shape)
             getattr(self._adapter, "build_compiled", lambda *_: None)(x, y, self._keras_optimizer is not None)
         if self._runner is None:
@@ -230,6 +235,17 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
                 self._placement.on_stored(apply), self._loss_fn, self._loss_tracker, self._metrics,
                 self.strategy.num_replicas_in_sync, self.remat, self._adapter.layers_named), self._placement)
         return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
+
+    def _build_on(self, data: Any, arg: str, labels: Any = None, labels_arg: str | None = None,
+                  metrics: bool = True) -> Callable[[Any, str], None]:
+        """`_build` on `data`'s first batch; once the model (and, with `metrics`, its metrics) is
+        built, data whose reads run the user's code (`user_reads`: a `PyDataset`) is not read
+        ahead, as Keras' loops do not read it: its batches are checked as they pass."""
+        if getattr(data, "user_reads", False) and self._state is not None and (
+                not metrics or (self._all.built and not self._labels.needs_classes)):
+            self._adapter.check_unchanged()
+            return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
+        return self._build(first_batch(data), arg, labels, labels_arg)
 
     def _initial_state(self, params: Any) -> None:
         """The state a new model starts from, laid out as the strategy says."""
@@ -317,10 +333,9 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         train = to_batches(self.strategy, x, y, class_weighted(y, sample_weight, class_weight), batch_size, shuffle, seed)
         val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size, validation_freq,
                                  validation_steps)
-        first = first_batch(train)
-        inputs = self._build(first, "x")
+        inputs = self._build_on(train, "x", y, "y" if y is not None else "x")
         if val is not None:  # its inputs checked now, not after an epoch has trained
-            self._build(first_batch(val.batches), "validation_data")
+            self._build_on(val.batches, "validation_data", validation_labels(validation_data))
         cbs, params = _fit_callbacks(list(callbacks or []), verbose, train, epochs, steps_per_epoch, self._accumulation)
         train = checked(train, self._labels, y, "y" if y is not None else "x", inputs)
         checked(IterableBatches(()), self._labels, validation_labels(validation_data), "validation_data")  # arrays: now, not after an epoch
