@@ -630,3 +630,21 @@ def test_a_py_dataset_is_read_shuffled_and_reshuffles_itself_as_in_keras_fit():
         assert_logs_close(g, w)
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
     assert_weights_close(got_w, want_w)
+
+
+def test_predict_on_a_py_dataset_after_a_fit_refused_before_its_first_step():
+    """A fit refused before its first step (labels of another shape) builds no metric and trains
+    nothing; `predict` on a PyDataset then predicts Keras' outputs (lockstep failed: the refused fit
+    had made the state, not the compiled steps, and predict read no first batch to make them), and
+    the next fit reports what Keras' fit reports with the right labels from the start (Keras' own
+    keeps "accuracy" resolved for the refused labels: not followed)."""
+    def run(model, lockstep):
+        if lockstep:
+            with pytest.raises(ValueError, match="but the model predicts 3 classes"):
+                model.fit(X, np.stack([Y, Y], 1), batch_size=8, verbose=0)
+        predicted = model.predict(_Plain(X, Y), verbose=0)
+        return predicted, model.fit(X, Y, batch_size=8, shuffle=False, verbose=0).history
+    (want, want_w), (got, got_w) = _both(functools.partial(_sgd_model, metrics=["accuracy"]), run)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+    assert_logs_close(got[1], want[1])
+    assert_weights_close(got_w, want_w)

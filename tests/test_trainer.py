@@ -226,3 +226,40 @@ def test_a_keras_model_built_in_a_scope_trains_on_that_strategy_outside_it():
     x, y = data(100)
     t.fit(x, y, batch_size=32, epochs=1, verbose=0)
     np.testing.assert_allclose(model.predict(x, verbose=0), t.predict(x), rtol=1e-5, atol=1e-6)
+
+
+class _StopMidEpoch(ls.callbacks.Callback):
+    def on_train_batch_end(self, batch, logs=None):
+        if self.trainer.global_step == 5:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("r", [1, 3])
+def test_a_state_taken_after_a_stopped_fit_whose_passes_numpy_draws_resumes_as_the_uninterrupted(r):
+    """`fit(seed=None)` draws each pass from NumPy's global state (as Keras does). `train_state`
+    taken after the fit stopped mid-pass holds where that state stood, so a new trainer restored
+    from it (in a process seeded otherwise) trains that pass in the same order and goes on alike."""
+    x, y = data()
+
+    def fit(trainer, **kw):
+        return trainer.fit(x, y, batch_size=64, epochs=2, seed=None, verbose=0, **kw).history
+
+    def trainer():
+        return ls.Trainer(functional_mlp(), loss="sparse_categorical_crossentropy_from_logits",
+                          metrics=["accuracy"], strategy=ls.MirroredStrategy(r))
+    np.random.seed(5)
+    whole = trainer()
+    want = fit(whole)
+    np.random.seed(5)
+    stopped = trainer()
+    with pytest.raises(KeyboardInterrupt):
+        fit(stopped, callbacks=[_StopMidEpoch()])
+    state = stopped.train_state
+    np.random.seed(99)
+    resumed = trainer()
+    resumed.evaluate(x[:8], y[:8], verbose=0)  # built (no draw: evaluate does not shuffle)
+    resumed.restore(state)
+    got = fit(resumed)
+    np.testing.assert_allclose(got["loss"][-1], want["loss"][-1], rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(resumed.get_weights()), jax.tree.leaves(whole.get_weights())):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)

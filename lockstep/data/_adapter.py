@@ -62,6 +62,10 @@ class DataAdapter:
         next pass will be asked for too (it may be placed in the background meanwhile)."""
         return None
 
+    def new_fit(self) -> None:
+        """A `fit` begins to read: passes drawn from a global random state are drawn anew (Keras
+        draws every pass), even those numbered as a pass of an earlier fit."""
+
     def release(self) -> None:
         """Lets go of a pass placed ahead that was not asked for (`fit` calls it as it ends)."""
 

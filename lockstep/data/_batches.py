@@ -143,11 +143,12 @@ class Batches(DataAdapter):
 
     def release(self) -> None:
         """Lets go of the pass placed ahead, if any (its device memory): `fit` calls it as it ends,
-        so that a later `fit` reads the arrays again (and, drawn from NumPy's global state, draws
-        its passes anew)."""
+        so that a later `fit` reads the arrays again."""
         waiting, self._next_pass = self._next_pass, None
         if waiting is not None:
             waiting[3].cancel()
+
+    def new_fit(self) -> None:
         if self._global is not None:
             self._global.forget()
 

@@ -96,7 +96,7 @@ class GlobalOrders:
         return self._drawn[2]
 
     def forget(self) -> None:
-        """The end of a `fit`: the next asks for any pass draw it anew (Keras draws every pass)."""
+        """A new `fit`: the next ask for any pass draws it anew (Keras draws every pass)."""
         self._drawn = None
 
     def peek(self) -> np.ndarray:

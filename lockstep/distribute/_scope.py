@@ -81,8 +81,8 @@ def strategy_of_model(model: Any, by_devices: bool = True) -> "Strategy | None":
     if active() is not None:
         return active()
     variables = getattr(model, "variables", None) or []
-    variable, strategy = _BUILT_IN.get(id(variables[0]), (None, None)) if variables else (None, None)
-    if variable is not None and variable() is variables[0]:
+    strategy = getattr(variables[0], _MADE_IN, None) if variables else None
+    if strategy is not None:
         return strategy
     sharding = getattr(getattr(variables[0], "value", None), "sharding", None) if variables and by_devices else None
     return strategy_of_devices(sharding.device_set) if sharding is not None else None
@@ -126,9 +126,10 @@ def _enter_keras_distribution(strategy: "Strategy") -> Any:
 
 _CLASSES: dict[int, type] = {}
 # id of a Keras variable made in a lockstep scope -> (the variable, the scope's strategy), weakly
-# (the strategy held as long as the variable lives, as TF's variables hold theirs: a model built in
-# `with ls.MirroredStrategy(2).scope():` trains on it after the block, whenever the collector runs)
-_BUILT_IN: dict[int, tuple[weakref.ReferenceType[Any], Strategy]] = {}
+#: the attribute of a Keras variable made in a lockstep scope that holds the scope's strategy, as
+#: TF's variables hold theirs: a model built in `with ls.MirroredStrategy(2).scope():` trains on
+#: it after the block, whenever the collector runs (variable and strategy are freed together)
+_MADE_IN = "_lockstep_strategy"
 
 
 def _keras_data_parallel(keras: Any) -> type:
@@ -143,9 +144,8 @@ def _keras_data_parallel(keras: Any) -> type:
             def get_variable_layout(self, variable: Any) -> Any:
                 _MAKING[:] = [] if getattr(variable, "trainable", True) else [  # a setting: compared, not broadcast
                     getattr(variable, "path", None) or getattr(variable, "name", "?")]
-                if self.strategy is not None:  # the variable was made in this strategy's scope
-                    key = id(variable)
-                    _BUILT_IN[key] = (weakref.ref(variable, lambda _: _BUILT_IN.pop(key, None)), self.strategy())
+                if self.strategy is not None and self.strategy() is not None:  # made in this strategy's scope
+                    object.__setattr__(variable, _MADE_IN, self.strategy())
                     layout = getattr(self.strategy(), "keras_variable_layout", None)
                     if layout is not None:  # a sharded strategy: the variable is created in its layout
                         return layout(variable)

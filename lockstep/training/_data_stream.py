@@ -97,6 +97,7 @@ class DataStream:
         self._last_pass = None if steps_per_epoch is not None or epochs is None else epochs - 1
         self._resident = resident  # in-memory data that fits stays on the devices (`ResidentBatch`es)
         self._train = train
+        train.new_fit()
         self._steps = steps_per_epoch
         self._k = k
         self._per_epoch = None if steps_per_epoch is None else steps_per_epoch * k

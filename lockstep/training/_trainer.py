@@ -213,8 +213,8 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
     def _build(self, batch: Any, arg: str, labels: Any = None, labels_arg: str | None = None
                ) -> Callable[[Any, str], None]:
         """Builds the model on `batch` (the first of `arg`), checks that it takes it, and returns
-        the check of `arg`'s later batches. The metrics are built from its labels once those are
-        checked (all of `labels`, `labels_arg`'s, where given): labels a fit refuses build nothing."""
+        the check of `arg`'s later batches. The metrics are built from its labels once all of
+        `labels` (`labels_arg`'s arrays, where given) are checked: labels a fit refuses build nothing."""
         x, y, _ = unpack(batch)
         x = jax.tree.map(np.asarray, x)
         self._adapter.check_unchanged()
@@ -224,9 +224,8 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         if y is not None and (not self._all.built or self._labels.needs_classes):
             pred_shape = output_shape(self._adapter, self._state.params, x, self._placement.on_stored(self._adapter.apply))
             self._labels.set_classes(pred_shape)
-            if self._labels.kind is not None:
-                self._labels.check(y if labels is None else labels, labels_arg or arg,
-                                   " of batch 1" if labels is None else "")
+            if self._labels.kind is not None and labels is not None:  # arrays: alike on every worker
+                self._labels.check(labels, labels_arg or arg)
             self._all.build(shapes_of(y), pred_shape)
             getattr(self._adapter, "build_compiled", lambda *_: None)(x, y, self._keras_optimizer is not None)
         if self._runner is None:
@@ -241,7 +240,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         """`_build` on `data`'s first batch; once the model (and, with `metrics`, its metrics) is
         built, data whose reads run the user's code (`user_reads`: a `PyDataset`) is not read
         ahead, as Keras' loops do not read it: its batches are checked as they pass."""
-        if getattr(data, "user_reads", False) and self._state is not None and (
+        if getattr(data, "user_reads", False) and self._runner is not None and (
                 not metrics or (self._all.built and not self._labels.needs_classes)):
             self._adapter.check_unchanged()
             return lambda x, where: self._inputs.check(self._state.params, x, arg, where)

@@ -64,5 +64,5 @@ keras.utils.set_random_seed(strategy.worker_index)
 shuffled = build()
 h = shuffled.fit(x, y, batch_size=B, epochs=2, verbose=0)
 result["shuffled"] = {"history": h.history, "weights": [w.tolist() for w in shuffled.get_weights()],
-                      "after": float(np.random.uniform())}
+                      "after": float(np.random.uniform()), "rank": strategy.worker_index}
 print("RESULT", json.dumps(result), flush=True)
