@@ -57,24 +57,9 @@ def _set_python_state(d: dict[str, Any]) -> None:
     random.setstate((d["version"], tuple(d["internal"]), d["gauss"]))
 
 
-def _numpy_peek(n: int) -> np.ndarray:
-    copy = np.random.RandomState()
-    copy.set_state(np.random.get_state())
-    return copy.permutation(n)
-
-
-def _python_peek(n: int) -> list[int]:
-    copy = random.Random()
-    copy.setstate(random.getstate())
-    order = list(range(n))
-    copy.shuffle(order)
-    return order
-
-
-#: how each global random state draws a pass's order, reads its state (as JSON), sets it, and
-#: draws the order its next draw would give without moving
-_SOURCES = {"numpy": (np.random.permutation, _numpy_state, _set_numpy_state, _numpy_peek),
-            "python": (_python_order, _python_state, _set_python_state, _python_peek)}
+#: how each global random state draws a pass's order, reads its state (as JSON) and sets it
+_SOURCES = {"numpy": (np.random.permutation, _numpy_state, _set_numpy_state),
+            "python": (_python_order, _python_state, _set_python_state)}
 
 
 class GlobalOrders:
@@ -83,7 +68,7 @@ class GlobalOrders:
 
     def __init__(self, n: int, source: str = "numpy"):
         self._n = n
-        self._draw, self._get, self._set, self._peek = _SOURCES[source]
+        self._draw, self._get, self._set = _SOURCES[source]
         self._drawn: tuple[int, Any, np.ndarray] | None = None  # (pass, the global state before its draw, its order)
 
     def order(self, pass_index: int) -> np.ndarray:
@@ -101,14 +86,18 @@ class GlobalOrders:
 
     def peek(self) -> np.ndarray:
         """The order the next pass drawn will have if nothing draws from the global state before it
-        begins (a copy of the state draws it: the state does not move), to place that pass ahead
+        begins (drawn, and the state put back where it stood: it does not move), to place that pass ahead
         (worker 0's; a collective). The pass's own draw says whether it is.
 
         >>> orders = GlobalOrders(6); np.random.seed(1)
         >>> ahead = orders.peek(); bool((orders.order(3) == ahead).all())
         True
         """
-        return np.asarray(broadcast_from_chief(np.asarray(self._peek(self._n), np.int64)))
+        now = self._get()
+        try:
+            return np.asarray(broadcast_from_chief(np.asarray(self._draw(self._n), np.int64)))
+        finally:
+            self._set(now)
 
     def state(self, pass_index: int) -> dict[str, Any]:
         """For a backup at pass `pass_index`: the global state before that pass was drawn (None: not

@@ -42,7 +42,8 @@ class PyDatasetBatches(DataAdapter):
         self.seed = seed
         self.epoch = 0  # the next pass's number, when a pass does not say
         self._check = check
-        self._global: GlobalOrders | None = None  # seed None: the orders drawn as Keras draws them
+        n = self._num_batches()  # seed None: the orders drawn as Keras draws them (one per pass, every view)
+        self._global = GlobalOrders(n, "python") if shuffle and seed is None and n is not None else None
         self._first: Any = None  # the batch `keras_start` read
         #: each pass preceded by an `on_epoch_end`, as Keras' fit validates on a PyDataset (each
         #: validation `evaluate` of the fit's iterator ends the previous pass again first)
@@ -92,8 +93,7 @@ class PyDatasetBatches(DataAdapter):
         if hasattr(self.dataset, "on_epoch_begin"):
             self.dataset.on_epoch_begin()
         order: Any = itertools.count() if n is None else range(n)
-        if self.shuffle and n is not None and self.seed is None:
-            self._global = self._global or GlobalOrders(n, "python")
+        if self._global is not None:
             order = self._global.order(epoch)
         elif self.shuffle and n is not None:
             order = np.random.default_rng([self.seed, epoch]).permutation(n)
@@ -112,16 +112,12 @@ class PyDatasetBatches(DataAdapter):
     def with_check(self, check: Callable[[Any, int], None], labels: bool = True) -> "PyDatasetBatches":
         out = PyDatasetBatches(self.dataset, self.shuffle, self.seed, check)
         out.epoch, out._first, out.ends_before_each_pass = self.epoch, self._first, self.ends_before_each_pass
-        if self.shuffle and self.seed is None:  # one draw a pass, whichever view reads it
-            n = self._num_batches()
-            self._global = out._global = self._global or (None if n is None else GlobalOrders(n, "python"))
+        out._global = self._global  # one draw a pass, whichever view reads it
         return out
 
     def order_state(self, epoch: int) -> dict[str, Any] | None:
         return None if self._global is None else self._global.state(epoch)
 
     def restore_order(self, epoch: int, state: dict[str, Any]) -> None:
-        n = self._num_batches()
-        if self.shuffle and self.seed is None and n is not None:
-            self._global = self._global or GlobalOrders(n, "python")
+        if self._global is not None:
             self._global.restore(epoch, state)

@@ -1,16 +1,13 @@
 """`TrainerEvaluation`: the passes of a `Trainer` that do not train, `evaluate` (and fit's
 validation) and `predict`, batch by batch through the compiled steps, with the callbacks called
-as Keras' own loops call them: once per call of `steps_per_execution` batches.
-
->>> list(calls(iter("abcdefg"), 5, 2))
-[(0, ['a', 'b']), (2, ['c', 'd']), (4, ['e'])]
+as Keras' own loops call them: once per call of `steps_per_execution` batches (`calls`).
 """
 
 from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any
 
 import jax
@@ -20,6 +17,7 @@ from ..callbacks import Callback, CallbackList, format_logs, is_chief
 from ..cluster import agree_on
 from ..data import DataAdapter
 from ..engine import broadcast_from_chief
+from ._executions import calls
 from ._inputs import checked_steps, to_batches
 from ._labels import LabelCheck, checked
 from ._logs import LazyLogs, read_logs
@@ -38,16 +36,6 @@ def batches_in(data: Any) -> int | None:
         return len(data)
     except TypeError:
         return None
-
-
-def calls(batches: Iterator[Any], steps: int | None, steps_per_execution: int) -> Iterator[tuple[int, list[Any]]]:
-    """(the number of its first batch, its batches) for each call of `steps_per_execution` batches
-    of the first `steps` of `batches` (all for None): Keras' loops call the batch hooks once a call."""
-    batches = itertools.islice(batches, steps)
-    step = 0
-    while group := list(itertools.islice(batches, steps_per_execution)):
-        yield step, group
-        step += len(group)
 
 
 def note_weighted_metrics(sample_weight: Any, metrics: Any) -> None:
@@ -90,7 +78,7 @@ class TrainerEvaluation:
         state = self._fresh_state()
         self.stop_evaluating = False
         cblist.on_test_begin()
-        for step, group in calls(data.distributed(self._engine), steps, self.steps_per_execution):
+        for step, group in calls(itertools.islice(data.distributed(self._engine), steps), self.steps_per_execution):
             cblist.on_test_batch_begin(step)
             for batch in group:
                 state = self._runner.evaluate(self._state.params, state, batch)
@@ -131,7 +119,7 @@ class TrainerEvaluation:
         self.stop_predicting = False
         cblist.on_predict_begin()
         outputs = []
-        for step, group in calls(data.distributed(self._engine), steps, self.steps_per_execution):
+        for step, group in calls(itertools.islice(data.distributed(self._engine), steps), self.steps_per_execution):
             cblist.on_predict_batch_begin(step)
             outputs.append(_joined([self._runner.predict(self._state.params, batch) for batch in group]))
             cblist.on_predict_batch_end(step + len(group) - 1, {"outputs": outputs[-1]})  # the call's, as in Keras

@@ -43,16 +43,25 @@ from ._precision import loss_scale_of
 from ._steps import CHECK_VMA
 
 
+def calls(items: Iterable[Any], steps_per_execution: int, first: int = 0) -> Iterator[tuple[int, list[Any]]]:
+    """(the number of its first item, its items) for each call of `steps_per_execution` of `items`
+    (fewer at their end), numbered from `first`; items are read only as a call takes them.
+
+    >>> list(calls("abcde", 2))
+    [(0, ['a', 'b']), (2, ['c', 'd']), (4, ['e'])]
+    """
+    items = iter(items)
+    while group := list(itertools.islice(items, steps_per_execution)):
+        yield first, group
+        first += len(group)
+
+
 def executions(batches: Iterable[Any], accumulation: int, steps_per_execution: int, first_step: int = 0
                ) -> Iterator[tuple[int, list[AccumulationGroup]]]:
     """(the number of its first step, its updates) for each execution of an epoch's `batches`:
     `steps_per_execution` updates of `accumulation` batches (fewer at the epoch's end). Batches are
     read from `batches` only as an execution takes them, so the data's position is the trained one."""
-    updates = accumulation_groups(batches, accumulation)
-    step = first_step
-    while execution := list(itertools.islice(updates, steps_per_execution)):
-        yield step, execution
-        step += len(execution)
+    return calls(accumulation_groups(batches, accumulation), steps_per_execution, first_step)
 
 
 def run_key(update: AccumulationGroup) -> tuple[Any, ...] | None:

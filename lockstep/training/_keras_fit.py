@@ -163,11 +163,12 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
         _ran(self)
 
 
-def _unbuilt(model: Any) -> bool:
-    """Whether Keras' loops would build the model, its compiled loss or metrics on a first batch."""
-    compiled = (getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None))
+def _unbuilt(model: Any, compiled: bool = True) -> bool:
+    """Whether Keras' loops would build the model (`compiled`: or its compiled loss or metrics, as
+    `fit` and `evaluate` do; `predict` builds the layers alone) on a first batch."""
+    parts = (getattr(model, "_compile_metrics", None), getattr(model, "_compile_loss", None)) if compiled else ()
     return not all(layer.built for layer in model._flatten_layers()) or any(c is not None and not c.built
-                                                                           for c in compiled)
+                                                                           for c in parts)
 
 
 def _as_keras_starts(model: Any, x: Any, y: Any, sample_weight: Any, batch_size: Any, shuffle: Any,
@@ -253,9 +254,8 @@ def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", s
     try:
         trainer = _trainer(self, strategy, compiled=False)
         if PyDatasetBatches.accepts(x):  # Keras reads a first batch only to build an unbuilt model
-            unbuilt = not all(layer.built for layer in self._flatten_layers())
             x = adapt(x, batch_size=batch_size, seed=None)
-            x.keras_start(unbuilt, end=False)
+            x.keras_start(_unbuilt(self, compiled=False), end=False)
         return trainer.predict(x, batch_size=batch_size, verbose=verbose, callbacks=callbacks,
                                steps=_in_executions(self, steps))
     finally:
