@@ -501,15 +501,16 @@ class _Draws(keras.callbacks.Callback):
         self.seen.append(float(np.random.uniform()))
 
 
+@pytest.mark.parametrize("n", [37, 3])  # 3 rows: one short batch, a replica of the 4 without rows
 @pytest.mark.parametrize("how", ["epochs", "validation_split", "steps_per_epoch"])
-def test_shuffled_epochs_are_drawn_from_numpys_global_state_as_keras_draws_them(how):
+def test_shuffled_epochs_are_drawn_from_numpys_global_state_as_keras_draws_them(how, n):
     """Keras' fit draws each pass's order with `np.random.permutation` as the pass begins (and one
     more, left unused, when its first fit builds the compiled metrics), so a script seeded with
     `keras.utils.set_random_seed` trains on Keras' order; lockstep drew its own from (seed, pass).
     Two fits in a row, a callback drawing from NumPy at each epoch's end, and NumPy's state after."""
     kw = {"epochs": dict(epochs=3), "validation_split": dict(epochs=2, validation_split=0.3),
           "steps_per_epoch": dict(epochs=3, steps_per_epoch=3)}[how]
-    x, y = RNG.normal(size=(37, 3)).astype("float32"), np.arange(37) % 3
+    x, y = RNG.normal(size=(n, 3)).astype("float32"), np.arange(n) % 3
 
     def run(model):
         seen = []
@@ -529,7 +530,8 @@ def test_shuffled_epochs_are_drawn_from_numpys_global_state_as_keras_draws_them(
             warnings.simplefilter("ignore")
             return model.fit(x, y, batch_size=8, shuffle=False, verbose=0, **kw).history
     (plain, _), _ = _both(functools.partial(_sgd_model, metrics=["accuracy"]), unshuffled)
-    assert not np.allclose(plain["loss"], want[0]["loss"])  # the order matters to the numbers
+    if n > 8:  # several batches: the order matters to the numbers (one batch: only NumPy's state after)
+        assert not np.allclose(plain["loss"], want[0]["loss"])
 
 
 class _InterruptAt(keras.callbacks.Callback):

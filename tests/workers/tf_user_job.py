@@ -62,7 +62,7 @@ result["predictions"] = predictions.tolist()
 # every epoch's order are worker 0's (drawn from its NumPy global state, as Keras' fit draws them)
 keras.utils.set_random_seed(strategy.worker_index)
 shuffled = build()
-h = shuffled.fit(x, y, batch_size=B, epochs=2, verbose=0)
+h = shuffled.fit(x, y, batch_size=B, epochs=2)  # Keras' defaults: shuffle=True, verbose=1
 result["shuffled"] = {"history": h.history, "weights": [w.tolist() for w in shuffled.get_weights()],
                       "after": float(np.random.uniform()), "rank": strategy.worker_index}
 print("RESULT", json.dumps(result), flush=True)
