@@ -246,20 +246,51 @@ def test_steps_per_epoch_that_a_pass_does_not_fill_ends_the_epoch_with_the_pass_
     assert_weights_close(got_w, want_w)
 
 
-def test_shuffle_batch_keeps_the_batches_in_order_as_keras_does_on_jax():
-    """Keras' `shuffle="batch"` (on JAX) permutes the rows inside each batch, in order: the steps of
-    an unshuffled fit; lockstep shuffled the whole data. Other values are refused, naming them."""
-    build = _sgd_model
+@pytest.mark.parametrize("n", [13, 3])  # 3 rows: one batch of 3 on 4 replicas, one without rows
+@pytest.mark.parametrize("how", ["epochs", "steps_per_epoch"])
+def test_shuffle_batch_draws_each_batchs_permutation_from_numpys_global_state_as_keras_does(how, n):
+    """Keras' `shuffle="batch"` (on JAX) keeps the batches in order and permutes the rows inside each
+    with `np.random.permutation`, batch by batch (and the first batch's once more when its first fit
+    builds the model). Lockstep keeps the rows in order (the same sums) and draws alike; it drew
+    nothing, so every later draw (a callback's, the next shuffled fit's) differed. Other values are
+    refused, naming them."""
+    kw = {"epochs": dict(epochs=2), "steps_per_epoch": dict(epochs=3, steps_per_epoch=2)}[how]
+    x, y = RNG.normal(size=(n, 3)).astype("float32"), np.arange(n) % 3
 
     def run(model, in_lockstep):
-        history = model.fit(X, Y, batch_size=4, epochs=2, shuffle="batch", verbose=0).history
+        seen = []
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras': "Your input ran out of data"
+            history = model.fit(x, y, batch_size=4, shuffle="batch", verbose=0, callbacks=[_Draws(seen)],
+                                **kw).history
+            second = model.fit(x, y, batch_size=4, epochs=2, verbose=0).history
         if in_lockstep:
             with pytest.raises(ValueError, match=r"`shuffle` must be True, False or 'batch'.*shuffle='rows'"):
-                model.fit(X, Y, batch_size=4, shuffle="rows", verbose=0)
-        return history
-    (want, want_w), (got, got_w) = _both(build, run)
-    assert_logs_close(got, want)
+                model.fit(x, y, batch_size=4, shuffle="rows", verbose=0)
+        return history, second, seen, float(np.random.uniform())
+    (want, want_w), (got, got_w) = _both(functools.partial(_sgd_model, metrics=["accuracy"]), run)
+    assert_logs_close(got[0], want[0])
+    assert_logs_close(got[1], want[1])
+    assert got[2:] == want[2:]
     assert_weights_close(got_w, want_w)
+
+
+def test_batches_shuffled_in_batches_draw_keras_permutations_as_fit_takes_them():
+    """`lockstep.data.batches(shuffle="batch")` keeps its rows in order (a batch's sums do not depend
+    on them); with `seed=None`, each batch `fit` takes draws Keras' permutation of its rows from
+    NumPy's global state, and only then."""
+    data = ls.data.batches(np.arange(11), batch_size=4, shuffle="batch", seed=None)
+
+    def after(draw):
+        np.random.seed(1)
+        draw()
+        return np.random.uniform()
+    assert after(lambda: [b.tolist() for b in data]) == after(lambda: None)  # reading draws nothing
+    assert [b.tolist() for b in data] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10]]
+    assert (after(lambda: [data.taken(0, i) for i in range(len(data))])
+            == after(lambda: [np.random.permutation(m) for m in (4, 4, 3)]))
+    with pytest.raises(ValueError, match=r"`shuffle` must be True, False or 'batch'.*shuffle='rows'"):
+        ls.data.batches(np.arange(11), batch_size=4, shuffle="rows")
 
 
 def test_steps_that_are_not_whole_executions_are_rounded_up_as_keras_runs_them():
@@ -559,7 +590,7 @@ class _Plain(keras.utils.PyDataset):
         return self.x[i * 8:(i + 1) * 8], self.y[i * 8:(i + 1) * 8]
 
 
-@pytest.mark.parametrize("data", ["arrays", "py_dataset"])
+@pytest.mark.parametrize("data", ["arrays", "shuffled_in_batches", "py_dataset"])
 @pytest.mark.parametrize("at", [(1, 2), (0, 4)])
 def test_a_fit_resumed_from_a_backup_shuffles_on_as_keras_uninterrupted_fit(at, data, tmp_path):
     """A backup of a fit whose passes are drawn from NumPy's (arrays) or Python's (a PyDataset's
@@ -567,7 +598,9 @@ def test_a_fit_resumed_from_a_backup_shuffles_on_as_keras_uninterrupted_fit(at, 
     and at the backup: the fit of a restarted script (which seeds them again) draws that pass again
     and goes on as Keras' own uninterrupted fit."""
     x, y = RNG.normal(size=(37, 3)).astype("float32"), np.arange(37) % 3
-    given = (lambda: dict(x=x, y=y, batch_size=8)) if data == "arrays" else (lambda: dict(x=_Plain(x, y)))
+    given = {"arrays": lambda: dict(x=x, y=y, batch_size=8),
+             "shuffled_in_batches": lambda: dict(x=x, y=y, batch_size=8, shuffle="batch"),
+             "py_dataset": lambda: dict(x=_Plain(x, y))}[data]
     build = functools.partial(_sgd_model, metrics=["accuracy"])
     keras_model = build()
     want = keras_model.fit(**given(), epochs=3, verbose=0).history

@@ -69,6 +69,10 @@ class DataAdapter:
     def release(self) -> None:
         """Lets go of a pass placed ahead that was not asked for (`fit` calls it as it ends)."""
 
+    def taken(self, epoch: int, index: int) -> None:
+        """Batch `index` of pass `epoch` goes to training now (`fit` calls it on its own thread, batch
+        by batch): arrays shuffled in batches draw there what Keras' fit draws for that batch."""
+
     def with_check(self, check: Callable[[Any, int], None], labels: bool = True) -> "DataAdapter":
         """The same data, whose host batches `check(batch, index)` sees as they pass (`labels`: the
         check reads their labels)."""

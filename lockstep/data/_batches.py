@@ -23,14 +23,17 @@ class Batches(DataAdapter):
     Made by `lockstep.data.batches`. With `shuffle=True` each pass over the data uses a new
     permutation, drawn from `seed` and the number of the pass, so runs are reproducible (with
     `seed=None`, from NumPy's global random state as the pass begins, as Keras' `fit` draws it:
-    `GlobalOrders`). `fit`
+    `GlobalOrders`). With `shuffle="batch"` (Keras' on JAX: the rows inside each batch permuted)
+    the batches and their rows keep their order, as a batch's sums do not depend on its rows'
+    order; with `seed=None` each batch `fit` takes draws the permutation Keras' `fit` draws for it
+    from NumPy's global random state (`taken`), so later draws are Keras'. `fit`
     reads in-memory arrays a pass ahead (placing the next while one trains): change them between
     fits, not from a callback during one.
     """
 
     by_index = True
 
-    def __init__(self, arrays: Any, batch_size: int, shuffle: bool, seed: int | None, drop_remainder: bool):
+    def __init__(self, arrays: Any, batch_size: int, shuffle: bool | str, seed: int | None, drop_remainder: bool):
         self.arrays = arrays
         self._leaves, self._treedef = jax.tree.flatten(arrays)
         self._n = int(np.shape(self._leaves[0])[0])
@@ -39,7 +42,10 @@ class Batches(DataAdapter):
         self.seed = seed
         self.drop_remainder = drop_remainder
         self.epoch = 0
-        self._global = GlobalOrders(self._n) if shuffle and seed is None else None  # Keras' draws
+        self._shuffled = shuffle is True  # ("batch": in order)
+        # Keras' draws from NumPy's global state: each pass's order, or ("batch") each batch's rows' (unused)
+        self._keras_draws = GlobalOrders(self._n) if shuffle and seed is None else None
+        self._global = self._keras_draws if self._shuffled else None
         # (engine, pass, start, placing, the order it is placed in where drawn from NumPy's global state)
         self._next_pass: tuple[Any, int, int, Future[ResidentPass], Any] | None = None
 
@@ -53,20 +59,24 @@ class Batches(DataAdapter):
 
     def order(self, epoch: int) -> np.ndarray:
         """The sample order of pass number `epoch`."""
-        if not self.shuffle:
+        if not self._shuffled:
             return np.arange(self._n)
         if self._global is not None:
             return self._global.order(epoch)
         return np.random.default_rng([self.seed, epoch]).permutation(self._n)
 
     def order_state(self, epoch: int) -> dict[str, Any] | None:
-        if self._global is None:
+        if self._keras_draws is None:
             return None
-        return self._global.state(epoch)
+        return self._keras_draws.state(epoch)
 
     def restore_order(self, epoch: int, state: dict[str, Any]) -> None:
-        if self._global is not None:
-            self._global.restore(epoch, state)
+        if self._keras_draws is not None:
+            self._keras_draws.restore(epoch, state)
+
+    def taken(self, epoch: int, index: int) -> None:
+        if self._keras_draws is not None and self._global is None:  # Keras' draw for this batch's rows
+            np.random.permutation(min(self.batch_size, self._n - index * self.batch_size))
 
     def iterate(self, epoch: int, start: int = 0) -> Iterator[Any]:
         """Batches of pass number `epoch`, from batch index `start` on (whole: every row read)."""
@@ -101,7 +111,7 @@ class Batches(DataAdapter):
         lo, hi = i * self.batch_size, min((i + 1) * self.batch_size, self._n)
 
         def read(a: int, b: int) -> Any:
-            if not self.shuffle:
+            if not self._shuffled:
                 return jax.tree.unflatten(self._treedef, [leaf[lo + a:lo + b] for leaf in self._leaves])
             return jax.tree.unflatten(self._treedef, [np.take(leaf, order[lo + a:lo + b], axis=0)
                                                       for leaf in self._leaves])
@@ -116,7 +126,7 @@ class Batches(DataAdapter):
         and a later call for it takes it (without shuffling every pass is the same: it is kept)."""
         if not fits_on_devices(self._leaves):
             return None
-        pass_of = (lambda e: e) if self.shuffle else (lambda e: 0)
+        pass_of = (lambda e: e) if self._shuffled else (lambda e: 0)
         waiting, self._next_pass = self._next_pass, None
         drawn = None if self._global is None else self._global.order(epoch)  # drawn as the pass begins
         whole = None
@@ -149,8 +159,8 @@ class Batches(DataAdapter):
             waiting[3].cancel()
 
     def new_fit(self) -> None:
-        if self._global is not None:
-            self._global.forget()
+        if self._keras_draws is not None:
+            self._keras_draws.forget()
 
     def _place_pass(self, engine: "Engine", epoch: int, start: int, order: np.ndarray | None = None) -> ResidentPass:
         order, b = self.order(epoch) if order is None else order, self.batch_size
@@ -160,14 +170,15 @@ class Batches(DataAdapter):
                             lambda i: self._batch_rows(order, start + i))
 
 
-def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int | None = 0,
+def batches(arrays: Any, batch_size: int, shuffle: bool | str = False, seed: int | None = 0,
             drop_remainder: bool = False) -> Batches:
     """Yields global batches of `batch_size` samples from a pytree of arrays.
 
     Args:
       arrays: an array, or a pytree (tuple, dict, ...) of arrays sharing their first dimension.
       batch_size: global batch size (all replicas and workers together), at least 1.
-      shuffle: draw a new permutation on every pass over the data.
+      shuffle: draw a new permutation on every pass over the data; ``"batch"``: Keras'
+        ``shuffle="batch"``, the same sums as in order (see `Batches`).
       seed: seed of the permutations; None: each pass's drawn from NumPy's global random state as
         the pass begins (``np.random.permutation``, worker 0's on every worker), as Keras' `fit` draws it.
       drop_remainder: leave out a last batch shorter than `batch_size`.
@@ -176,7 +187,8 @@ def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int | Non
       A re-iterable `Batches`; `len()` is the number of batches per pass.
 
     Raises:
-      ValueError: `batch_size` is not positive, the arrays have different lengths, or no samples.
+      ValueError: `batch_size` is not positive, `shuffle` is a string other than ``"batch"``, the
+        arrays have different lengths, or no samples.
 
     >>> import lockstep as ls, numpy as np
     >>> b = ls.data.batches((np.arange(5), np.arange(5) * 10), batch_size=2)
@@ -185,6 +197,8 @@ def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int | Non
     """
     if isinstance(batch_size, bool) or not isinstance(batch_size, (int, np.integer)) or batch_size < 1:
         raise ValueError(f"`batch_size` must be a positive integer, got batch_size={batch_size!r}.")
+    if isinstance(shuffle, str) and shuffle != "batch":  # Keras would take a misspelt "batch" as True
+        raise ValueError(f"`shuffle` must be True, False or 'batch' (as in Keras), got shuffle={shuffle!r}.")
     leaves = jax.tree.leaves(arrays)
     if not leaves:
         raise ValueError(f"`arrays` must hold at least one array, got {arrays!r}.")
@@ -197,4 +211,5 @@ def batches(arrays: Any, batch_size: int, shuffle: bool = False, seed: int | Non
     if lengths[0] == 0:
         raise ValueError("`arrays` hold no samples (length 0).")
     return Batches(jax.tree.unflatten(jax.tree.structure(arrays), leaves), int(batch_size),
-                   bool(shuffle), None if seed is None else int(seed), bool(drop_remainder))
+                   shuffle if shuffle == "batch" else bool(shuffle), None if seed is None else int(seed),
+                   bool(drop_remainder))

@@ -165,6 +165,7 @@ class DataStream:
                     return                           # into this epoch's end), the next epoch starts anew
                 self._pass, self._offset = self._pass + 1, 0
                 continue
+            self._train.taken(self._pass, self._offset)
             self._offset += 1
             given += 1
             self._last, self._carried = batch, None

@@ -38,7 +38,7 @@ def num_samples(x: Any) -> int:
     return int(np.shape(jax.tree.leaves(x)[0])[0])
 
 
-def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool,
+def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_size: int | None, shuffle: bool | str,
                seed: int | None, arg: str = "x") -> DataAdapter:
     """`x` as a data adapter: arrays (with `y` / `sample_weight`) as global batches, anything else
     as `lockstep.data.adapt` makes it (a distributed dataset must be `strategy`'s). `seed` None:
@@ -48,14 +48,12 @@ def to_batches(strategy: "Strategy", x: Any, y: Any, sample_weight: Any, batch_s
         raise ValueError(f"`{arg}` is required, got None.")
     if isinstance(shuffle, str) and shuffle != "batch":  # Keras would take a misspelt "batch" as True
         raise ValueError(f"`shuffle` must be True, False or 'batch' (as in Keras), got shuffle={shuffle!r}.")
-    if shuffle == "batch":  # Keras (JAX) keeps the batches in order and permutes each one's rows: no sum changes
-        shuffle = False
     if isinstance(x, (list, tuple)) and y is not None and not is_arrays(x):
         raise TypeError(
             f"`{arg}` is a Python {type(x).__name__} and `y` is given: pass NumPy arrays (`np.asarray({arg})`), "
             f"or pass an iterable of (x, y) batches as `{arg}` without `y`.")
-    if not is_arrays(x):
-        data = adapt(x, y, sample_weight, batch_size, shuffle, seed, arg)
+    if not is_arrays(x):  # "batch" (rows permuted inside each batch) is for arrays: other data keeps its order
+        data = adapt(x, y, sample_weight, batch_size, bool(shuffle) and shuffle != "batch", seed, arg)
         if not data.belongs_to(strategy.extended):
             raise ValueError(f"`{arg}` is a distributed dataset of another strategy than the trainer's.")
         return data

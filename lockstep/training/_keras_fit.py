@@ -175,17 +175,18 @@ def _as_keras_starts(model: Any, x: Any, y: Any, sample_weight: Any, batch_size:
                      validation_split: float = 0.0, validation_data: Any = None) -> Any:
     """`x` for lockstep's loop after what Keras' `fit` (or `evaluate`, `shuffle` False) does before
     its own: on an unbuilt model (`_unbuilt`) it builds on the first batch of a pass it then leaves,
-    which for arrays with `shuffle` draws that pass's permutation from NumPy's global random state
-    all the same; a `keras.utils.PyDataset` is read as Keras reads it (`PyDatasetBatches.keras_start`:
+    which for arrays with `shuffle` draws that pass's permutation (`"batch"`: its first batch's)
+    from NumPy's global random state all the same; a `keras.utils.PyDataset` is read as Keras reads it (`PyDatasetBatches.keras_start`:
     that pass, then `on_epoch_end` before every loop; its batches shuffled from Python's global
     random state). So the passes that train begin (`fit(seed=None)`) where Keras' begin."""
     if PyDatasetBatches.accepts(x):
         x = adapt(x, y, sample_weight, batch_size, bool(shuffle), None)  # "batch": shuffled, as in Keras
         x.keras_start(_unbuilt(model))
-    elif is_arrays(x) and shuffle and shuffle != "batch" and _unbuilt(model):
+    elif is_arrays(x) and shuffle and _unbuilt(model):
         n = len(jax.tree.leaves(x)[0])
         split = validation_split if validation_data is None else 0.0  # Keras splits only without validation_data
-        np.random.permutation(int(math.floor(n * (1.0 - split))) if split else n)
+        n = int(math.floor(n * (1.0 - split))) if split else n
+        np.random.permutation(min(32 if batch_size is None else batch_size, n) if shuffle == "batch" else n)
     return x
 
 
