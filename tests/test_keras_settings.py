@@ -296,26 +296,49 @@ def test_batches_shuffled_in_batches_draw_keras_permutations_as_fit_takes_them()
 def test_steps_that_are_not_whole_executions_are_rounded_up_as_keras_runs_them():
     """Keras' loops run whole calls of `steps_per_execution` batches: `steps_per_epoch=5` at 3 a
     call reads 6 batches (the second epoch the one left of a 7-batch pass), `evaluate(steps=5)` and
-    `predict(steps=5)` 6; lockstep ran 5 (and refused `predict(steps=...)`)."""
+    `predict(steps=5)` 6; lockstep ran 5 (and refused `predict(steps=...)`). The callbacks' `params`
+    say the steps as given, as Keras' do (lockstep said 6, and a pass's 7 for `steps_per_epoch=9`)."""
     x, y = RNG.normal(size=(14, 3)).astype("float32"), np.arange(14) % 3
 
     build = functools.partial(_sgd_model, steps_per_execution=3)
 
     def run(model):
+        params = _Params()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Keras': "Your input ran out of data"
             history = model.fit(x, y, batch_size=2, epochs=3, steps_per_epoch=5, shuffle=False, verbose=0,
-                                validation_data=(x, y), validation_steps=2).history
-            evaluated = model.evaluate(x, y, batch_size=2, steps=5, verbose=0)
-            predicted = model.predict(x, batch_size=2, steps=5, verbose=0)
-        return history, evaluated, int(model.optimizer.iterations), predicted
+                                validation_data=(x, y), validation_steps=2, callbacks=[params]).history
+            evaluated = model.evaluate(x, y, batch_size=2, steps=5, verbose=0, callbacks=[params])
+            predicted = model.predict(x, batch_size=2, steps=5, verbose=0, callbacks=[params])
+            steps = [int(model.optimizer.iterations)]
+            model.fit(x, y, batch_size=2, steps_per_epoch=9, shuffle=False, verbose=0, callbacks=[params])
+        return history, evaluated, steps + [int(model.optimizer.iterations)], predicted, params.seen
     (want, want_w), (got, got_w) = _both(build, run)
-    assert want[2] == 6 + 1 + 6 and len(want[3]) == 12
+    assert want[2] == [6 + 1 + 6, 6 + 1 + 6 + 7] and len(want[3]) == 12
     assert got[2] == want[2]
     np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-6)
     assert_logs_close(got[0], want[0])
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
     assert_weights_close(got_w, want_w)
+    assert want[4] == [("fit", 5)] + [("evaluate", 5)] * 4 + [("predict", 5), ("fit", 9)]  # 3 validations
+    assert got[4] == want[4]
+
+
+class _Params(keras.callbacks.Callback):
+    """Records the `params["steps"]` each loop gives its callbacks."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_begin(self, logs=None):
+        self.seen.append(("fit", self.params["steps"]))
+
+    def on_test_begin(self, logs=None):
+        self.seen.append(("evaluate", self.params["steps"]))
+
+    def on_predict_begin(self, logs=None):
+        self.seen.append(("predict", self.params["steps"]))
 
 
 def test_callbacks_of_evaluate_and_predict_are_given_keras_params():

@@ -17,7 +17,7 @@ from ..callbacks import Callback, CallbackList, format_logs, is_chief
 from ..cluster import agree_on
 from ..data import DataAdapter
 from ..engine import broadcast_from_chief
-from ._executions import calls
+from ._executions import calls, whole_calls
 from ._inputs import checked_steps, to_batches
 from ._labels import LabelCheck, checked
 from ._logs import LazyLogs, read_logs
@@ -78,7 +78,8 @@ class TrainerEvaluation:
         state = self._fresh_state()
         self.stop_evaluating = False
         cblist.on_test_begin()
-        for step, group in calls(itertools.islice(data.distributed(self._engine), steps), self.steps_per_execution):
+        batches = itertools.islice(data.distributed(self._engine), whole_calls(steps, self.steps_per_execution))
+        for step, group in calls(batches, self.steps_per_execution):
             cblist.on_test_batch_begin(step)
             for batch in group:
                 state = self._runner.evaluate(self._state.params, state, batch)
@@ -119,7 +120,8 @@ class TrainerEvaluation:
         self.stop_predicting = False
         cblist.on_predict_begin()
         outputs = []
-        for step, group in calls(itertools.islice(data.distributed(self._engine), steps), self.steps_per_execution):
+        batches = itertools.islice(data.distributed(self._engine), whole_calls(steps, self.steps_per_execution))
+        for step, group in calls(batches, self.steps_per_execution):
             cblist.on_predict_batch_begin(step)
             outputs.append(_joined([self._runner.predict(self._state.params, batch) for batch in group]))
             cblist.on_predict_batch_end(step + len(group) - 1, {"outputs": outputs[-1]})  # the call's, as in Keras

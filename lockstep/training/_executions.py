@@ -56,6 +56,16 @@ def calls(items: Iterable[Any], steps_per_execution: int, first: int = 0) -> Ite
         first += len(group)
 
 
+def whole_calls(steps: int | None, steps_per_execution: int) -> int | None:
+    """`steps` as Keras' loops run them: whole calls of `steps_per_execution`, so 5 at 3 a call
+    are 6 (fewer only where the data ends first); None: to the data's end.
+
+    >>> whole_calls(5, 3), whole_calls(6, 3), whole_calls(None, 3)
+    (6, 6, None)
+    """
+    return -(-steps // steps_per_execution) * steps_per_execution if steps else steps
+
+
 def executions(batches: Iterable[Any], accumulation: int, steps_per_execution: int, first_step: int = 0
                ) -> Iterator[tuple[int, list[AccumulationGroup]]]:
     """(the number of its first step, its updates) for each execution of an epoch's `batches`:

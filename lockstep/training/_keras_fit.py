@@ -148,7 +148,6 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     validation_data = _validated_as_keras(validation_data)
     callbacks = [*(callbacks or []), _KerasModelHistory(self)]
     epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
-    steps_per_epoch, validation_steps = (_in_executions(self, s) for s in (steps_per_epoch, validation_steps))
     try:
         self.history = trainer.fit(
             x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
@@ -235,7 +234,6 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, v
                                      steps=steps, callbacks=callbacks, return_dict=return_dict, **kwargs)
     _unsupported(**{k: (v, None) for k, v in kwargs.items()})
     _, steps = _limited(None, steps)
-    steps = _in_executions(self, steps)
     try:
         trainer = _trainer(self, strategy)
         x = _as_keras_starts(self, x, y, sample_weight, batch_size, False)
@@ -258,7 +256,7 @@ def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", s
             x = adapt(x, batch_size=batch_size, seed=None)
             x.keras_start(_unbuilt(self, compiled=False), end=False)
         return trainer.predict(x, batch_size=batch_size, verbose=verbose, callbacks=callbacks,
-                               steps=_in_executions(self, steps))
+                               steps=steps)
     finally:
         _ran(self)
 
@@ -286,13 +284,6 @@ def _limited(epochs: Any, *steps: Any) -> tuple[Any, ...]:
         epochs = most
     limit = getattr(config, "max_steps_per_epoch", lambda: None)()
     return (epochs, *(limit if limit and (not s or limit < s) else s for s in steps))
-
-
-def _in_executions(model: Any, steps: Any) -> Any:
-    """`steps` as Keras' loops run them: whole calls of the compile's `steps_per_execution`
-    batches, so `steps_per_epoch=5` at 3 a call reads 6 batches (or to the pass's end)."""
-    k = getattr(model, "steps_per_execution", 1) or 1
-    return -(-steps // k) * k if steps and k > 1 else steps
 
 
 def _get_metrics_result(self: Any) -> Any:

@@ -45,7 +45,7 @@ from ._compiled import settings as compiled_settings
 from ._compiled import steps_per_execution as compiled_steps_per_execution
 from ._data_stream import DataStream
 from ._evaluation import TrainerEvaluation, agreed, batches_in, note_weighted_metrics
-from ._executions import executions
+from ._executions import executions, whole_calls
 from ._input_shapes import InputCheck
 from ._labels import LabelCheck, checked
 from ._model import FunctionalModel, adapt, output_shape
@@ -113,11 +113,11 @@ def _fit_callbacks(cbs: list[Callback], verbose: int | str, train: Iterable[Any]
                    steps_per_epoch: int | None, accumulation: int) -> tuple[list[Callback], dict[str, Any]]:
     """(`cbs` with a progress bar first when `verbose` asks for one (on the chief only), and the
     `params` every callback is given, as Keras gives them: verbose, epochs and steps an epoch, in
-    optimizer steps (groups of `accumulation` batches))."""
+    optimizer steps (groups of `accumulation` batches): `steps_per_epoch` as given, else a pass's)."""
     shown = 1 if verbose == "auto" else int(verbose)
     steps = None if (batches := batches_in(train)) is None else -(-batches // accumulation)
     params = {"verbose": verbose, "epochs": epochs,
-              "steps": min(steps, steps_per_epoch) if steps and steps_per_epoch else steps or steps_per_epoch}
+              "steps": steps_per_epoch or steps}
     return ([ProgbarLogger(shown)] if shown and is_chief() else []) + cbs, params
 
 
@@ -161,7 +161,8 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         (a Keras model keeps its own policy).
       steps_per_execution: optimizer steps in one compiled call (Keras' name; default: a compiled
         Keras model's, else 1), each exactly the step taken alone; per-batch callbacks are called
-        once a call, as in Keras (see `lockstep.training._executions`).
+        once a call, and `steps_per_epoch` / `validation_steps` / `steps` run in whole calls, as in
+        Keras (5 at 3 a call: 6; see `lockstep.training._executions`).
       remat: activation checkpointing of the training step's forward pass: None (default), "full"
         (only the inputs kept, the whole forward pass computed again at once for the gradient:
         little memory saved, benchmarks/REMAT_GPU.md), "layers" (each
@@ -342,8 +343,8 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         cbs.append(history)
         cblist = CallbackList(cbs, self, params)
         self.stop_training = False
-        self._stream = DataStream(self._engine, train, steps_per_epoch, self._accumulation, initial_epoch,
-                                  epochs=epochs)
+        self._stream = DataStream(self._engine, train, whole_calls(steps_per_epoch, self.steps_per_execution),
+                                  self._accumulation, initial_epoch, epochs=epochs)
         self._callbacks, self._cblist = cblist.callbacks, cblist
         self._state = fit_start(self._state, initial_epoch, seed, self._fresh_state(), train.batch_size,
                                 self._accumulation)
