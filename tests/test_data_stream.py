@@ -14,6 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+import lockstep as ls
 from lockstep.data import IterableBatches, batches
 from lockstep.engine import Engine, ResidentBatch
 from lockstep.training import DataPosition
@@ -106,6 +107,43 @@ def test_steps_per_epoch_ends_an_epoch_with_its_pass_as_keras_does():
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a, b)
     assert (stream.position().pass_index, stream.position().offset) == (1, 2)
+
+
+class _Hooked(IterableBatches):
+    """Batches that record where the loops reading them say an epoch begins and ends."""
+
+    def __init__(self, data, seen):
+        super().__init__(data)
+        self.seen = seen
+
+    def loop_begins(self):
+        self.seen.append("begin")
+
+    def loop_ended(self):
+        self.seen.append("end")
+
+    def host_pass(self, epoch, start=0, state=None):
+        for i, batch in enumerate(super().host_pass(epoch, start, state), start=start):
+            self.seen.append(i)
+            yield batch
+
+
+@pytest.mark.filterwarnings("ignore:a pass over the training data ended")
+def test_each_epoch_of_the_stream_and_each_custom_loop_pass_is_begun_and_ended_on_the_data():
+    """Epochs of `steps_per_epoch` begin and end in the middle of a pass (a PyDataset's hooks, as
+    Keras calls them); an epoch left unfinished (a callback stopped `fit`) is not ended; a custom
+    loop over a distributed dataset begins and ends each pass."""
+    seen = []
+    data = _Hooked([(_data(2), np.zeros(2))] * 3, seen)
+    stream = DataStream(Engine(jax.devices()[:2]), data, 2, 1)
+    for epoch in range(3):
+        list(stream.epoch(epoch))
+    next(stream.epoch(3))
+    assert seen == ["begin", 0, 1, "end", "begin", 2, "end", "begin", 0, 1, "end", "begin", 2]
+    seen.clear()
+    distributed = ls.MirroredStrategy(2).experimental_distribute_dataset(_Hooked([_data(2)] * 2, seen))
+    assert [len(list(distributed)) for _ in range(2)] == [2, 2]
+    assert seen == ["begin", 0, 1, "end"] * 2
 
 
 @pytest.mark.filterwarnings("ignore:a pass over the training data ended")

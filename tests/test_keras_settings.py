@@ -706,3 +706,30 @@ def test_predict_on_a_py_dataset_after_a_fit_refused_before_its_first_step():
     np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
     assert_logs_close(got[1], want[1])
     assert_weights_close(got_w, want_w)
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3])
+def test_a_py_dataset_read_in_part_is_begun_and_ended_each_loop_epoch_as_in_keras(steps_per_execution):
+    """Keras calls a PyDataset's `on_epoch_begin` / `on_epoch_end` around each epoch of its loops,
+    not each pass: an epoch of `steps_per_epoch` ends (and the next begins) in the middle of a pass,
+    and `validation_steps`, `evaluate(steps=)` and `predict(steps=)` end the dataset after the
+    batches they read. Lockstep called them around each pass: a dataset that reshuffles itself at
+    `on_epoch_end` was read in another order."""
+    x, y = RNG.normal(size=(21, 3)).astype("float32"), np.arange(21) % 3
+
+    def run(model):
+        data, val = _Reshuffled(x, y), _Reshuffled(x[:9], y[:9])
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # Keras': "Your input ran out of data"
+            history = model.fit(data, epochs=3, steps_per_epoch=4, verbose=0, validation_data=val,
+                                validation_steps=2).history
+        evaluated = model.evaluate(val, steps=2, verbose=0)
+        predicted = model.predict(val, steps=1, verbose=0)
+        return history, evaluated, predicted, [d.seen for d in (data, val)]
+    build = functools.partial(_sgd_model, metrics=["accuracy"], steps_per_execution=steps_per_execution)
+    (want, want_w), (got, got_w) = _both(build, run)
+    assert got[3] == want[3]
+    assert_logs_close(got[0], want[0])
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
+    assert_weights_close(got_w, want_w)

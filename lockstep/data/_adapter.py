@@ -69,6 +69,14 @@ class DataAdapter:
     def release(self) -> None:
         """Lets go of a pass placed ahead that was not asked for (`fit` calls it as it ends)."""
 
+    def loop_begins(self) -> None:
+        """An epoch of a loop (of `fit`, an `evaluate` or validation, a `predict`) begins to read this
+        data, on the loop's thread: a `keras.utils.PyDataset`'s `on_epoch_begin`, as in Keras."""
+
+    def loop_ended(self) -> None:
+        """That epoch read what it was to read (its steps, or to the data's end; not stopped by a
+        callback): a `keras.utils.PyDataset`'s `on_epoch_end`, as in Keras."""
+
     def taken(self, epoch: int, index: int) -> None:
         """Batch `index` of pass `epoch` goes to training now (`fit` calls it on its own thread, batch
         by batch): arrays shuffled in batches draw there what Keras' fit draws for that batch."""

@@ -3,7 +3,8 @@
 (lockstep draws the permutation from its seed and the pass number, so every worker reads the
 same order; with `seed=None`, as Keras does, from Python's global random state after the pass's
 `on_epoch_begin`: worker 0's), and the dataset's `on_epoch_begin` / `on_epoch_end` called around
-each pass.
+each epoch of the loops that read it (`loop_begins` / `loop_ended`: a `fit` epoch of
+`steps_per_epoch` may end in the middle of a pass), as Keras calls them.
 
 >>> import numpy as np
 >>> class Squares:  # a PyDataset's face: __getitem__ and num_batches
@@ -45,7 +46,7 @@ class PyDatasetBatches(DataAdapter):
         n = self._num_batches()  # seed None: the orders drawn as Keras draws them (one per pass, every view)
         self._global = GlobalOrders(n, "python") if shuffle and seed is None and n is not None else None
         self._first: Any = None  # the batch `keras_start` read
-        #: each pass preceded by an `on_epoch_end`, as Keras' fit validates on a PyDataset (each
+        #: each loop preceded by an `on_epoch_end`, as Keras' fit validates on a PyDataset (each
         #: validation `evaluate` of the fit's iterator ends the previous pass again first)
         self.ends_before_each_pass = False
 
@@ -82,16 +83,11 @@ class PyDatasetBatches(DataAdapter):
             self.dataset.on_epoch_end()
 
     def host_pass(self, epoch: int | None, start: int = 0, state: str | None = None) -> Iterator[Any]:
-        """Pass `epoch`'s batches from `start`: the dataset's `on_epoch_begin` and the order drawn at
-        once (on the calling thread, as the pass opens: batches may be read ahead on another),
-        `on_epoch_end` after its last batch."""
+        """Pass `epoch`'s batches from `start`, the order drawn at once (on the calling thread, as
+        the pass opens: batches may be read ahead on another)."""
         if epoch is None:
             epoch, self.epoch = self.epoch, self.epoch + 1
         n = self._num_batches()
-        if self.ends_before_each_pass and hasattr(self.dataset, "on_epoch_end"):
-            self.dataset.on_epoch_end()
-        if hasattr(self.dataset, "on_epoch_begin"):
-            self.dataset.on_epoch_begin()
         order: Any = itertools.count() if n is None else range(n)
         if self._global is not None:
             order = self._global.order(epoch)
@@ -106,6 +102,14 @@ class PyDatasetBatches(DataAdapter):
             if self._check is not None:
                 self._check(batch, i)
             yield batch
+
+    def loop_begins(self) -> None:
+        if self.ends_before_each_pass and hasattr(self.dataset, "on_epoch_end"):
+            self.dataset.on_epoch_end()
+        if hasattr(self.dataset, "on_epoch_begin"):
+            self.dataset.on_epoch_begin()
+
+    def loop_ended(self) -> None:
         if hasattr(self.dataset, "on_epoch_end"):
             self.dataset.on_epoch_end()
 

@@ -112,6 +112,24 @@ class DistributedDataset(DataAdapter):
     def release(self) -> None:
         self._data.release()
 
+    def new_fit(self) -> None:
+        self._data.new_fit()
+
+    def loop_begins(self) -> None:
+        self._data.loop_begins()
+
+    def loop_ended(self) -> None:
+        self._data.loop_ended()
+
+    def taken(self, epoch: int, index: int) -> None:
+        self._data.taken(epoch, index)
+
+    def order_state(self, epoch: int) -> dict[str, Any] | None:
+        return self._data.order_state(epoch)
+
+    def restore_order(self, epoch: int, state: dict[str, Any]) -> None:
+        self._data.restore_order(epoch, state)
+
     def with_check(self, check: Callable[[Any, int], None], labels: bool = True) -> "DistributedDataset":
         return DistributedDataset(self._engine, self._data.with_check(check, labels))
 
@@ -122,7 +140,13 @@ class DistributedDataset(DataAdapter):
         return engine is self._engine
 
     def __iter__(self) -> "DistributedIterator":
-        return DistributedIterator(self.distributed(self._engine))
+        """A pass, as a loop of the user's reads it (a `keras.utils.PyDataset`'s epoch hooks around it)."""
+        return DistributedIterator(self._loop(self.distributed(self._engine)))
+
+    def _loop(self, batches: Iterator[DistributedBatch]) -> Iterator[DistributedBatch]:
+        self._data.loop_begins()
+        yield from batches
+        self._data.loop_ended()
 
     def __len__(self) -> int:
         """The number of batches (a `TypeError` where the source does not know it, as for a generator)."""

@@ -136,7 +136,13 @@ class DataStream:
     def epoch(self, epoch: int, done: int = 0) -> Iterator["DistributedBatch | ResidentBatch"]:
         """Epoch `epoch`'s batches: the rest of a pass, or of `steps_per_epoch` steps (`done` steps
         of it taken before a resume; as in Keras, fewer where a pass of re-readable data ends). In-memory data that fits on the devices comes as
-        `ResidentBatch`es (its rows gathered by the step), other data as placed batches."""
+        `ResidentBatch`es (its rows gathered by the step), other data as placed batches. The data
+        is told where the epoch begins and, once it is read to its end, that it ended."""
+        self._train.loop_begins()
+        yield from self._epoch(epoch, done)
+        self._train.loop_ended()
+
+    def _epoch(self, epoch: int, done: int) -> Iterator["DistributedBatch | ResidentBatch"]:
         if self._per_epoch is None and self._batches is None and (self._offset == 0 or self._ended or not done):
             # an epoch is a pass: its order derives from (seed, epoch); a resume at an epoch's start
             # (from a backup at the previous epoch's end) starts its pass afresh too

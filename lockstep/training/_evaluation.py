@@ -78,6 +78,7 @@ class TrainerEvaluation:
         state = self._fresh_state()
         self.stop_evaluating = False
         cblist.on_test_begin()
+        data.loop_begins()
         batches = itertools.islice(data.distributed(self._engine), whole_calls(steps, self.steps_per_execution))
         for step, group in calls(batches, self.steps_per_execution):
             cblist.on_test_batch_begin(step)
@@ -87,6 +88,8 @@ class TrainerEvaluation:
                                      LazyLogs(self._engine, self._all, state, cblist.reads["on_test_batch_end"]))
             if cblist.in_batches["testing"] and agreed(self.stop_evaluating):
                 break
+        else:
+            data.loop_ended()
         logs = self.last_logs = read_logs(self._engine, self._all, state)
         cblist.on_test_end(dict(sorted(logs.items())))
         return logs
@@ -120,6 +123,7 @@ class TrainerEvaluation:
         self.stop_predicting = False
         cblist.on_predict_begin()
         outputs = []
+        data.loop_begins()
         batches = itertools.islice(data.distributed(self._engine), whole_calls(steps, self.steps_per_execution))
         for step, group in calls(batches, self.steps_per_execution):
             cblist.on_predict_batch_begin(step)
@@ -127,6 +131,8 @@ class TrainerEvaluation:
             cblist.on_predict_batch_end(step + len(group) - 1, {"outputs": outputs[-1]})  # the call's, as in Keras
             if cblist.in_batches["predicting"] and agreed(self.stop_predicting):
                 break
+        else:
+            data.loop_ended()
         cblist.on_predict_end()
         return _joined(outputs)
 
