@@ -330,6 +330,33 @@ def test_stochastic_layers_draw_per_replica_and_repeat_for_a_seed(name):
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("name", _names(STOCHASTIC))
+def test_stochastic_layers_train_as_keras_own_fit_draws_on_one_device(name):
+    """A Keras model's dropout masks, noise and random augmentation are drawn for the global batch,
+    each replica taking its rows: on 3 and 4 replicas (a last batch of 5 rows leaves padding and an
+    empty replica), and ZeRO-3 on a 4 x 2 mesh, the weights are those of Keras' own one-device `fit`
+    with the same seed. Before, each replica drew its own (the same statistics, another step)."""
+    def factory():
+        return keras.Sequential([keras.Input((6, 3)), *STOCHASTIC[name](), L.Dense(3)])
+
+    x = _seq()
+    y = _labels(x)
+
+    def fit(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+    want = fit(_build(factory))
+    zero_3 = ls.ShardedStrategy(mesh=ls.DeviceMesh((4, 2), ("batch", "model")), zero_stage=3, min_shard_size=1,
+                                max_replicated_fraction=1.0)
+    for strategy in (ls.MirroredStrategy(3), ls.MirroredStrategy(4), zero_3):
+        with strategy.scope():
+            got = fit(_build(factory))
+        for a, b in zip(want, got):
+            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6, err_msg=f"{name} on {strategy}")
+
+
 def test_functional_model_gets_a_key_per_replica_and_step():
     seen = []
 

@@ -8,6 +8,12 @@
   real rows, and its penalty is divided by the global batch's real rows instead of the
   replica's padded rows: while a step is traced (`activity_penalties_masked`), each layer's
   regulariser is wrapped, so saving the model never meets the wrapper.
+- Keras' random draws (`keras.random.*`: `Dropout`'s mask, `GaussianNoise`, a recurrent layer's
+  dropout masks, random augmentation) are drawn for the global batch and each replica takes its
+  rows (`random_draws_as_one_device`): every replica holds the same seed generator states, so a
+  draw whose first dimension is the replica's rows is drawn with the global batch's rows and
+  sliced; JAX's counter-based draws give each row what one device draws for it (the rows past the
+  real ones are padding). Draws of other shapes are the same on every replica, as on one device.
 - A stateful recurrent layer is refused by name (`check_supported`).
 """
 
@@ -21,6 +27,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from jax import lax
 
 from ..engine import cross_replica_moments, get_replica_context
 
@@ -157,3 +165,56 @@ def layer_outputs_named(model: Any) -> Iterator[None]:
     finally:
         for layer in layers:
             vars(layer).pop("call", None)
+
+
+#: Keras' random functions (JAX backend) whose first argument is the drawn shape
+_SHAPED_DRAWS = ("normal", "uniform", "randint", "truncated_normal", "gamma", "binomial", "beta")
+
+
+@contextlib.contextmanager
+def random_draws_as_one_device(rows: int) -> Iterator[None]:
+    """While tracing a replica's call on its `rows` rows: Keras' random draws are the global
+    batch's, this replica's rows of them (see the module docstring; `shuffle` stays a draw of the
+    replica's rows). Outside a replica, or on one, Keras' own."""
+    ctx = get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        yield
+        return
+    from keras.src.backend.jax import random as keras_random
+
+    replicas, replica = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
+    own = {name: getattr(keras_random, name) for name in (*_SHAPED_DRAWS, "dropout", "categorical")}
+
+    def mine(drawn: jax.Array) -> jax.Array:  # this replica's rows of a draw for the global batch
+        return lax.dynamic_slice_in_dim(drawn, replica * rows, rows, axis=0)
+
+    def shaped(draw: Any) -> Any:
+        def global_draw(shape: Any, *args: Any, **kwargs: Any) -> Any:
+            shape = tuple(shape)
+            if not shape or shape[0] != rows:
+                return draw(shape, *args, **kwargs)
+            return mine(draw((rows * replicas, *shape[1:]), *args, **kwargs))
+        return global_draw
+
+    def dropout(inputs: Any, rate: float, noise_shape: Any = None, seed: Any = None) -> Any:
+        noise = keras_random._get_concrete_noise_shape(inputs, noise_shape)
+        if rate in (0.0, 1.0) or not noise or noise[0] != rows:
+            return own["dropout"](inputs, rate, noise_shape, seed)
+        kept = own["dropout"](jnp.ones((rows * replicas, *noise[1:]), inputs.dtype), rate, None, seed) != 0
+        return lax.select(jnp.broadcast_to(mine(kept), inputs.shape), inputs / (1.0 - rate), jnp.zeros_like(inputs))
+
+    def categorical(logits: Any, num_samples: int, dtype: str = "int32", seed: Any = None) -> Any:
+        if logits.shape[0] != rows:
+            return own["categorical"](logits, num_samples, dtype, seed)
+        everyone = jnp.zeros((rows * replicas, *logits.shape[1:]), logits.dtype)  # other rows: not read back
+        return mine(own["categorical"](lax.dynamic_update_slice_in_dim(everyone, logits, replica * rows, 0),
+                                       num_samples, dtype, seed))
+
+    try:
+        for name in _SHAPED_DRAWS:
+            setattr(keras_random, name, shaped(own[name]))
+        keras_random.dropout, keras_random.categorical = dropout, categorical
+        yield
+    finally:
+        for name, draw in own.items():
+            setattr(keras_random, name, draw)

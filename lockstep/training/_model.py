@@ -5,11 +5,10 @@ Both expose one interface to the compiled steps: parameters as a pytree
 returns ``(y_pred, new_non_trainable, penalty)``: the penalty is the model's own losses
 (regularisers, `add_loss`) on this replica, or None when it has none.
 
-Randomness differs per replica, reproducibly: inside a replica, a Keras seed generator's state
-``[seed, counter]`` is offset by ``replica * 0x9E3779B9`` in its seed word for the call (and the
-offset is taken off again, so every replica keeps the same state), and a `FunctionalModel`'s
-key is ``fold_in(fold_in(key(seed), step), replica)``. On one replica both are what one device
-draws. Batch statistics of Keras `BatchNormalization` layers are taken over the global batch
+Randomness: a Keras model's random draws (dropout masks, noise) are what one device draws for
+the global batch, each replica's rows of them (`random_draws_as_one_device`); a
+`FunctionalModel`'s key is ``fold_in(fold_in(key(seed), step), replica)`` (its draws differ per
+replica, reproducibly; on one replica, what one device draws). Batch statistics of Keras `BatchNormalization` layers are taken over the global batch
 (`lockstep.cross_replica_moments`) unless the trainer asks for per-replica statistics.
 """
 
@@ -27,10 +26,8 @@ import numpy as np
 from ..distribute import foreign_keras_distribution
 from ..engine import get_replica_context, held, host_value
 from ._keras_layers import (activity_penalties_masked, check_activity_regularizers, check_supported, hook_batch_norm,
-                            layer_outputs_named)
+                            layer_outputs_named, random_draws_as_one_device)
 
-#: Odd 32-bit constant (the golden ratio) that separates replicas' seeds.
-_REPLICA_SEED_STRIDE = 0x9E3779B9
 BATCH_STATISTICS = ("global", "per_replica")
 
 Params = dict[str, Any]
@@ -168,7 +165,94 @@ class _KerasAdapter:
         check_supported(model)
         hook_batch_norm(model, batch_statistics)
         check_activity_regularizers(model)
-        self._seed_slots: list[int] | None = None
+        self._trainable: list[int] | None = None  # the trainable variables when built (ids)
+
+    def ready(self) -> bool:
+        return bool(self.model.built)
+
+    def build(self, sample_x: Any) -> Params:
+        if not self.model.built:
+            self.model(sample_x)  # builds the variables from one real input
+        self._trainable = [id(v) for v in self.model.trainable_variables]
+        return {"trainable": [held(v.value) for v in self.model.trainable_variables],
+                "non_trainable": [held(v.value) for v in self.model.non_trainable_variables]}
+
+    def build_compiled(self, x: Any, y: Any, keras_optimizer: bool = True) -> None:
+        """Keras' compiled loss and metrics built for a batch like `(x, y)`, as Keras' own `fit`
+        builds them (Keras callbacks read them: `EarlyStopping(monitor="val_accuracy")` finds the
+        direction of "accuracy" there). A model Keras cannot build so is left as it is, and so is one
+        whose unbuilt Keras optimizer the trainer does not use (`keras_optimizer` False: Keras would
+        build it too, slots and all)."""
+        optimizer = getattr(self.model, "optimizer", None)
+        if not keras_optimizer and optimizer is not None and not optimizer.built:
+            return
+        compiled = getattr(self.model, "_compile_metrics", None), getattr(self.model, "_compile_loss", None)
+        if any(c is not None and not c.built for c in compiled):
+            try:
+                self.model._symbolic_build(data_batch=(x, y))
+            except Exception:  # noqa: BLE001 - lockstep's step does not need them; a callback says what it misses
+                pass
+
+    def paths(self, params: Params) -> Any:
+        """Each parameter's path (its keys joined by ``/``: ``"dense/w"``), a tree like `params`."""
+        def path(p: Any) -> str:
+            return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in p[1:])
+        return jax.tree_util.tree_map_with_path(lambda p, _: path(p), params)
+
+    def set_weights(self, params: Params, weights: Any) -> Params:
+        want = jax.tree.structure(params["trainable"])
+        got = jax.tree.structure(weights)
+        if want != got:
+            raise ValueError(f"`weights` must have the structure of the model's parameters {want}, got {got}.")
+        for a, b in zip(jax.tree.leaves(params["trainable"]), jax.tree.leaves(weights)):
+            if np.shape(a) != np.shape(b):
+                raise ValueError(f"`weights` holds an array of shape {np.shape(b)} where {np.shape(a)} belongs.")
+        return {"trainable": jax.tree.map(np.asarray, weights), "non_trainable": params["non_trainable"]}
+
+    def sync_to_model(self, params: Params) -> None:
+        self._params = params
+
+    def check_unchanged(self) -> None:
+        """A functional model's parameters cannot change kind (see `_KerasAdapter.check_unchanged`)."""
+
+    def check_input(self, x: Any) -> None:
+        """Nothing to check beyond what `apply` takes (see `_KerasAdapter.check_input`)."""
+
+    def lend(self, params: Params) -> None:
+        """No Keras variables to lend (see `_KerasAdapter.lend`)."""
+
+    def taken(self, lent: Any) -> Params | None:
+        return None
+
+
+class _KerasAdapter:
+    """Drives a Keras 3 model through `stateless_call`; the Keras variables are kept in sync.
+
+    Its `BatchNormalization` layers take their batch statistics over the global batch (their
+    `_moments` is lockstep's inside a replica, Keras' own elsewhere), unless `batch_statistics`
+    is ``"per_replica"``.
+    """
+
+    def __init__(self, model: Any, batch_statistics: str = "global"):
+        import keras
+
+        if keras.backend.backend() != "jax":
+            raise ValueError(
+                f"a Keras model needs the JAX backend, but Keras runs on {keras.backend.backend()!r}: set "
+                "the environment variable KERAS_BACKEND=jax before importing keras."
+            )
+        foreign = foreign_keras_distribution()
+        if foreign is not None:  # its layouts would be silently ignored
+            raise ValueError(
+                f"a keras.distribution setting is active ({type(foreign).__name__}): lockstep "
+                "places the model itself and would ignore its layouts, running replicated; unset it "
+                "(keras.distribution.set_distribution(None)) and use a lockstep strategy: "
+                "ls.ShardedStrategy(mesh=..., layout_map=..., batch_dim_name=...) takes Keras' DeviceMesh and "
+                "LayoutMap as they are.")
+        self.model = model
+        check_supported(model)
+        hook_batch_norm(model, batch_statistics)
+        check_activity_regularizers(model)
         self._trainable: list[int] | None = None  # the trainable variables when built (ids)
 
     def ready(self) -> bool:
@@ -213,22 +297,11 @@ class _KerasAdapter:
         return layer_outputs_named(self.model)
 
     def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
-        non_trainable = list(params["non_trainable"])
-        ctx = get_replica_context()
-        slots = self._seed_states() if ctx is not None else []
-        offset = None
-        if slots and ctx is not None:  # each replica draws its own randomness (see the module docstring)
-            replica = ctx.replica_id_in_sync_group.astype(jnp.uint32)
-            offset = jnp.stack([replica * jnp.uint32(_REPLICA_SEED_STRIDE), jnp.uint32(0)])
-            for i in slots:
-                non_trainable[i] = non_trainable[i] + offset.astype(non_trainable[i].dtype)
-        with activity_penalties_masked(self.model):
+        rows = int(np.shape(jax.tree.leaves(x)[0])[0])
+        with activity_penalties_masked(self.model), random_draws_as_one_device(rows):
             y, new, losses = self.model.stateless_call(
-                params["trainable"], non_trainable, x, training=training, return_losses=True)
-        new = list(new)
-        for i in slots:
-            new[i] = new[i] - offset.astype(new[i].dtype)
-        return y, new, sum(losses, jnp.zeros(())) if losses else None
+                params["trainable"], params["non_trainable"], x, training=training, return_losses=True)
+        return y, list(new), sum(losses, jnp.zeros(())) if losses else None
 
     def _order(self) -> list[tuple[str, int]]:
         """Where each of `model.weights` lives in (trainable, non_trainable)."""
