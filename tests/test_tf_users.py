@@ -97,6 +97,14 @@ def test_two_workers_at_keras_defaults_start_from_worker_0_and_equal_keras_own_f
         assert_weights_close(res["shuffled"]["weights"], reference.get_weights(), atol=5e-6)
     worker_0 = next(res["shuffled"] for res in results if res["shuffled"]["rank"] == 0)  # (lines come in any order)
     assert worker_0["after"] == float(np.random.uniform())  # its NumPy state moved on as in Keras
+    # dropout on two workers: the masks Keras' own fit draws on one device
+    keras.utils.set_random_seed(0)
+    dropped = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                keras.layers.Dropout(0.5), keras.layers.Dense(3, activation="softmax")])
+    dropped.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    dropped.fit(X, Y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+    for res in results:
+        assert_weights_close(res["dropout"], dropped.get_weights(), atol=5e-6)
     # the progress bar (verbose=1) is worker 0's alone, and it ran to the end of both epochs
     lines = proc.stdout.splitlines() + proc.stderr.splitlines()
     assert any(line.startswith("[rank 0]") and "Epoch 2/2" in line for line in lines), output_of(proc)

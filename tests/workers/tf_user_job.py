@@ -1,6 +1,7 @@
 """A TF user's multi-worker Keras job as written: KERAS_BACKEND unset, no seed, Keras' default
 `verbose`; then the same model fit on `experimental_distribute_dataset(tf.data)` and on
-`distribute_datasets_from_function` with TF's per-replica batches. Each worker prints its result."""
+`distribute_datasets_from_function` with TF's per-replica batches; a model with dropout. Each
+worker prints its result."""
 import json
 import os
 import sys
@@ -65,4 +66,12 @@ shuffled = build()
 h = shuffled.fit(x, y, batch_size=B, epochs=2)  # Keras' defaults: shuffle=True, verbose=1
 result["shuffled"] = {"history": h.history, "weights": [w.tolist() for w in shuffled.get_weights()],
                       "after": float(np.random.uniform()), "rank": strategy.worker_index}
+# a model with dropout, seeded alike: each worker's replica draws its rows of the global batch's masks
+keras.utils.set_random_seed(0)
+with strategy.scope():
+    dropped = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
+                                keras.layers.Dropout(0.5), keras.layers.Dense(3, activation="softmax")])
+    dropped.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+dropped.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+result["dropout"] = [w.tolist() for w in dropped.get_weights()]
 print("RESULT", json.dumps(result), flush=True)
