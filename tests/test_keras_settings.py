@@ -733,3 +733,58 @@ def test_a_py_dataset_read_in_part_is_begun_and_ended_each_loop_epoch_as_in_kera
     np.testing.assert_allclose(got[1], want[1], rtol=1e-5)
     np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
     assert_weights_close(got_w, want_w)
+
+
+class _BatchMeanPenalty(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+class _BatchSumPenalty(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.sum(keras.ops.square(x)))
+        return x
+
+
+class _KernelPenalty(keras.layers.Dense):
+    def __init__(self):
+        super().__init__(4)
+
+    def call(self, x):
+        self.add_loss(0.01 * keras.ops.sum(keras.ops.square(self.kernel)))
+        return super().call(x)
+
+
+def _penalised(layer):
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4), layer(), keras.layers.Dense(3)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+    return build
+
+
+def test_a_layers_add_loss_from_the_batch_is_refused_or_warned_about_unless_one_device_would_compute_it():
+    """A layer's `add_loss` term computed from the batch is computed by each replica on its own rows:
+    the step takes their mean, which is one device's for a mean over the rows on batches every
+    replica fills, and not otherwise (here a sum: 1.507 against Keras' 1.658). A sum is refused, a
+    mean warned about (and equal on 16 rows in batches of 8 on 4 replicas); a term from the weights
+    alone is exact on any batch."""
+    with pytest.raises(ValueError, match=r"layer '_+batch_sum_penalty.*' adds a loss computed from the batch .* not a "
+                                         r"mean over the batch's rows: on 4 replicas"):
+        _both(_penalised(_BatchSumPenalty), _fit)
+    x, y = RNG.normal(size=(16, 3)).astype("float32"), np.arange(16) % 3
+
+    def run(model):
+        return model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0).history
+    with pytest.warns(UserWarning, match=r"a mean over its rows\): on 4 replicas it is one device's only on batches "
+                                         r"every replica fills"):
+        (want, want_w), (got, got_w) = _both(_penalised(_BatchMeanPenalty), run)
+    assert_logs_close(got, want)
+    assert_weights_close(got_w, want_w)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        (want, want_w), (got, got_w) = _both(_penalised(_KernelPenalty), _fit)  # 13 rows: a short batch
+    assert_logs_close(got, want)
+    assert_weights_close(got_w, want_w)

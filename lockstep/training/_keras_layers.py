@@ -15,6 +15,9 @@
   sliced; JAX's counter-based draws give each row what one device draws for it (the rows past the
   real ones are padding). Draws of other shapes are the same on every replica, as on one device.
 - A stateful recurrent layer is refused by name (`check_supported`).
+- A layer's own `add_loss` term computed from the batch (`check_batch_losses`): each replica
+  computes it on its rows, and one device's value is their mean only for a mean over the rows on
+  batches every replica fills; another form is refused, a mean warned about.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-
+import numpy as np
 from jax import lax
 
 from ..engine import cross_replica_moments, get_replica_context
@@ -125,6 +128,64 @@ def check_activity_regularizers(model: Any) -> None:
             warnings.warn(f"layer {layer.name!r} has an activity_regularizer of type {type(reg).__name__}: lockstep "
                           "leaves padding rows out of it and divides by the global batch, which equals one device "
                           "only if the penalty is a sum over rows (as L1 and L2 are).", stacklevel=3)
+
+
+def _added_losses(model: Any, x: Any) -> list[tuple[str, Any]]:
+    """(layer name, value) of each `add_loss` term of a training call of `model` on `x`, activity
+    regularisers left out (their terms are made exact: `activity_penalties_masked`)."""
+    layers, added = _layers(model), []
+    regularizers = [(la, la.activity_regularizer) for la in layers if getattr(la, "activity_regularizer", None)]
+
+    def recording(layer: Any) -> Any:
+        own = layer.add_loss
+
+        def add_loss(loss: Any) -> Any:
+            added.append((layer.name, loss))
+            return own(loss)
+        return add_loss
+    try:
+        for layer, _ in regularizers:
+            layer.activity_regularizer = None
+        for layer in layers:
+            layer.add_loss = recording(layer)
+        model.stateless_call([v.value for v in model.trainable_variables],
+                             [v.value for v in model.non_trainable_variables], x, training=True)
+    finally:
+        for layer in layers:
+            vars(layer).pop("add_loss", None)
+        for layer, reg in regularizers:
+            layer.activity_regularizer = reg
+    return added
+
+
+def check_batch_losses(model: Any, x: Any, replicas: int) -> None:
+    """On more than one replica, a layer's `add_loss` term that depends on the batch `x` (its
+    first rows compared: one row against another, and a row against itself twice) is refused
+    unless it is a mean over the batch's rows, which is exact only on batches every replica fills
+    with real rows (a warning says so): each replica computes the term on its own rows (padding
+    rows included) and the step takes their mean."""
+    own_code = [la for la in (model, *_layers(model)) if type(la).__module__.split(".")[0] != "keras"]
+    if replicas == 1 or not own_code or not jax.eval_shape(lambda x: [v for _, v in _added_losses(model, x)], x):
+        return  # Keras' own layers add no loss but their activity regularisers'; a user's may
+    first = jax.tree.map(lambda a: a[:1], x)
+    rows = [first, jax.tree.map(lambda a: a[1:2] if len(a) > 1 else (a[:1] * 1.5 + 0.25 if
+                                jnp.issubdtype(a.dtype, jnp.floating) else a[:1]), x),
+            jax.tree.map(lambda a: jnp.concatenate([a[:1], a[:1]]), x)]
+    one, other, twice = ([float(jnp.sum(v)) for _, v in _added_losses(model, r)] for r in rows)
+    for (name, _), a, b, c in zip(_added_losses(model, first), one, other, twice):
+        if a == b:  # the same for another row: not computed from the batch
+            continue
+        if not np.isclose(c, a, rtol=1e-5, atol=1e-7):
+            raise ValueError(
+                f"layer {name!r} adds a loss computed from the batch (`self.add_loss` in its `call`) that is not a "
+                f"mean over the batch's rows: on {replicas} replicas each replica computes it on its own rows, so the "
+                "step would not be one device's. Give it as a loss of (y_true, y_pred) in compile(loss=...), or as "
+                "an `activity_regularizer` (lockstep counts its real rows, exactly), or train on one replica.")
+        warnings.warn(
+            f"layer {name!r} adds a loss computed from the batch (a mean over its rows): on {replicas} replicas it is "
+            "one device's only on batches every replica fills with real rows; a last short batch, or a batch size "
+            f"that is not a multiple of {replicas}, gives another step there. Use a batch size the replicas divide, "
+            "and data the batch size divides (or drop the remainder).", UserWarning, stacklevel=4)
 
 
 @contextlib.contextmanager

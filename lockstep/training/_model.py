@@ -25,8 +25,8 @@ import numpy as np
 
 from ..distribute import foreign_keras_distribution
 from ..engine import get_replica_context, held, host_value
-from ._keras_layers import (activity_penalties_masked, check_activity_regularizers, check_supported, hook_batch_norm,
-                            layer_outputs_named, random_draws_as_one_device)
+from ._keras_layers import (activity_penalties_masked, check_activity_regularizers, check_batch_losses, check_supported,
+                            hook_batch_norm, layer_outputs_named, random_draws_as_one_device)
 
 BATCH_STATISTICS = ("global", "per_replica")
 
@@ -287,6 +287,10 @@ class _KerasAdapter:
             self._seed_slots = [i for i, v in enumerate(self.model.non_trainable_variables)
                                 if v.name == "seed_generator_state"]
         return self._seed_slots
+
+    def check_batch_losses(self, x: Any, replicas: int) -> None:
+        """Refuses, or warns about, `add_loss` terms computed from the batch (`check_batch_losses`)."""
+        check_batch_losses(self.model, x, replicas)
 
     def paths(self, params: Params) -> Any:
         """Each variable's Keras `variable.path`, a tree like `params`."""

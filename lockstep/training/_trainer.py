@@ -230,6 +230,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             self._all.build(shapes_of(y), pred_shape)
             getattr(self._adapter, "build_compiled", lambda *_: None)(x, y, self._keras_optimizer is not None)
         if self._runner is None:
+            getattr(self._adapter, "check_batch_losses", lambda *_: None)(x, self.strategy.num_replicas_in_sync)
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
             self._runner = StepRunner(self._engine, make_steps(
                 self._placement.on_stored(apply), self._loss_fn, self._loss_tracker, self._metrics,
