@@ -14,6 +14,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from ._keras_kind import is_keras
 from .engine import along_rows, get_replica_context, to_varying
 
 EPSILON = 1e-7  # Keras' backend epsilon, used to clip probabilities
@@ -97,7 +98,7 @@ def get(identifier: str | Callable[..., jax.Array]) -> Callable[[Any, Any], jax.
     Raises:
       ValueError: the name is unknown (the message lists the known names).
     """
-    if type(identifier).__module__.startswith("keras") and hasattr(identifier, "call") and hasattr(
+    if is_keras(identifier) and hasattr(identifier, "call") and hasattr(
             identifier, "reduction"):
         return _keras_loss(identifier)
     if callable(identifier):

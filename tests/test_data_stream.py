@@ -138,6 +138,7 @@ def test_each_epoch_of_the_stream_and_each_custom_loop_pass_is_begun_and_ended_o
     stream = DataStream(Engine(jax.devices()[:2]), data, 2, 1)
     for epoch in range(3):
         list(stream.epoch(epoch))
+        stream.ended()
     next(stream.epoch(3))
     assert seen == ["begin", 0, 1, "end", "begin", 2, "end", "begin", 0, 1, "end", "begin", 2]
     seen.clear()

@@ -708,7 +708,18 @@ def test_predict_on_a_py_dataset_after_a_fit_refused_before_its_first_step():
     assert_weights_close(got_w, want_w)
 
 
-@pytest.mark.parametrize("steps_per_execution", [1, 3])
+class _MarkBatches(keras.callbacks.Callback):
+    """Notes each training call's end among a dataset's records."""
+
+    def __init__(self, seen):
+        super().__init__()
+        self.seen = seen
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.seen.append(("trained", batch))
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 3, 4])  # 4: a pass of 6 batches ends with a short call
 def test_a_py_dataset_read_in_part_is_begun_and_ended_each_loop_epoch_as_in_keras(steps_per_execution):
     """Keras calls a PyDataset's `on_epoch_begin` / `on_epoch_end` around each epoch of its loops,
     not each pass: an epoch of `steps_per_epoch` ends (and the next begins) in the middle of a pass,
@@ -722,7 +733,7 @@ def test_a_py_dataset_read_in_part_is_begun_and_ended_each_loop_epoch_as_in_kera
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # Keras': "Your input ran out of data"
             history = model.fit(data, epochs=3, steps_per_epoch=4, verbose=0, validation_data=val,
-                                validation_steps=2).history
+                                validation_steps=2, callbacks=[_MarkBatches(data.seen)]).history
         evaluated = model.evaluate(val, steps=2, verbose=0)
         predicted = model.predict(val, steps=1, verbose=0)
         return history, evaluated, predicted, [d.seen for d in (data, val)]
@@ -756,6 +767,36 @@ class _KernelPenalty(keras.layers.Dense):
         return super().call(x)
 
 
+class _BatchVariancePenalty(keras.layers.Layer):
+    def call(self, x):
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.var(x, axis=0)))
+        return x
+
+
+class _MeanAfterDropout(keras.layers.Layer):
+    def __init__(self):
+        super().__init__()
+        self.dropout = keras.layers.Dropout(0.5)
+
+    def call(self, x, training=False):
+        x = self.dropout(x, training=training)
+        self.add_loss(0.1 * keras.ops.mean(keras.ops.square(x)))
+        return x
+
+
+class _SumOfItsOwn(keras.Model):
+    """A subclassed model adding a batch sum itself."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = keras.layers.Dense(4), keras.layers.Dense(3)
+
+    def call(self, x):
+        h = self.hidden(x)
+        self.add_loss(0.01 * keras.ops.sum(keras.ops.square(h)))
+        return self.out(h)
+
+
 def _penalised(layer):
     def build():
         keras.utils.set_random_seed(0)
@@ -787,4 +828,69 @@ def test_a_layers_add_loss_from_the_batch_is_refused_or_warned_about_unless_one_
         warnings.simplefilter("error", UserWarning)
         (want, want_w), (got, got_w) = _both(_penalised(_KernelPenalty), _fit)  # 13 rows: a short batch
     assert_logs_close(got, want)
+    assert_weights_close(got_w, want_w)
+
+
+def test_the_add_loss_probe_tells_a_mean_from_other_forms_and_leaves_predict_alone():
+    """A variance over the batch (0 on any one row) and a subclassed model's own batch sum are
+    refused; a mean after a Dropout is a mean (each probe's rows draw alike), warned about; a
+    refused model still predicts (its losses are not used)."""
+    strategy = ls.MirroredStrategy(4)
+    for build in (_penalised(_BatchVariancePenalty), lambda: _SumOfItsOwn()):
+        with strategy.scope():
+            model = build()
+            model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        assert model.predict(X, batch_size=8, verbose=0).shape == (13, 3)
+        with pytest.raises(ValueError, match=r"adds a loss computed from the batch .* not a mean"):
+            model.fit(X, Y, batch_size=8, verbose=0)
+    with strategy.scope():
+        model = _penalised(_MeanAfterDropout)()
+    with pytest.warns(UserWarning, match=r"a mean over its rows\): on 4 replicas"):
+        model.fit(X, Y, batch_size=8, verbose=0)
+
+
+class _Subclassed(keras.Model):
+    """TF's `MyModel(keras.Model)` idiom: its variables are made when it is first called."""
+
+    def __init__(self):
+        super().__init__()
+        self.hidden, self.out = keras.layers.Dense(4, activation="relu"), keras.layers.Dense(3)
+
+    def call(self, x):  # no `training` argument
+        return self.out(self.hidden(x))
+
+
+class _SquaredError(keras.losses.Loss):
+    """A user's loss class: Keras' by its base."""
+
+    def call(self, y_true, y_pred):
+        target = keras.ops.one_hot(keras.ops.cast(y_true, "int32"), 3)
+        return keras.ops.mean(keras.ops.square(y_pred - target), axis=-1)
+
+
+@pytest.mark.parametrize("loss", ["logits", "own_loss_class"])
+def test_a_subclassed_model_made_in_the_scope_trains_on_it_with_its_compile_as_keras_does(loss):
+    """A subclassed model made in the scope makes its variables in its first `evaluate` / `fit`,
+    after the block: it trained with Keras' own loop, on one device, outside the strategy (each
+    worker alone in a job); lockstep then took neither its compiled loss (a subclass of Keras' is
+    Keras') nor a `call` without `training`. Now it trains on the strategy, equal to Keras' fit."""
+    given = {"logits": keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+             "own_loss_class": _SquaredError()}[loss]
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = _Subclassed()
+        model.compile(optimizer=keras.optimizers.Adam(0.01), loss=given, metrics=["accuracy"])
+        return model
+
+    def run(model, in_lockstep):
+        before = model.evaluate(X, Y, batch_size=8, verbose=0)
+        history = model.fit(X, Y, batch_size=8, epochs=2, verbose=0).history
+        if in_lockstep:  # run by lockstep's Trainer on the scope's strategy, not by Keras' own loop
+            assert model.__dict__["_lockstep_trainer"][1].strategy.num_replicas_in_sync == 4
+        return before, history, model.predict(X, batch_size=8, verbose=0)
+    (want, want_w), (got, got_w) = _both(build, run)
+    np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+    assert_logs_close(got[1], want[1])
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
     assert_weights_close(got_w, want_w)

@@ -19,6 +19,7 @@ _EXPORTS = {
     "foreign_keras_distribution": "_scope",
     "get_strategy": "_strategy",
     "recent": "_scope",
+    "remember_scope": "_scope",
     "strategy_of_model": "_scope",
     "unwrap": "_values",
 }
@@ -32,6 +33,7 @@ if TYPE_CHECKING:
     from ._strategy import get_strategy as get_strategy
     from ._scope import foreign_keras_distribution as foreign_keras_distribution
     from ._scope import recent as recent
+    from ._scope import remember_scope as remember_scope
     from ._scope import strategy_of_model as strategy_of_model
     from ._values import unwrap as unwrap
 

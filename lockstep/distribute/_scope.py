@@ -76,14 +76,15 @@ def strategy_of_devices(devices: Iterable[Any]) -> "Strategy | None":
 
 
 def strategy_of_model(model: Any, by_devices: bool = True) -> "Strategy | None":
-    """The active scope's strategy; else, for a Keras model built in a scope, that scope's; else
-    (`by_devices`) a recent scope's whose devices hold the model's variables; else None."""
+    """The active scope's strategy; else, for a Keras model built (or made: `remember_scope`) in a
+    scope, that scope's; else (`by_devices`) a recent scope's whose devices hold the model's
+    variables; else None."""
     if active() is not None:
         return active()
     variables = getattr(model, "variables", None) or []
     strategy = getattr(variables[0], _MADE_IN, None) if variables else None
-    if strategy is not None:
-        return strategy
+    if strategy is not None or getattr(model, _MADE_IN, None) is not None:
+        return strategy or getattr(model, _MADE_IN)
     sharding = getattr(getattr(variables[0], "value", None), "sharding", None) if variables and by_devices else None
     return strategy_of_devices(sharding.device_set) if sharding is not None else None
 
@@ -130,6 +131,14 @@ _CLASSES: dict[int, type] = {}
 #: TF's variables hold theirs: a model built in `with ls.MirroredStrategy(2).scope():` trains on
 #: it after the block, whenever the collector runs (variable and strategy are freed together)
 _MADE_IN = "_lockstep_strategy"
+
+
+def remember_scope(model: Any) -> None:
+    """A Keras model made in a lockstep scope keeps the scope's strategy, as TF's keeps its
+    distribution strategy: a subclassed model, whose variables are made when it is first called
+    (often by `fit`, after the block), still trains on it."""
+    if active() is not None:
+        object.__setattr__(model, _MADE_IN, active())
 
 
 def _keras_data_parallel(keras: Any) -> type:

@@ -12,6 +12,7 @@ from typing import Any
 import numpy as np
 
 from .. import losses as _losses
+from .._keras_kind import is_keras
 from ..metrics import get as get_metric
 from ._outputs import Outputs, loss_weight
 from ._outputs import settings as output_settings
@@ -31,7 +32,7 @@ def no_loss(y_true: Any, y_pred: Any) -> Any:
 
 def is_compiled_keras(model: Any) -> bool:
     """Whether `model` is a Keras model on which `compile` was called."""
-    return type(model).__module__.startswith("keras") and bool(getattr(model, "compiled", False)) and hasattr(
+    return is_keras(model) and bool(getattr(model, "compiled", False)) and hasattr(
         model, "get_compile_config")
 
 

@@ -137,9 +137,13 @@ class DataStream:
         """Epoch `epoch`'s batches: the rest of a pass, or of `steps_per_epoch` steps (`done` steps
         of it taken before a resume; as in Keras, fewer where a pass of re-readable data ends). In-memory data that fits on the devices comes as
         `ResidentBatch`es (its rows gathered by the step), other data as placed batches. The data
-        is told where the epoch begins and, once it is read to its end, that it ended."""
+        is told where the epoch begins (`ended`: where it ends)."""
         self._train.loop_begins()
         yield from self._epoch(epoch, done)
+
+    def ended(self) -> None:
+        """The epoch's batches were all trained (no callback stopped it): the data is told, after
+        the last call's batch hooks, as Keras tells a `PyDataset`."""
         self._train.loop_ended()
 
     def _epoch(self, epoch: int, done: int) -> Iterator["DistributedBatch | ResidentBatch"]:

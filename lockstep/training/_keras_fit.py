@@ -36,7 +36,7 @@ import numpy as np
 
 from ..callbacks import Callback
 from ..data import PyDatasetBatches, adapt
-from ..distribute import strategy_of_model
+from ..distribute import remember_scope, strategy_of_model
 from ..engine import host_value, spread
 from ._inputs import Validation, class_weighted, is_arrays
 from ._trainer import Trainer
@@ -56,10 +56,11 @@ def _fingerprint(model: Any) -> tuple[int, ...]:
 
 def install(keras: Any) -> None:
     """Routes `keras.Model`'s fit / evaluate / predict (and the `*_on_batch` methods) of models of
-    a lockstep strategy through lockstep (once per process)."""
+    a lockstep strategy through lockstep, and has a model made in a lockstep scope keep its
+    strategy (`remember_scope`) (once per process)."""
     if _ORIGINAL:
         return
-    for name, method in (("fit", _fit), ("evaluate", _evaluate), ("predict", _predict),
+    for name, method in (("__init__", _init), ("fit", _fit), ("evaluate", _evaluate), ("predict", _predict),
                          ("predict_on_batch", _predict_on_batch), ("train_on_batch", _train_on_batch),
                          ("test_on_batch", _test_on_batch), ("get_weights", _get_weights),
                          ("get_metrics_result", _get_metrics_result),
@@ -67,6 +68,11 @@ def install(keras: Any) -> None:
         _ORIGINAL[name] = getattr(keras.Model, name)
         method.__doc__ = _ORIGINAL[name].__doc__
         setattr(keras.Model, name, method)
+
+
+def _init(self: Any, *args: Any, **kwargs: Any) -> None:
+    _ORIGINAL["__init__"](self, *args, **kwargs)
+    remember_scope(self)
 
 
 def _get_weights(self: Any) -> list[Any]:
@@ -95,11 +101,40 @@ def _written(name: str) -> Any:
     return write
 
 
+def _compiled(model: Any) -> None:
+    if not model.compiled:
+        raise ValueError("You must call `compile()` before using the model.")  # Keras' own words
+
+
+def _built_as_keras(model: Any, strategy: Any, x: Any, y: Any, batch_size: Any, predicting: bool = False) -> None:
+    """A model without variables yet (a subclassed one makes them when first called) built as
+    Keras' loops build it, in `strategy`'s scope: from the first batch's shapes, with its compiled
+    loss, metrics and optimizer (`predicting`: its layers alone, by a call on the batch); for
+    arrays and a `keras.utils.PyDataset` (other data: on the Trainer's first read)."""
+    if model.variables:
+        return
+    if is_arrays(x):
+        first = jax.tree.map(lambda a: np.asarray(a)[:32 if batch_size is None else batch_size],
+                             (x,) if y is None else (x, y))
+    elif isinstance(x, PyDatasetBatches):
+        first = x.first()
+    else:
+        return
+    with strategy.scope():
+        if predicting:
+            from keras.src.backend import StatelessScope
+
+            with StatelessScope():
+                model(first[0] if isinstance(first, tuple) else first)
+        else:
+            model._symbolic_build(data_batch=first)
+
+
 def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:
     """The model's Trainer on `strategy`, made anew after another `compile` (an uncompiled model
     may predict, as in Keras)."""
-    if compiled and not model.compiled:
-        raise ValueError("You must call `compile()` before using the model.")  # Keras' own words
+    if compiled:
+        _compiled(model)
     key = _key(model, strategy)
     held = model.__dict__.get(_HELD)
     if held is None or held[0] != key:  # a new compile, or weights set from elsewhere: a Trainer that reads them
@@ -143,8 +178,10 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                 steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
                                 validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     _one_validation_of(validation_data, validation_freq, range(initial_epoch, epochs))
-    trainer = _trainer(self, strategy)
+    _compiled(self)
     x = _as_keras_starts(self, x, y, sample_weight, batch_size, shuffle, validation_split, validation_data)
+    _built_as_keras(self, strategy, x, y, batch_size)
+    trainer = _trainer(self, strategy)
     validation_data = _validated_as_keras(validation_data)
     callbacks = [*(callbacks or []), _KerasModelHistory(self)]
     epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
@@ -235,8 +272,10 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, v
     _unsupported(**{k: (v, None) for k, v in kwargs.items()})
     _, steps = _limited(None, steps)
     try:
-        trainer = _trainer(self, strategy)
+        _compiled(self)
         x = _as_keras_starts(self, x, y, sample_weight, batch_size, False)
+        _built_as_keras(self, strategy, x, y, batch_size)
+        trainer = _trainer(self, strategy)
         logs = trainer.evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight, verbose=verbose,
                                 callbacks=callbacks, return_dict=True, steps=steps)
     finally:
@@ -251,10 +290,11 @@ def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", s
         return _ORIGINAL["predict"](self, x, batch_size=batch_size, verbose=verbose, steps=steps, callbacks=callbacks)
     _, steps = _limited(None, steps)
     try:
-        trainer = _trainer(self, strategy, compiled=False)
         if PyDatasetBatches.accepts(x):  # Keras reads a first batch only to build an unbuilt model
             x = adapt(x, batch_size=batch_size, seed=None)
             x.keras_start(_unbuilt(self, compiled=False), end=False)
+        _built_as_keras(self, strategy, x, None, batch_size, predicting=True)
+        trainer = _trainer(self, strategy, compiled=False)
         return trainer.predict(x, batch_size=batch_size, verbose=verbose, callbacks=callbacks,
                                steps=steps)
     finally:

@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 import warnings
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,8 +133,9 @@ def check_activity_regularizers(model: Any) -> None:
 
 def _added_losses(model: Any, x: Any) -> list[tuple[str, Any]]:
     """(layer name, value) of each `add_loss` term of a training call of `model` on `x`, activity
-    regularisers left out (their terms are made exact: `activity_penalties_masked`)."""
-    layers, added = _layers(model), []
+    regularisers left out (their terms are made exact: `activity_penalties_masked`); each row
+    draws the first row's random values (a row's terms alike in a batch of any rows)."""
+    layers, added = [model, *_layers(model)], []
     regularizers = [(la, la.activity_regularizer) for la in layers if getattr(la, "activity_regularizer", None)]
 
     def recording(layer: Any) -> Any:
@@ -148,8 +150,10 @@ def _added_losses(model: Any, x: Any) -> list[tuple[str, Any]]:
             layer.activity_regularizer = None
         for layer in layers:
             layer.add_loss = recording(layer)
-        model.stateless_call([v.value for v in model.trainable_variables],
-                             [v.value for v in model.non_trainable_variables], x, training=True)
+        with _drawing(_Rows(len(jax.tree.leaves(x)[0]), 1, 0, tile=True)):
+            model.stateless_call([v.value for v in model.trainable_variables],
+                                 [v.value for v in model.non_trainable_variables], x,
+                                 **({"training": True} if getattr(model, "_call_has_training_arg", True) else {}))
     finally:
         for layer in layers:
             vars(layer).pop("add_loss", None)
@@ -159,23 +163,23 @@ def _added_losses(model: Any, x: Any) -> list[tuple[str, Any]]:
 
 
 def check_batch_losses(model: Any, x: Any, replicas: int) -> None:
-    """On more than one replica, a layer's `add_loss` term that depends on the batch `x` (its
-    first rows compared: one row against another, and a row against itself twice) is refused
-    unless it is a mean over the batch's rows, which is exact only on batches every replica fills
-    with real rows (a warning says so): each replica computes the term on its own rows (padding
-    rows included) and the step takes their mean."""
+    """On more than one replica, a layer's `add_loss` term that depends on the batch `x` is refused
+    unless it is a mean over the batch's rows (its value on two rows the mean of its values on
+    each), which is exact only on batches every replica fills with real rows (a warning says so):
+    each replica computes the term on its own rows (padding rows included) and the step takes
+    their mean."""
     own_code = [la for la in (model, *_layers(model)) if type(la).__module__.split(".")[0] != "keras"]
     if replicas == 1 or not own_code or not jax.eval_shape(lambda x: [v for _, v in _added_losses(model, x)], x):
         return  # Keras' own layers add no loss but their activity regularisers'; a user's may
     first = jax.tree.map(lambda a: a[:1], x)
-    rows = [first, jax.tree.map(lambda a: a[1:2] if len(a) > 1 else (a[:1] * 1.5 + 0.25 if
-                                jnp.issubdtype(a.dtype, jnp.floating) else a[:1]), x),
-            jax.tree.map(lambda a: jnp.concatenate([a[:1], a[:1]]), x)]
-    one, other, twice = ([float(jnp.sum(v)) for _, v in _added_losses(model, r)] for r in rows)
-    for (name, _), a, b, c in zip(_added_losses(model, first), one, other, twice):
-        if a == b:  # the same for another row: not computed from the batch
+    second = jax.tree.map(lambda a: a[1:2] if len(a) > 1 else (a[:1] * 1.5 + 0.25 if
+                          jnp.issubdtype(a.dtype, jnp.floating) else a[:1]), x)
+    both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, second)
+    one, other, two = ([float(jnp.sum(v)) for _, v in _added_losses(model, r)] for r in (first, second, both))
+    for (name, _), a, b, ab in zip(_added_losses(model, first), one, other, two):
+        if a == b == ab:  # the same on other rows: not computed from the batch
             continue
-        if not np.isclose(c, a, rtol=1e-5, atol=1e-7):
+        if not np.isclose(ab, (a + b) / 2, rtol=1e-5, atol=1e-7):
             raise ValueError(
                 f"layer {name!r} adds a loss computed from the batch (`self.add_loss` in its `call`) that is not a "
                 f"mean over the batch's rows: on {replicas} replicas each replica computes it on its own rows, so the "
@@ -232,50 +236,99 @@ def layer_outputs_named(model: Any) -> Iterator[None]:
 _SHAPED_DRAWS = ("normal", "uniform", "randint", "truncated_normal", "gamma", "binomial", "beta")
 
 
-@contextlib.contextmanager
-def random_draws_as_one_device(rows: int) -> Iterator[None]:
-    """While tracing a replica's call on its `rows` rows: Keras' random draws are the global
-    batch's, this replica's rows of them (see the module docstring; `shuffle` stays a draw of the
-    replica's rows). Outside a replica, or on one, Keras' own."""
-    ctx = get_replica_context()
-    if ctx is None or ctx.num_replicas_in_sync == 1:
-        yield
-        return
+class _Rows(NamedTuple):
+    """How Keras' draws are made on this thread: a call on `rows` rows, replica `replica` of
+    `replicas` (draw the global batch's, take this replica's rows), or (`tile`) each row given the
+    first row's values (`check_batch_losses`' probes: a row draws alike in a batch of any rows)."""
+
+    rows: int
+    replicas: int
+    replica: Any
+    tile: bool = False
+
+    def draw(self, draw: Callable[[tuple[int, ...]], Any], shape: tuple[int, ...]) -> Any:
+        if self.tile:
+            return jnp.broadcast_to(draw((1, *shape[1:])), shape)
+        everyone = draw((self.rows * self.replicas, *shape[1:]))
+        return lax.dynamic_slice_in_dim(everyone, self.replica * self.rows, self.rows, axis=0)
+
+    def follows(self, shape: Any, *args: Any) -> bool:
+        """Whether a draw of `shape` (with `args`) is one of the batch's rows, drawn so: its first
+        dimension the rows', and no argument an array of the rows' (Keras' own takes those)."""
+        shape = tuple(shape)
+        return bool(shape) and shape[0] == self.rows and not any(
+            np.ndim(a) and np.shape(a)[0] == self.rows for a in args if hasattr(a, "shape"))
+
+
+class _Setting(threading.local):
+    rows: _Rows | None = None
+
+
+_SETTING = _Setting()
+_KERAS_OWN: dict[str, Any] = {}  # Keras' own functions, replaced once by wrappers that read `_SETTING`
+_INSTALL = threading.Lock()
+
+
+def _install() -> None:
+    """Replaces Keras' random functions (JAX backend) by ones that draw as `_SETTING` says on the
+    calling thread (Keras' own where it says nothing), once."""
     from keras.src.backend.jax import random as keras_random
 
-    replicas, replica = ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group
-    own = {name: getattr(keras_random, name) for name in (*_SHAPED_DRAWS, "dropout", "categorical")}
+    with _INSTALL:
+        if _KERAS_OWN:
+            return
+        own = {name: getattr(keras_random, name) for name in (*_SHAPED_DRAWS, "dropout", "categorical")}
 
-    def mine(drawn: jax.Array) -> jax.Array:  # this replica's rows of a draw for the global batch
-        return lax.dynamic_slice_in_dim(drawn, replica * rows, rows, axis=0)
+        def shaped(draw: Any) -> Any:
+            def rows_drawn(shape: Any, *args: Any, **kwargs: Any) -> Any:
+                rows = _SETTING.rows
+                if rows is None or not rows.follows(shape, *args, *kwargs.values()):
+                    return draw(shape, *args, **kwargs)
+                return rows.draw(lambda s: draw(s, *args, **kwargs), tuple(shape))
+            return rows_drawn
 
-    def shaped(draw: Any) -> Any:
-        def global_draw(shape: Any, *args: Any, **kwargs: Any) -> Any:
-            shape = tuple(shape)
-            if not shape or shape[0] != rows:
-                return draw(shape, *args, **kwargs)
-            return mine(draw((rows * replicas, *shape[1:]), *args, **kwargs))
-        return global_draw
+        def dropout(inputs: Any, rate: float, noise_shape: Any = None, seed: Any = None) -> Any:
+            rows = _SETTING.rows
+            noise = tuple(keras_random._get_concrete_noise_shape(inputs, noise_shape))
+            if rows is None or rate in (0.0, 1.0) or not rows.follows(noise):
+                return own["dropout"](inputs, rate, noise_shape, seed)
+            kept = rows.draw(lambda s: own["dropout"](jnp.ones(s, inputs.dtype), rate, None, seed) != 0, noise)
+            return lax.select(jnp.broadcast_to(kept, inputs.shape), inputs / (1.0 - rate), jnp.zeros_like(inputs))
 
-    def dropout(inputs: Any, rate: float, noise_shape: Any = None, seed: Any = None) -> Any:
-        noise = keras_random._get_concrete_noise_shape(inputs, noise_shape)
-        if rate in (0.0, 1.0) or not noise or noise[0] != rows:
-            return own["dropout"](inputs, rate, noise_shape, seed)
-        kept = own["dropout"](jnp.ones((rows * replicas, *noise[1:]), inputs.dtype), rate, None, seed) != 0
-        return lax.select(jnp.broadcast_to(mine(kept), inputs.shape), inputs / (1.0 - rate), jnp.zeros_like(inputs))
+        def categorical(logits: Any, num_samples: int, dtype: str = "int32", seed: Any = None) -> Any:
+            rows = _SETTING.rows
+            if rows is None or rows.tile or not rows.follows(logits.shape):
+                return own["categorical"](logits, num_samples, dtype, seed)
+            everyone = jnp.zeros((rows.rows * rows.replicas, *logits.shape[1:]), logits.dtype)  # others: not read
+            placed = lax.dynamic_update_slice_in_dim(everyone, logits, rows.replica * rows.rows, 0)
+            return lax.dynamic_slice_in_dim(own["categorical"](placed, num_samples, dtype, seed),
+                                            rows.replica * rows.rows, rows.rows, axis=0)
 
-    def categorical(logits: Any, num_samples: int, dtype: str = "int32", seed: Any = None) -> Any:
-        if logits.shape[0] != rows:
-            return own["categorical"](logits, num_samples, dtype, seed)
-        everyone = jnp.zeros((rows * replicas, *logits.shape[1:]), logits.dtype)  # other rows: not read back
-        return mine(own["categorical"](lax.dynamic_update_slice_in_dim(everyone, logits, replica * rows, 0),
-                                       num_samples, dtype, seed))
-
-    try:
         for name in _SHAPED_DRAWS:
             setattr(keras_random, name, shaped(own[name]))
         keras_random.dropout, keras_random.categorical = dropout, categorical
+        _KERAS_OWN.update(own)
+
+
+@contextlib.contextmanager
+def _drawing(rows: _Rows | None) -> Iterator[None]:
+    _install()
+    previous, _SETTING.rows = _SETTING.rows, rows
+    try:
         yield
     finally:
-        for name, draw in own.items():
-            setattr(keras_random, name, draw)
+        _SETTING.rows = previous
+
+
+def random_draws_as_one_device(rows: int) -> Any:
+    """While tracing a replica's call on its `rows` rows: Keras' random draws are the global
+    batch's, this replica's rows of them (see the module docstring; `shuffle`, and a draw given
+    arrays of the rows, are Keras' own). Outside a replica, or on one, Keras' own."""
+    ctx = get_replica_context()
+    if ctx is None or ctx.num_replicas_in_sync == 1:
+        return contextlib.nullcontext()
+    if not jax.config.jax_threefry_partitionable:
+        warnings.warn("jax_threefry_partitionable is off: a row's random draws then depend on the batch's length, "
+                      "so lockstep's replicas draw other dropout masks and noise than one device would.",
+                      UserWarning, stacklevel=3)
+    return _drawing(_Rows(rows, ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group))

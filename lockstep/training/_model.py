@@ -193,101 +193,6 @@ class _KerasAdapter:
             except Exception:  # noqa: BLE001 - lockstep's step does not need them; a callback says what it misses
                 pass
 
-    def paths(self, params: Params) -> Any:
-        """Each parameter's path (its keys joined by ``/``: ``"dense/w"``), a tree like `params`."""
-        def path(p: Any) -> str:
-            return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in p[1:])
-        return jax.tree_util.tree_map_with_path(lambda p, _: path(p), params)
-
-    def set_weights(self, params: Params, weights: Any) -> Params:
-        want = jax.tree.structure(params["trainable"])
-        got = jax.tree.structure(weights)
-        if want != got:
-            raise ValueError(f"`weights` must have the structure of the model's parameters {want}, got {got}.")
-        for a, b in zip(jax.tree.leaves(params["trainable"]), jax.tree.leaves(weights)):
-            if np.shape(a) != np.shape(b):
-                raise ValueError(f"`weights` holds an array of shape {np.shape(b)} where {np.shape(a)} belongs.")
-        return {"trainable": jax.tree.map(np.asarray, weights), "non_trainable": params["non_trainable"]}
-
-    def sync_to_model(self, params: Params) -> None:
-        self._params = params
-
-    def check_unchanged(self) -> None:
-        """A functional model's parameters cannot change kind (see `_KerasAdapter.check_unchanged`)."""
-
-    def check_input(self, x: Any) -> None:
-        """Nothing to check beyond what `apply` takes (see `_KerasAdapter.check_input`)."""
-
-    def lend(self, params: Params) -> None:
-        """No Keras variables to lend (see `_KerasAdapter.lend`)."""
-
-    def taken(self, lent: Any) -> Params | None:
-        return None
-
-
-class _KerasAdapter:
-    """Drives a Keras 3 model through `stateless_call`; the Keras variables are kept in sync.
-
-    Its `BatchNormalization` layers take their batch statistics over the global batch (their
-    `_moments` is lockstep's inside a replica, Keras' own elsewhere), unless `batch_statistics`
-    is ``"per_replica"``.
-    """
-
-    def __init__(self, model: Any, batch_statistics: str = "global"):
-        import keras
-
-        if keras.backend.backend() != "jax":
-            raise ValueError(
-                f"a Keras model needs the JAX backend, but Keras runs on {keras.backend.backend()!r}: set "
-                "the environment variable KERAS_BACKEND=jax before importing keras."
-            )
-        foreign = foreign_keras_distribution()
-        if foreign is not None:  # its layouts would be silently ignored
-            raise ValueError(
-                f"a keras.distribution setting is active ({type(foreign).__name__}): lockstep "
-                "places the model itself and would ignore its layouts, running replicated; unset it "
-                "(keras.distribution.set_distribution(None)) and use a lockstep strategy: "
-                "ls.ShardedStrategy(mesh=..., layout_map=..., batch_dim_name=...) takes Keras' DeviceMesh and "
-                "LayoutMap as they are.")
-        self.model = model
-        check_supported(model)
-        hook_batch_norm(model, batch_statistics)
-        check_activity_regularizers(model)
-        self._trainable: list[int] | None = None  # the trainable variables when built (ids)
-
-    def ready(self) -> bool:
-        return bool(self.model.built)
-
-    def build(self, sample_x: Any) -> Params:
-        if not self.model.built:
-            self.model(sample_x)  # builds the variables from one real input
-        self._trainable = [id(v) for v in self.model.trainable_variables]
-        return {"trainable": [held(v.value) for v in self.model.trainable_variables],
-                "non_trainable": [held(v.value) for v in self.model.non_trainable_variables]}
-
-    def build_compiled(self, x: Any, y: Any, keras_optimizer: bool = True) -> None:
-        """Keras' compiled loss and metrics built for a batch like `(x, y)`, as Keras' own `fit`
-        builds them (Keras callbacks read them: `EarlyStopping(monitor="val_accuracy")` finds the
-        direction of "accuracy" there). A model Keras cannot build so is left as it is, and so is one
-        whose unbuilt Keras optimizer the trainer does not use (`keras_optimizer` False: Keras would
-        build it too, slots and all)."""
-        optimizer = getattr(self.model, "optimizer", None)
-        if not keras_optimizer and optimizer is not None and not optimizer.built:
-            return
-        compiled = getattr(self.model, "_compile_metrics", None), getattr(self.model, "_compile_loss", None)
-        if any(c is not None and not c.built for c in compiled):
-            try:
-                self.model._symbolic_build(data_batch=(x, y))
-            except Exception:  # noqa: BLE001 - lockstep's step does not need them; a callback says what it misses
-                pass
-
-    def _seed_states(self) -> list[int]:
-        """Positions of the seed generators' states among the non-trainable variables."""
-        if self._seed_slots is None:
-            self._seed_slots = [i for i, v in enumerate(self.model.non_trainable_variables)
-                                if v.name == "seed_generator_state"]
-        return self._seed_slots
-
     def check_batch_losses(self, x: Any, replicas: int) -> None:
         """Refuses, or warns about, `add_loss` terms computed from the batch (`check_batch_losses`)."""
         check_batch_losses(self.model, x, replicas)
@@ -302,9 +207,10 @@ class _KerasAdapter:
 
     def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
         rows = int(np.shape(jax.tree.leaves(x)[0])[0])
+        flag = {"training": training} if getattr(self.model, "_call_has_training_arg", True) else {}
         with activity_penalties_masked(self.model), random_draws_as_one_device(rows):
             y, new, losses = self.model.stateless_call(
-                params["trainable"], params["non_trainable"], x, training=training, return_losses=True)
+                params["trainable"], params["non_trainable"], x, return_losses=True, **flag)
         return y, list(new), sum(losses, jnp.zeros(())) if losses else None
 
     def _order(self) -> list[tuple[str, int]]:

@@ -7,6 +7,7 @@ from typing import Any, NamedTuple
 import numpy as np
 import optax
 
+from .._keras_kind import is_keras
 from ..engine import held
 
 def keras_adam(learning_rate: Any, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-7,
@@ -75,8 +76,9 @@ def get_optimizer(optimizer: Any, trainable_variables: Any = None) -> optax.Grad
     if is_keras_optimizer(optimizer):
         optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer: lockstep scales
         if not trainable_variables:
-            raise TypeError("a Keras optimizer object needs a Keras model (its variables); for a FunctionalModel "
-                            "pass an optax transformation or a name.")
+            raise TypeError("a Keras optimizer object needs a Keras model with its variables (a subclassed model "
+                            "makes them when first called: call it on a batch, or `model.build(input_shape)`, "
+                            "first); for a FunctionalModel pass an optax transformation or a name.")
         return from_keras(optimizer, trainable_variables)
     raise TypeError(f"`optimizer` must be a name, a Keras optimizer or an optax.GradientTransformation, got "
                     f"{type(optimizer).__name__}.")
@@ -177,7 +179,7 @@ def keras_state_variables(optimizer: Any) -> list[Any]:
 
 def is_keras_optimizer(optimizer: Any) -> bool:
     """Whether `optimizer` is a Keras 3 optimizer object."""
-    return type(optimizer).__module__.startswith("keras") and hasattr(optimizer, "stateless_apply")
+    return is_keras(optimizer) and hasattr(optimizer, "stateless_apply")
 
 
 def _learning_rate_index(optimizer: Any) -> int | None:

@@ -31,6 +31,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .._keras_kind import is_keras
+
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 _COMPUTE = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
 
@@ -46,7 +48,7 @@ def resolve_policy(model: Any, dtype_policy: str | None) -> str:
     if dtype_policy is not None and dtype_policy not in POLICIES:
         raise ValueError(f"`dtype_policy` must be one of {POLICIES} (or None), got dtype_policy={dtype_policy!r}.")
     keras_policy = getattr(getattr(model, "dtype_policy", None), "name", None)
-    if keras_policy is None or not type(model).__module__.startswith("keras"):
+    if keras_policy is None or not is_keras(model):
         return dtype_policy or "float32"
     layers = {getattr(getattr(layer, "dtype_policy", None), "name", None) for layer in getattr(model, "layers", [])}
     mixed = [p for p in ("mixed_float16", "mixed_bfloat16") if p in layers]

@@ -23,6 +23,7 @@ from typing import Any
 
 import jax
 
+from .._keras_kind import is_keras as is_keras_object
 from ._optimizers import keras_state_owners, keras_state_variables
 
 
@@ -135,7 +136,7 @@ def state_names(model: Any, optimizer: Any, params: Any, opt_state: Any) -> Stat
     else:
         name_of = jax.tree_util.keystr
     names = [name_of(p) for p in param_paths]
-    if is_keras and type(optimizer).__module__.startswith("keras"):
+    if is_keras and is_keras_object(optimizer):
         inner = getattr(optimizer, "inner_optimizer", optimizer)
         opt_names = _keras_optimizer_names(inner, model, by_id, opt_state)
         identity = f"keras {type(inner).__name__}"

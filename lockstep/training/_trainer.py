@@ -206,12 +206,13 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         self.last_logs: dict[str, Any] | None = None  # the loss and metrics of the last epoch or evaluation
         self.log_skipped_steps = True  # mixed_float16: the epoch's logs count the steps skipped (not Keras' fit's)
         self._state: TrainState | None = None  # the training state, replaced at each step; None until built
+        self._losses_checked = False  # the model's own `add_loss` terms (`check_batch_losses`)
         self._resume: TrainState | None = None  # a restored state, whose position the next fit takes up
         self._stream, self._callbacks = None, []  # the last fit's data and callbacks, for `train_state`
         self._cblist: CallbackList | None = None  # the last fit's, for `fit_counters`
 
     # --- building ------------------------------------------------------------------------
-    def _build(self, batch: Any, arg: str, labels: Any = None, labels_arg: str | None = None
+    def _build(self, batch: Any, arg: str, labels: Any = None, labels_arg: str | None = None, losses: bool = True
                ) -> Callable[[Any, str], None]:
         """Builds the model on `batch` (the first of `arg`), checks that it takes it, and returns
         the check of `arg`'s later batches. The metrics are built from its labels once all of
@@ -229,8 +230,10 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
                 self._labels.check(labels, labels_arg or arg)
             self._all.build(shapes_of(y), pred_shape)
             getattr(self._adapter, "build_compiled", lambda *_: None)(x, y, self._keras_optimizer is not None)
-        if self._runner is None:
+        if losses and not self._losses_checked:  # fit / evaluate, which add the model's own losses
             getattr(self._adapter, "check_batch_losses", lambda *_: None)(x, self.strategy.num_replicas_in_sync)
+            self._losses_checked = True
+        if self._runner is None:
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
             self._runner = StepRunner(self._engine, make_steps(
                 self._placement.on_stored(apply), self._loss_fn, self._loss_tracker, self._metrics,
@@ -246,7 +249,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
                 not metrics or (self._all.built and not self._labels.needs_classes)):
             self._adapter.check_unchanged()
             return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
-        return self._build(first_batch(data), arg, labels, labels_arg)
+        return self._build(first_batch(data), arg, labels, labels_arg, losses=metrics)
 
     def _initial_state(self, params: Any) -> None:
         """The state a new model starts from, laid out as the strategy says."""
@@ -382,6 +385,8 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             cblist.on_train_batch_end(step + len(execution) - 1, logs)
             if self.stop_training:
                 break
+        else:
+            train.ended()
         self._state = self._state.replace(epoch=epoch + 1, step=0)
         logs = read_logs(self._engine, self._all, self._state.metric_state)
         self.last_logs = dict(logs)
