@@ -5,8 +5,9 @@
 
 Inside a replica, lockstep draws a Keras layer's random values (a `Dropout` mask, noise) for the
 whole global batch and keeps the replica's rows (`lockstep/training/_keras_layers.py`,
-`random_draws_as_one_device`): the step is then one device's, on any replica count, but each
-replica generates R times its own rows' random bits. This compares, side by side in fresh
+`random_draws_as_one_device`): the step is then one device's, on any replica count. Dropout masks
+and normal / uniform draws start their counters at the replica's first row (no more bits than its
+own rows'); other draws generate the whole batch's bits. This compares, side by side in fresh
 processes, an epoch of `model.fit` of a 784-512-512-10 MLP with two `Dropout(0.2)` layers on R
 simulated CPU devices (global batch 256) with the draws made so ("one device's") and with each
 replica drawing its own rows alone ("rows alone": the cost of the per-replica draws lockstep made

@@ -373,3 +373,25 @@ def test_functional_model_gets_a_key_per_replica_and_step():
     t.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert seen and all(k is not None for k in seen)
     assert int(t.train_state.params["non_trainable"]["rng_step"]) == 1  # one training step drew once
+
+
+def test_a_replicas_rows_of_a_draw_are_drawn_from_its_first_counter_as_one_device_draws_them():
+    """`normal`, `uniform`, `truncated_normal` and `bernoulli` (dropout) on a replica's key give its
+    rows of the global batch's draw, in float32, bfloat16 and float16; the first counter is
+    replica x rows x row size in 64 bits (past 2**32 too)."""
+    from lockstep.training._keras_layers import _Rows
+
+    seed, replicas, rows, width = jnp.array([0, 42], jnp.uint32), 4, 3, 5
+    for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):
+        draws = {"normal": lambda k, s: jax.random.normal(k, s, dtype),
+                 "uniform": lambda k, s: jax.random.uniform(k, s, dtype, 0.2, 0.9),
+                 "truncated_normal": lambda k, s: jax.random.truncated_normal(k, -2.0, 2.0, s, dtype),
+                 "bernoulli": lambda k, s: jax.random.bernoulli(k, 0.7, s)}
+        for name, draw in draws.items():
+            everyone = np.asarray(draw(seed, (replicas * rows, width)))
+            for r in range(replicas):
+                mine = np.asarray(draw(_Rows(rows, replicas, jnp.int32(r)).key(seed, width), (rows, width)))
+                np.testing.assert_array_equal(mine, everyone[r * rows:(r + 1) * rows], err_msg=f"{name} {dtype}")
+    for replica, per_row in ((7, 10**6), (1, 2**13)):
+        words = np.asarray(jax.random.key_data(_Rows(3000, 8, jnp.int32(replica)).key(seed, per_row)), np.uint64)
+        assert int(words[2]) * 2**32 + int(words[3]) == replica * 3000 * per_row

@@ -11,9 +11,12 @@
 - Keras' random draws (`keras.random.*`: `Dropout`'s mask, `GaussianNoise`, a recurrent layer's
   dropout masks, random augmentation) are drawn for the global batch and each replica takes its
   rows (`random_draws_as_one_device`): every replica holds the same seed generator states, so a
-  draw whose first dimension is the replica's rows is drawn with the global batch's rows and
-  sliced; JAX's counter-based draws give each row what one device draws for it (the rows past the
-  real ones are padding). Draws of other shapes are the same on every replica, as on one device.
+  draw whose first dimension is the replica's rows is the global batch's draw, this replica's rows
+  of it: JAX's counter-based draws give element i the hash of counter i whatever the draw's
+  length, so `normal` / `uniform` / `truncated_normal` / dropout masks are drawn with counters
+  starting at the replica's first element (`_Rows.key`: no more bits than its own rows'), the
+  others drawn for the global batch and sliced (the rows past the real ones are padding). Draws of
+  other shapes are the same on every replica, as on one device.
 - A stateful recurrent layer is refused by name (`check_supported`).
 - A layer's own `add_loss` term computed from the batch (`check_batch_losses`): each replica
   computes it on its rows, and one device's value is their mean only for a mean over the rows on
@@ -252,12 +255,61 @@ class _Rows(NamedTuple):
         everyone = draw((self.rows * self.replicas, *shape[1:]))
         return lax.dynamic_slice_in_dim(everyone, self.replica * self.rows, self.rows, axis=0)
 
+    def key(self, seed: Any, row_size: int) -> Any:
+        """The key of Keras' draw `seed` (a raw or typed threefry key) that draws this replica's
+        rows of the global batch's draw directly (`_ROWS_OF`: its counters start at the replica's
+        first element), so a replica generates its own rows' random bits alone."""
+        data = jax.random.key_data(seed) if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else seed
+        per = self.rows * row_size  # elements a replica draws; its first is replica * per (64 bits)
+        replica = jnp.asarray(self.replica, jnp.uint32)
+        lo = jnp.uint32(0)
+        hi = replica * jnp.uint32(per >> 32)
+        for shift in (0, 16):
+            part = replica * jnp.uint32((per >> shift) & 0xFFFF)
+            low = (part << shift) if shift else part
+            hi = hi + (part >> (32 - shift) if shift else jnp.uint32(0)) + (lo + low < lo).astype(jnp.uint32)
+            lo = lo + low
+        return jax.random.wrap_key_data(jnp.concatenate([data.astype(jnp.uint32), jnp.stack([hi, lo])]),
+                                        impl=_rows_of())
+
     def follows(self, shape: Any, *args: Any) -> bool:
         """Whether a draw of `shape` (with `args`) is one of the batch's rows, drawn so: its first
         dimension the rows', and no argument an array of the rows' (Keras' own takes those)."""
         shape = tuple(shape)
         return bool(shape) and shape[0] == self.rows and not any(
             np.ndim(a) and np.shape(a)[0] == self.rows for a in args if hasattr(a, "shape"))
+
+
+def _rows_of_bits(key: Any, bit_width: int, shape: tuple[int, ...]) -> Any:
+    """JAX's partitionable threefry bits (``jax_threefry_partitionable``: element i of a draw gets
+    the hash of the 64-bit counter i) with the counters starting at the key's words 2-3."""
+    from jax.extend.random import threefry2x32_p
+
+    n = int(np.prod(shape))
+    lo = lax.iota(jnp.uint32, n) + key[3]
+    hi = jnp.full((n,), key[2], jnp.uint32) + (lo < key[3]).astype(jnp.uint32)
+    first, second = threefry2x32_p.bind(key[0], key[1], hi, lo)
+    bits = first ^ second
+    return (bits if bit_width == 32 else lax.convert_element_type(bits, {8: jnp.uint8, 16: jnp.uint16}[bit_width])
+            ).reshape(shape)
+
+
+def _refused(*_: Any, **__: Any) -> Any:
+    raise NotImplementedError("a replica's rows of a random draw are drawn, not split or folded")
+
+
+@functools.cache
+def _rows_of() -> Any:
+    """The PRNG implementation of `_Rows.key`: threefry keys (words 0-1) with a first counter
+    (words 2-3); `uniform`, `normal`, `bernoulli` and `truncated_normal` draw from its bits."""
+    from jax.extend.random import define_prng_impl
+
+    return define_prng_impl(key_shape=(4,), seed=_refused, split=_refused, random_bits=_rows_of_bits,
+                            fold_in=_refused, name="lockstep_rows_of")
+
+
+#: Keras' draws made from a `_Rows.key` (the others draw the global batch's and slice it)
+_KEYED_DRAWS = ("normal", "uniform", "truncated_normal")
 
 
 class _Setting(threading.local):
@@ -279,11 +331,14 @@ def _install() -> None:
             return
         own = {name: getattr(keras_random, name) for name in (*_SHAPED_DRAWS, "dropout", "categorical")}
 
-        def shaped(draw: Any) -> Any:
+        def shaped(draw: Any, keyed: bool) -> Any:
             def rows_drawn(shape: Any, *args: Any, **kwargs: Any) -> Any:
                 rows = _SETTING.rows
                 if rows is None or not rows.follows(shape, *args, *kwargs.values()):
                     return draw(shape, *args, **kwargs)
+                if keyed and not rows.tile and kwargs.get("seed") is not None:
+                    seed = rows.key(keras_random.jax_draw_seed(kwargs["seed"]), int(np.prod(tuple(shape)[1:])))
+                    return draw(shape, *args, **{**kwargs, "seed": seed})
                 return rows.draw(lambda s: draw(s, *args, **kwargs), tuple(shape))
             return rows_drawn
 
@@ -292,6 +347,9 @@ def _install() -> None:
             noise = tuple(keras_random._get_concrete_noise_shape(inputs, noise_shape))
             if rows is None or rate in (0.0, 1.0) or not rows.follows(noise):
                 return own["dropout"](inputs, rate, noise_shape, seed)
+            if not rows.tile and seed is not None:
+                key = rows.key(keras_random.jax_draw_seed(seed), int(np.prod(noise[1:])))
+                return own["dropout"](inputs, rate, noise_shape, key)
             kept = rows.draw(lambda s: own["dropout"](jnp.ones(s, inputs.dtype), rate, None, seed) != 0, noise)
             return lax.select(jnp.broadcast_to(kept, inputs.shape), inputs / (1.0 - rate), jnp.zeros_like(inputs))
 
@@ -305,7 +363,7 @@ def _install() -> None:
                                             rows.replica * rows.rows, rows.rows, axis=0)
 
         for name in _SHAPED_DRAWS:
-            setattr(keras_random, name, shaped(own[name]))
+            setattr(keras_random, name, shaped(own[name], name in _KEYED_DRAWS))
         keras_random.dropout, keras_random.categorical = dropout, categorical
         _KERAS_OWN.update(own)
 
