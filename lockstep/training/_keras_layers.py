@@ -178,8 +178,9 @@ def check_batch_losses(model: Any, x: Any, replicas: int) -> None:
     second = jax.tree.map(lambda a: a[1:2] if len(a) > 1 else (a[:1] * 1.5 + 0.25 if
                           jnp.issubdtype(a.dtype, jnp.floating) else a[:1]), x)
     both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, second)
-    one, other, two = ([float(jnp.sum(v)) for _, v in _added_losses(model, r)] for r in (first, second, both))
-    for (name, _), a, b, ab in zip(_added_losses(model, first), one, other, two):
+    added = [_added_losses(model, r) for r in (first, second, both)]
+    one, other, two = ([float(jnp.sum(v)) for _, v in terms] for terms in added)
+    for (name, _), a, b, ab in zip(added[0], one, other, two):
         if a == b == ab:  # the same on other rows: not computed from the batch
             continue
         if not np.isclose(ab, (a + b) / 2, rtol=1e-5, atol=1e-7):
@@ -261,14 +262,10 @@ class _Rows(NamedTuple):
         first element), so a replica generates its own rows' random bits alone."""
         data = jax.random.key_data(seed) if jnp.issubdtype(seed.dtype, jax.dtypes.prng_key) else seed
         per = self.rows * row_size  # elements a replica draws; its first is replica * per (64 bits)
-        replica = jnp.asarray(self.replica, jnp.uint32)
-        lo = jnp.uint32(0)
-        hi = replica * jnp.uint32(per >> 32)
-        for shift in (0, 16):
-            part = replica * jnp.uint32((per >> shift) & 0xFFFF)
-            low = (part << shift) if shift else part
-            hi = hi + (part >> (32 - shift) if shift else jnp.uint32(0)) + (lo + low < lo).astype(jnp.uint32)
-            lo = lo + low
+        replica = jnp.asarray(self.replica, jnp.uint32)  # < 2**16: each product below fits 32 bits
+        low, middle = replica * jnp.uint32(per & 0xFFFF), replica * jnp.uint32((per >> 16) & 0xFFFF)
+        lo = low + (middle << 16)
+        hi = replica * jnp.uint32(per >> 32) + (middle >> 16) + (lo < low).astype(jnp.uint32)
         return jax.random.wrap_key_data(jnp.concatenate([data.astype(jnp.uint32), jnp.stack([hi, lo])]),
                                         impl=_rows_of())
 
