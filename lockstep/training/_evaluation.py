@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import itertools
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 import jax
@@ -72,15 +72,22 @@ class TrainerEvaluation:
     _build_on: Any
     _fresh_state: Any
 
+    def _calls(self, data: DataAdapter, steps: int | None) -> Iterator[tuple[int, list[Any]]]:
+        """The calls of an `evaluate` / `predict` loop over `data` (its first `steps` batches, in
+        whole calls), the data told where the loop begins and, once the loop asks past its last
+        call (not stopped by a callback), that it ended (a `PyDataset`'s hooks, as in Keras)."""
+        data.loop_begins()
+        batches = itertools.islice(data.distributed(self._engine), whole_calls(steps, self.steps_per_execution))
+        yield from calls(batches, self.steps_per_execution)
+        data.loop_ended()
+
     def _evaluate_batches(self, data: DataAdapter, cblist: CallbackList, y: Any = None,
                           arg: str = "validation_data", steps: int | None = None) -> dict[str, Any]:
         data = checked(data, self._labels, y, arg, inputs=self._build_on(data, "x" if arg in ("x", "y") else arg, y, arg))
         state = self._fresh_state()
         self.stop_evaluating = False
         cblist.on_test_begin()
-        data.loop_begins()
-        batches = itertools.islice(data.distributed(self._engine), whole_calls(steps, self.steps_per_execution))
-        for step, group in calls(batches, self.steps_per_execution):
+        for step, group in self._calls(data, steps):
             cblist.on_test_batch_begin(step)
             for batch in group:
                 state = self._runner.evaluate(self._state.params, state, batch)
@@ -88,8 +95,6 @@ class TrainerEvaluation:
                                      LazyLogs(self._engine, self._all, state, cblist.reads["on_test_batch_end"]))
             if cblist.in_batches["testing"] and agreed(self.stop_evaluating):
                 break
-        else:
-            data.loop_ended()
         logs = self.last_logs = read_logs(self._engine, self._all, state)
         cblist.on_test_end(dict(sorted(logs.items())))
         return logs
@@ -123,16 +128,12 @@ class TrainerEvaluation:
         self.stop_predicting = False
         cblist.on_predict_begin()
         outputs = []
-        data.loop_begins()
-        batches = itertools.islice(data.distributed(self._engine), whole_calls(steps, self.steps_per_execution))
-        for step, group in calls(batches, self.steps_per_execution):
+        for step, group in self._calls(data, steps):
             cblist.on_predict_batch_begin(step)
             outputs.append(_joined([self._runner.predict(self._state.params, batch) for batch in group]))
             cblist.on_predict_batch_end(step + len(group) - 1, {"outputs": outputs[-1]})  # the call's, as in Keras
             if cblist.in_batches["predicting"] and agreed(self.stop_predicting):
                 break
-        else:
-            data.loop_ended()
         cblist.on_predict_end()
         return _joined(outputs)
 
