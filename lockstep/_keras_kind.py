@@ -6,6 +6,15 @@ from __future__ import annotations
 from typing import Any
 
 
+def defined_in_keras(cls: type) -> bool:
+    """Whether the class `cls` itself is defined in Keras (not a user's subclass of Keras').
+
+    >>> defined_in_keras(dict)
+    False
+    """
+    return cls.__module__.split(".")[0] == "keras"
+
+
 def is_keras(obj: Any) -> bool:
     """Whether `obj`'s class or one of its bases comes from Keras.
 
@@ -13,4 +22,4 @@ def is_keras(obj: Any) -> bool:
     >>> is_keras(Mine()), is_keras(1)
     (False, False)
     """
-    return any(c.__module__.split(".")[0] == "keras" for c in type(obj).__mro__)
+    return any(map(defined_in_keras, type(obj).__mro__))

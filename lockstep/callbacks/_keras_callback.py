@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from .._errors import UsageError
+from .._keras_kind import defined_in_keras
 from ..engine import spread
 from ._callback import HOOKS, Callback, is_chief
 from ._trainer_view import TrainerView
@@ -28,10 +29,6 @@ _STOPS = ("stop_training", "stop_evaluating", "stop_predicting")  # the trainer'
 _WRITERS = ("CSVLogger", "TensorBoard", "ProgbarLogger", "RemoteMonitor")
 _HOOKS = [name for name in HOOKS if name != "on_train_exit"]
 _ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}  # Keras' own
-
-
-def _from_keras(cls: type) -> bool:
-    return cls.__module__.split(".")[0] == "keras"
 
 
 def _keras_classes(obj: Any) -> list[type]:
@@ -246,7 +243,7 @@ class KerasCallback(Callback):
         self.state_name = f"keras.{type(callback).__name__}"  # its bookkeeping's name in backups
         if any(n in _WRITERS for n in names) and not is_chief():
             return  # a callback that only writes files or prints: worker 0's job
-        users = ((not all(_from_keras(c) for c in type(callback).__mro__[:-1]) or "LambdaCallback" in names)
+        users = ((not all(defined_in_keras(c) for c in type(callback).__mro__[:-1]) or "LambdaCallback" in names)
                  and not any(n in _WRITERS for n in names))  # a writer runs on worker 0 alone: no collective
         for hook in _HOOKS:  # only the hooks it overrides: the others would cost a read of the logs a step
             if overrides(callback, hook):

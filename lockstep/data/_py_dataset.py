@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from .._keras_kind import defined_in_keras
 from ._adapter import DataAdapter
 from ._global_orders import GlobalOrders
 
@@ -52,7 +53,7 @@ class PyDatasetBatches(DataAdapter):
 
     @staticmethod
     def accepts(x: Any) -> bool:
-        return any(c.__name__ == "PyDataset" and c.__module__.split(".")[0] == "keras" for c in type(x).__mro__)
+        return any(c.__name__ == "PyDataset" and defined_in_keras(c) for c in type(x).__mro__)
 
     def _num_batches(self) -> int | None:
         try:

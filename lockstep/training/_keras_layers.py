@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from .._keras_kind import defined_in_keras
 from ..engine import cross_replica_moments, get_replica_context
 
 
@@ -96,7 +97,7 @@ def overridden_steps(model: Any) -> list[str]:
     out = []
     for name in _STEPS:
         owner = next((c for c in type(model).__mro__ if name in vars(c)), None)
-        if owner is not None and owner.__module__.split(".")[0] != "keras":
+        if owner is not None and not defined_in_keras(owner):
             out.append(f"{owner.__name__}.{name}")
     return out
 
@@ -171,7 +172,7 @@ def check_batch_losses(model: Any, x: Any, replicas: int) -> None:
     each), which is exact only on batches every replica fills with real rows (a warning says so):
     each replica computes the term on its own rows (padding rows included) and the step takes
     their mean."""
-    own_code = [la for la in (model, *_layers(model)) if type(la).__module__.split(".")[0] != "keras"]
+    own_code = [la for la in (model, *_layers(model)) if not defined_in_keras(type(la))]
     if replicas == 1 or not own_code or not jax.eval_shape(lambda x: [v for _, v in _added_losses(model, x)], x):
         return  # Keras' own layers add no loss but their activity regularisers'; a user's may
     first = jax.tree.map(lambda a: a[:1], x)
