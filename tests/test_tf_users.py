@@ -97,11 +97,17 @@ def test_two_workers_at_keras_defaults_start_from_worker_0_and_equal_keras_own_f
         assert_weights_close(res["shuffled"]["weights"], reference.get_weights(), atol=5e-6)
     worker_0 = next(res["shuffled"] for res in results if res["shuffled"]["rank"] == 0)  # (lines come in any order)
     assert worker_0["after"] == float(np.random.uniform())  # its NumPy state moved on as in Keras
-    # dropout on two workers: the masks Keras' own fit draws on one device
-    keras.utils.set_random_seed(0)
+    # dropout on two workers seeded apart: worker 0's weights and seed state, and the masks Keras' own fit
+    # draws on one device from them
+    assert results[0]["dropout_init"] == results[1]["dropout_init"]
     dropped = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                                 keras.layers.Dropout(0.5), keras.layers.Dense(3, activation="softmax")])
     dropped.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
+    dropped.set_weights([np.asarray(w) for w in results[0]["dropout_init"]["weights"]])
+    seeds = [v for v in dropped.non_trainable_variables if "seed_generator" in v.path]
+    assert len(seeds) == len(results[0]["dropout_init"]["seed_state"]) == 1
+    for v, state in zip(seeds, results[0]["dropout_init"]["seed_state"]):
+        v.assign(np.asarray(state, v.dtype))
     dropped.fit(X, Y, batch_size=B, epochs=2, shuffle=False, verbose=0)
     for res in results:
         assert_weights_close(res["dropout"], dropped.get_weights(), atol=5e-6)

@@ -66,12 +66,16 @@ shuffled = build()
 h = shuffled.fit(x, y, batch_size=B, epochs=2)  # Keras' defaults: shuffle=True, verbose=1
 result["shuffled"] = {"history": h.history, "weights": [w.tolist() for w in shuffled.get_weights()],
                       "after": float(np.random.uniform()), "rank": strategy.worker_index}
-# a model with dropout, seeded alike: each worker's replica draws its rows of the global batch's masks
-keras.utils.set_random_seed(0)
+# a model with dropout, each worker seeded apart (its weights and seed state are worker 0's), at Keras'
+# default verbose: each worker's replica draws its rows of the global batch's masks
+keras.utils.set_random_seed(100 + strategy.worker_index)
 with strategy.scope():
     dropped = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"),
                                 keras.layers.Dropout(0.5), keras.layers.Dense(3, activation="softmax")])
     dropped.compile(optimizer="adam", loss="sparse_categorical_crossentropy")
-dropped.fit(x, y, batch_size=B, epochs=2, shuffle=False, verbose=0)
+result["dropout_init"] = {"weights": [w.tolist() for w in dropped.get_weights()],
+                          "seed_state": [np.asarray(v.value).tolist() for v in dropped.non_trainable_variables
+                                         if "seed_generator" in v.path]}
+dropped.fit(x, y, batch_size=B, epochs=2, shuffle=False)
 result["dropout"] = [w.tolist() for w in dropped.get_weights()]
 print("RESULT", json.dumps(result), flush=True)
