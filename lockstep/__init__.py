@@ -13,8 +13,6 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any
 
-from .distribute import _scope  # standard library only: `import lockstep.launch` stays free of JAX
-
 __version__ = "0.1.0"
 
 # Keras' models train through lockstep only on Keras' JAX backend: importing lockstep first selects it
@@ -70,33 +68,22 @@ _SUBMODULES = ("callbacks", "checkpoint", "data", "experimental", "launch", "los
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 
-def _keras_fit_through_lockstep(keras: Any) -> None:
-    """Keras' own `model.fit` / `evaluate` / `predict` run by lockstep's Trainer on a model of a
-    lockstep scope (installed when a scope first sets Keras' distribution)."""
-    from .training._keras_fit import install
-
-    install(keras)
-
-
-def _keras_metrics_in_run(keras: Any) -> None:
-    """Keras metrics made in a lockstep scope update exactly inside `strategy.run` (`lockstep.metrics`)."""
-    from .metrics._keras_in_run import install
-
-    install(keras)
-
-
-# the composition root connects the scopes (`distribute`) to training and metrics, which build on them
-_scope.KERAS_HOOKS.append(_keras_fit_through_lockstep)
-_scope.KERAS_HOOKS.append(_keras_metrics_in_run)
+#: the parts whose names, when first asked for, make Keras follow lockstep's scopes first
+#: (`lockstep.keras.install`: Keras' distribution in a scope, Keras' own `model.fit` run by the
+#: Trainer, Keras metrics inside `strategy.run`), so that no scope is entered before it
+_KERAS_FOLLOWS = (".distribute", ".cluster", ".training", ".experimental")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name], __name__), name)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f".{name}", __name__)
-    else:
+    module = _EXPORTS.get(name, f".{name}" if name in _SUBMODULES else None)
+    if module is None:
         raise AttributeError(f"module 'lockstep' has no attribute {name!r}")
+    if module.startswith(_KERAS_FOLLOWS):
+        from .keras import install
+
+        install()
+    value = importlib.import_module(module, __name__)
+    value = getattr(value, name) if name in _EXPORTS else value
     globals()[name] = value  # later lookups skip this function
     return value
 

@@ -15,6 +15,9 @@ from .distribute._cross_device_ops import CommunicationImplementation as Communi
 from .distribute._cross_device_ops import CommunicationOptions as CommunicationOptions
 from .distribute._strategy import CentralStorageStrategy as CentralStorageStrategy
 from .distribute._tpu import TPUStrategy as TPUStrategy
+from .keras import install
+
+install()  # Keras follows these strategies' scopes, as it follows those `lockstep` gives
 
 __all__ = ["CentralStorageStrategy", "CommunicationImplementation", "CommunicationOptions",
            "MultiWorkerMirroredStrategy", "TPUStrategy"]

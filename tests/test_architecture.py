@@ -2,6 +2,7 @@
 
 import ast
 import importlib
+import os
 import pathlib
 import subprocess
 import sys
@@ -145,3 +146,41 @@ def test_packages_use_each_other_through_their_init_only():
         for dep in deps
         if len(dep.split(".")) >= 3 and dep.split(".")[2].startswith("_") and _part(dep) != _part(name))
     assert not reaching, "\n".join(reaching)
+
+
+def test_keras_own_behaviour_is_changed_by_the_top_part_alone():
+    """Issue 42: no part registers hooks in another. Keras follows lockstep's scopes because the
+    public faces import `lockstep.keras` (the top part), which nothing else imports."""
+    importers = sorted(m for m, deps in GRAPH.items()
+                       if _part(m) != "lockstep.keras" and any(_part(d) == "lockstep.keras" for d in deps))
+    assert importers == ["lockstep", "lockstep.experimental"], importers
+    registering = sorted(f"{_name(p)}: {ast.unparse(node.func)}" for p in MODULES for node in _registrations(p))
+    assert not registering, registering
+
+
+def _registrations(path: pathlib.Path) -> list[ast.Call]:
+    """Calls that add to a list, set or dict held by another lockstep module (``_scope.KERAS_HOOKS.append``)."""
+    tree = ast.parse(path.read_text())
+    modules = {a.asname or a.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+               and (node.level or (node.module or "").startswith("lockstep")) for a in node.names
+               if a.name.startswith("_") or a.name[:1].islower() and "." not in a.name}
+    return [node for node in ast.walk(tree) if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("append", "extend", "insert", "add", "update", "setdefault")
+            and isinstance(node.func.value, ast.Attribute) and isinstance(node.func.value.value, ast.Name)
+            and node.func.value.value.id in modules]
+
+
+@pytest.mark.parametrize("entry", ["from lockstep import MirroredStrategy as S",
+                                   "from lockstep.experimental import CentralStorageStrategy as S",
+                                   "import lockstep as ls; S = ls.Trainer and ls.MirroredStrategy"])
+def test_keras_fit_in_a_scope_runs_through_lockstep_whichever_public_name_gave_the_strategy(entry):
+    code = (f"{entry}\nimport keras, numpy as np\n"
+            "with S(2).scope():\n"
+            "    m = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])\n"
+            "    m.compile(optimizer='sgd', loss='mse')\n"
+            "m.fit(np.ones((5, 3), 'float32'), np.ones(5, 'float32'), batch_size=4, verbose=0)\n"
+            "print(type(m.__dict__['_lockstep_trainer'][1]).__name__, len(m.variables[0].value.sharding.device_set))")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "KERAS_BACKEND": "jax"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["Trainer", "2"], out.stdout

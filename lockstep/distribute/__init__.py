@@ -16,7 +16,7 @@ _EXPORTS = {
     "Strategy": "_strategy",
     "checked_communication_options": "_cross_device_ops",
     "engine_of": "_values",
-    "foreign_keras_distribution": "_scope",
+    "active": "_scope",
     "get_strategy": "_strategy",
     "recent": "_scope",
     "remember_scope": "_scope",
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from ._cross_device_ops import checked_communication_options as checked_communication_options
     from ._values import engine_of as engine_of
     from ._strategy import get_strategy as get_strategy
-    from ._scope import foreign_keras_distribution as foreign_keras_distribution
+    from ._scope import active as active
     from ._scope import recent as recent
     from ._scope import remember_scope as remember_scope
     from ._scope import strategy_of_model as strategy_of_model

@@ -1,7 +1,8 @@
-"""Scopes: which strategy is active, which were entered lately, and Keras' distribution inside them.
+"""Scopes: which strategy is active, and which were entered lately.
 
-A Keras 3 model built inside `strategy.scope()` gets its variables replicated on the strategy's
-devices because Keras' own `DataParallel` distribution is set for the duration of the scope.
+What Keras does inside a scope (its distribution, its `fit`) is `lockstep.keras`'s, which reads the
+active scope from here; this module only remembers, on an object made in a scope (a Keras model, a
+Keras variable), the scope's strategy (`remember_scope`), as TF's variables hold theirs.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any, Protocol
 
 from .._errors import UsageError
@@ -27,11 +28,6 @@ class Strategy(Protocol):
     def num_replicas_in_sync(self) -> int: ...
 
 
-#: called with the `keras` module each time a scope sets Keras' distribution: `lockstep/__init__`
-#: connects Keras' own `model.fit` / `evaluate` / `predict` to lockstep's Trainer here
-KERAS_HOOKS: list[Callable[[Any], None]] = []
-
-
 class _Scopes(threading.local):
     def __init__(self) -> None:
         self.stack: list[Strategy] = []
@@ -39,21 +35,19 @@ class _Scopes(threading.local):
 
 _SCOPES = _Scopes()
 _RECENT: list[weakref.ReferenceType[Strategy]] = []
-_NO_KERAS = object()
 
 
 @contextlib.contextmanager
 def entered(strategy: "Strategy") -> Iterator["Strategy"]:
-    """Makes `strategy` the active one (and Keras' distribution data-parallel over its devices)."""
+    """Makes `strategy` the active one (Keras' distribution follows it: `lockstep.keras`)."""
+    check_keras_backend()
     _SCOPES.stack.append(strategy)
     _RECENT.append(weakref.ref(strategy))
     del _RECENT[:-16]
-    previous = _enter_keras_distribution(strategy)
     try:
         yield strategy
     finally:
         _SCOPES.stack.pop()
-        _exit_keras_distribution(previous)
 
 
 def active() -> "Strategy | None":
@@ -105,248 +99,17 @@ def check_keras_backend() -> None:
             "or import lockstep before keras (which then selects JAX).")
 
 
-def _enter_keras_distribution(strategy: "Strategy") -> Any:
-    """Sets Keras' distribution to data parallelism over `strategy`'s devices (only when Keras, on
-    the JAX backend, is imported or asked for); returns the previous one."""
-    check_keras_backend()
-    keras = sys.modules.get("keras")
-    if keras is None and os.environ.get("KERAS_BACKEND") == "jax":
-        import keras  # the user asked for Keras on JAX: models may be built inside this scope
-    if keras is None:
-        return _NO_KERAS
-    previous = keras.distribution.distribution()
-    distribution = _keras_data_parallel(keras)(devices=list(strategy.devices))
-    distribution.strategy = weakref.ref(strategy)
-    keras.distribution.set_distribution(distribution)
-    _values_from_worker_0(keras)
-    _laid_out_from_the_host()
-    for hook in KERAS_HOOKS:
-        hook(keras)
-    return previous
-
-
-_CLASSES: dict[int, type] = {}
-# id of a Keras variable made in a lockstep scope -> (the variable, the scope's strategy), weakly
 #: the attribute of a Keras variable made in a lockstep scope that holds the scope's strategy, as
 #: TF's variables hold theirs: a model built in `with ls.MirroredStrategy(2).scope():` trains on
 #: it after the block, whenever the collector runs (variable and strategy are freed together)
 _MADE_IN = "_lockstep_strategy"
 
 
-def remember_scope(model: Any) -> None:
-    """A Keras model made in a lockstep scope keeps the scope's strategy, as TF's keeps its
-    distribution strategy: a subclassed model, whose variables are made when it is first called
-    (often by `fit`, after the block), still trains on it."""
-    if active() is not None:
-        object.__setattr__(model, _MADE_IN, active())
-
-
-def _keras_data_parallel(keras: Any) -> type:
-    """Keras' `DataParallel`, except that Keras' own training loops refuse to run under it: they
-    would split batches Keras' way (`IndivisibleError` on a short last batch, per-replica
-    statistics), not lockstep's."""
-    cls = _CLASSES.get(id(keras))
-    if cls is None:
-        class LockstepDataParallel(keras.distribution.DataParallel):  # type: ignore[misc, name-defined]
-            strategy: Any = None  # a weak reference to the scope's strategy
-
-            def get_variable_layout(self, variable: Any) -> Any:
-                _MAKING[:] = [] if getattr(variable, "trainable", True) else [  # a setting: compared, not broadcast
-                    getattr(variable, "path", None) or getattr(variable, "name", "?")]
-                if self.strategy is not None and self.strategy() is not None:  # made in this strategy's scope
-                    object.__setattr__(variable, _MADE_IN, self.strategy())
-                    layout = getattr(self.strategy(), "keras_variable_layout", None)
-                    if layout is not None:  # a sharded strategy: the variable is created in its layout
-                        return layout(variable)
-                return super().get_variable_layout(variable)
-
-            def get_data_layout(self, data_shape: Any) -> Any:  # only Keras' fit/evaluate/predict ask
-                raise UsageError(
-                    "a Keras training loop other than `model.fit` / `evaluate` / `predict` (which lockstep runs) "
-                    "asked to split a batch inside a lockstep `strategy.scope()`: train with `model.fit` or "
-                    "`ls.Trainer(model).fit(...)`, which are exact for any batch size, or call it outside the scope.")
-        cls = _CLASSES[id(keras)] = LockstepDataParallel
-    return cls
-
-
-_PUT: dict[str, Any] = {}
-_MAKING: list[str] = []  # the path of the Keras variable being made (its value is placed next)
-
-
-def _values_from_worker_0(keras: Any) -> None:
-    """Keras variables created (or assigned from the host) on devices of several workers take
-    worker 0's value, as TF's multi-worker variables do (JAX would otherwise require every worker
-    to hold the same value: an unseeded initialiser fails). A non-trainable scalar made in the
-    scope (a learning rate, a momentum: a setting) is compared instead: `WorkersDisagreeError` names
-    it and every worker's value. A split variable is made in its shards (see `should_shard_at_init`
-    below) when its initialiser is one of Keras' own with an integer seed or none; across workers
-    only when the strategy's layouts agree on every worker (`layouts_agreed`, checked when it was
-    made), with worker 0's seed given to every worker: the values worker 0 would make. Otherwise it
-    is made whole and worker 0's value laid out. Installed once."""
-    if "distribute_tensor" in _PUT:
-        return
-    try:
-        from keras.src.backend.jax import core, distribution_lib
-    except ImportError:  # another Keras layout: JAX's own check (the same value on every worker) stays
-        return
-    _PUT["distribute_tensor"] = original = distribution_lib.distribute_tensor
-    _PUT["should_shard_at_init"] = at_init = core.should_shard_at_init
-
-    def should_shard_at_init(layout: Any, shape: Any) -> bool:
-        """Whether Keras makes the variable by a program that writes each shard where it lies. A
-        split variable is, with an initialiser that may run in a program (`_initialize_with_initializer`):
-        no device ever holds it whole (Keras does so only from 250 MB on); across workers only so."""
-        if _spans_workers(layout):
-            return _AGREED.on
-        return (_AGREED.on and not getattr(layout, "is_fully_replicated", True)) or at_init(layout, shape)
-    core.should_shard_at_init = should_shard_at_init
-    _PUT["initialize_with_initializer"] = initialize = core.JaxVariable._initialize_with_initializer
-
-    def _initialize_with_initializer(variable: Any, initializer: Any) -> None:
-        variable._initialize_layout()
-        layout = variable._layout
-        sharding = getattr(layout, "backend_layout", layout)
-        split = not getattr(sharding, "is_fully_replicated", True)
-        agreed = None
-        if split and _seeded(initializer):
-            if not _spans_workers(sharding):
-                agreed = initializer
-            elif getattr(active(), "layouts_agreed", False):  # every worker splits this variable alike
-                agreed = _with_worker_0s_seed(initializer)
-        if agreed is None:
-            return initialize(variable, initializer)
-        _AGREED.on = True
-        try:
-            return initialize(variable, agreed)
-        finally:
-            _AGREED.on = False
-    core.JaxVariable._initialize_with_initializer = _initialize_with_initializer
-
-    def distribute_tensor(tensor: Any, layout: Any) -> Any:
-        sharding = getattr(layout, "backend_layout", layout)
-        if _spans_workers(sharding) and _host_value(tensor):
-            import numpy as np
-
-            from ..engine import broadcast_from_chief
-
-            value = np.asarray(tensor)
-            making, _MAKING[:] = list(_MAKING), []  # only the value it is made with; later assigns are broadcast
-            tensor = (_same_on_every_worker(value, making[0]) if value.ndim == 0 and making
-                      else broadcast_from_chief(value))
-        return original(tensor, layout)
-    distribution_lib.distribute_tensor = distribute_tensor
-
-
-class _Agreed(threading.local):
-    on = False  # the variable being made has an initialiser every worker runs alike
-
-
-_AGREED = _Agreed()
-
-
-def _seeded(initializer: Any) -> bool:
-    """Whether `initializer` makes its values from its seed alone, in or out of a compiled program:
-    one of Keras' own (a user's may draw from NumPy or read values), seeded by an integer (a
-    `SeedGenerator` moves on with each use) or by nothing (constants)."""
-    if not type(initializer).__module__.startswith("keras."):
-        return False
-    if not hasattr(initializer, "seed"):
-        return True
-    seed = initializer.seed
-    return isinstance(seed, int) and not isinstance(seed, bool) and -2**63 <= seed < 2**63
-
-
-def _with_worker_0s_seed(initializer: Any) -> Any:
-    """A `_seeded` initializer with worker 0's seed (a collective: every worker makes the same split
-    variable at once, as workers whose strategies' layouts agree do), so that each worker's shards
-    are those of worker 0's value (an unseeded script draws other seeds on each worker)."""
-    if not hasattr(initializer, "seed"):
-        return initializer  # a constant
-    import copy
-
-    import numpy as np
-
-    from ..engine import broadcast_from_chief
-
-    halves = np.asarray(broadcast_from_chief(np.array([initializer.seed], np.int64).view(np.uint32)), np.uint32)
-    agreed = copy.copy(initializer)
-    agreed.seed = int(halves.view(np.int64)[0])
-    return agreed
-
-
-def _laid_out_from_the_host() -> None:
-    """A host value (NumPy, an h5py dataset: what `load_weights`, `load_model` and `set_weights`
-    assign) given to a Keras variable that a sharded strategy lays out goes from the host straight
-    to its shards, each device receiving only its slice: Keras' JAX variables otherwise make it a
-    whole array on the default device first, so that device would hold every variable whole in
-    turn (a model that outgrows a device could not be loaded). Installed once."""
-    if "convert_to_tensor" in _PUT:
-        return
-    try:
-        from keras.src.backend.common.stateless_scope import in_stateless_scope
-        from keras.src.backend.jax import core
-    except ImportError:  # another Keras layout: Keras' own path stays
-        return
-    import jax
-    import numpy as np
-
-    _PUT["convert_to_tensor"] = original = core.JaxVariable._convert_to_tensor
-
-    def _convert_to_tensor(variable: Any, value: Any, dtype: Any = None) -> Any:
-        layout = getattr(variable, "_layout", None)
-        sharding = getattr(layout, "backend_layout", layout)
-        if (isinstance(sharding, jax.sharding.NamedSharding) and not sharding.is_fully_replicated
-                and not isinstance(value, jax.Array) and hasattr(value, "__array__") and not in_stateless_scope()):
-            return np.asarray(value, dtype=None if dtype is None else jax.numpy.dtype(dtype))  # placed by the layout
-        return original(variable, value, dtype)
-    core.JaxVariable._convert_to_tensor = _convert_to_tensor
-
-
-def _same_on_every_worker(value: Any, path: str) -> Any:
-    """A non-trainable scalar Keras variable's initial `value` (a setting: a learning rate), which
-    every worker must give alike (a collective)."""
-    import numpy as np
-    from jax.experimental import multihost_utils
-
-    every = np.asarray(multihost_utils.process_allgather(value.astype(np.float64))).ravel().tolist()
-    if any(v != every[0] and not (v != v and every[0] != every[0]) for v in every):
-        from .._errors import WorkersDisagreeError
-
-        raise WorkersDisagreeError(
-            f"the workers made the Keras variable {path!r} (a scalar: a setting such as a "
-            f"learning rate) with other values: {every}, in worker order. Every worker of a job runs the same script "
-            "with the same settings; give it the same value on every worker.")
-    return value
-
-
-def _spans_workers(sharding: Any) -> bool:
-    import jax
-
-    devices = getattr(sharding, "device_set", None)
-    return jax.process_count() > 1 and devices is not None and len({d.process_index for d in devices}) > 1
-
-
-def _host_value(tensor: Any) -> bool:
-    """A value each worker holds on its own (NumPy, a scalar, or a JAX array not yet placed)."""
-    import jax
-    import numpy as np
-
-    if isinstance(tensor, jax.core.Tracer):
-        return False
-    if isinstance(tensor, jax.Array):
-        return tensor.is_fully_addressable and not tensor.committed
-    return isinstance(tensor, (np.ndarray, np.generic, int, float, bool))
-
-
-def foreign_keras_distribution() -> Any:
-    """The active Keras distribution when it is not the one a lockstep scope sets, else None."""
-    keras = sys.modules.get("keras")
-    if keras is None or keras.backend.backend() != "jax":
-        return None
-    current = keras.distribution.distribution()
-    return None if current is None or type(current) is _CLASSES.get(id(keras)) else current
-
-
-def _exit_keras_distribution(previous: Any) -> None:
-    if previous is not _NO_KERAS:
-        sys.modules["keras"].distribution.set_distribution(previous)
+def remember_scope(made: Any, strategy: "Strategy | None" = None) -> None:
+    """An object made in a lockstep scope (a Keras model, a Keras variable) keeps the scope's
+    strategy (`strategy`, else the active scope's), as TF's keep their distribution strategy: a
+    subclassed model, whose variables are made when it is first called (often by `fit`, after the
+    block), still trains on it (`strategy_of_model`)."""
+    strategy = strategy if strategy is not None else active()
+    if strategy is not None:
+        object.__setattr__(made, _MADE_IN, strategy)

@@ -16,7 +16,9 @@ from ._confusion import Recall as Recall
 from ._confusion_matrix import ConfusionMatrix as ConfusionMatrix
 from ._fbeta import F1Score as F1Score
 from ._fbeta import FBetaScore as FBetaScore
+from ._keras import OWN_UPDATE as OWN_UPDATE
 from ._keras import KerasMetric as KerasMetric
+from ._keras import own_update as own_update
 from ._reduction import Max as Max
 from ._reduction import Mean as Mean
 from ._reduction import MeanMetricWrapper as MeanMetricWrapper

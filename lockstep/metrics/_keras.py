@@ -24,7 +24,7 @@ from ._base import Metric, State
 
 class _OwnUpdate(threading.local):
     """Set while lockstep itself runs a Keras metric's update (with its own masks): the wrappers of
-    `_keras_in_run` then step aside."""
+    `lockstep.keras`'s metrics in `run` then step aside."""
 
     def __init__(self) -> None:
         self.on = False
@@ -35,7 +35,7 @@ OWN_UPDATE = _OwnUpdate()
 
 @contextlib.contextmanager
 def own_update() -> Iterator[None]:
-    """Keras metrics' methods run as Keras' own inside the block (see `_keras_in_run`)."""
+    """Keras metrics' methods run as Keras' own inside the block (see `lockstep.keras`'s metrics in `run`)."""
     before, OWN_UPDATE.on = OWN_UPDATE.on, True
     try:
         yield

@@ -1,6 +1,9 @@
 """Training: `Trainer`, `TrainState`, model adapters and the compiled-step factories."""
 
 from ._data_stream import DataPosition as DataPosition
+from ._inputs import Validation as Validation
+from ._inputs import class_weighted as class_weighted
+from ._inputs import is_arrays as is_arrays
 from ._model import FunctionalModel as FunctionalModel
 from ._optimizers import get_optimizer as get_optimizer
 from ._placement import memory_estimate as memory_estimate
@@ -13,6 +16,8 @@ from ._train_state import TrainState as TrainState
 from ._train_state import flatten_train_state as flatten_train_state
 from ._train_state import unflatten_train_state as unflatten_train_state
 from ._trainer import Trainer as Trainer
+from ._weight_files import whole_on_host as whole_on_host
+from ._weight_files import writing as writing
 
 __all__ = ["DataPosition", "FunctionalModel", "LoopRecord", "StateNames", "TrainState", "Trainer", "flatten_train_state", "get_optimizer", "make_eval_step",
            "make_gradient_step", "make_predict_step", "memory_estimate", "unflatten_train_state"]

@@ -23,7 +23,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..distribute import foreign_keras_distribution
 from ..engine import get_replica_context, held, host_value
 from ._keras_layers import (activity_penalties_masked, check_activity_regularizers, check_batch_losses, check_supported,
                             hook_batch_norm, layer_outputs_named, random_draws_as_one_device)
@@ -153,8 +152,8 @@ class _KerasAdapter:
                 f"a Keras model needs the JAX backend, but Keras runs on {keras.backend.backend()!r}: set "
                 "the environment variable KERAS_BACKEND=jax before importing keras."
             )
-        foreign = foreign_keras_distribution()
-        if foreign is not None:  # its layouts would be silently ignored
+        foreign = keras.distribution.distribution()
+        if foreign is not None and not getattr(foreign, "follows_lockstep_scope", False):  # its layouts: ignored
             raise ValueError(
                 f"a keras.distribution setting is active ({type(foreign).__name__}): lockstep "
                 "places the model itself and would ignore its layouts, running replicated; unset it "

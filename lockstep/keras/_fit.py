@@ -1,7 +1,7 @@
 """Keras' own `model.fit` / `evaluate` / `predict` on a model of a lockstep strategy, run by a
 `Trainer` (the same exact engine), with Keras' signatures and return values.
 
-The first lockstep `scope()` installs these on `keras.Model`: a model built in a lockstep
+`lockstep.keras.install` puts these on `keras.Model`: a model built in a lockstep
 strategy's scope (as TF users write it: build and compile in the scope, `fit` anywhere), or
 called inside one, trains through lockstep; any other model runs Keras' own methods untouched.
 The Trainer is kept with the model and made anew when the model is compiled again, so seed 004's
@@ -38,9 +38,7 @@ from ..callbacks import Callback
 from ..data import PyDatasetBatches, adapt
 from ..distribute import remember_scope, strategy_of_model
 from ..engine import host_value, spread
-from ._inputs import Validation, class_weighted, is_arrays
-from ._trainer import Trainer
-from ._weight_files import whole_on_host, writing
+from ..training import Trainer, Validation, class_weighted, is_arrays, whole_on_host, writing
 
 _ORIGINAL: dict[str, Any] = {}
 _HELD = "_lockstep_trainer"  # the model's attribute holding (key, Trainer): they live and die together

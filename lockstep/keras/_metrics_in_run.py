@@ -3,8 +3,8 @@
 TF's tutorials create Keras metrics in the strategy's scope and call ``metric.update_state(labels,
 predictions)`` inside the replica function, then ``metric.result()`` outside. Here that function
 is traced and compiled, and a replica holds padding rows, so a Keras metric (made after lockstep's
-first scope) updates another way while the function runs inside `strategy.run`: its update of zeroed variables
-on the replica's real rows (padding rows weigh 0; a metric that ignores `sample_weight` is updated
+strategies were first asked for: `lockstep.keras.install`) updates another way while the function
+runs inside `strategy.run`: its update of zeroed variables on the replica's real rows (padding rows weigh 0; a metric that ignores `sample_weight` is updated
 row by row, as `KerasMetric` does) is summed over the replicas, carried out of the step, and
 added to its variables after each call. `result()` is then what one Keras object computes on the
 whole data: exact for metrics that accumulate sums (every Keras metric does). Its stateless face
@@ -37,15 +37,15 @@ import numpy as np
 
 from .._errors import UsageError
 from ..engine import get_replica_context, is_recording, record
-from ._keras import OWN_UPDATE, KerasMetric, own_update
+from ..metrics import OWN_UPDATE, KerasMetric, own_update
 
 _ORIGINAL: dict[str, Any] = {}
 
 
 def install(keras: Any) -> None:
     """Keras metrics made from now on update as this module says inside `strategy.run` (and as
-    Keras' own everywhere else): installed once a process, when a lockstep scope first sets Keras'
-    distribution, so a metric made before lockstep's first scope is Keras' own."""
+    Keras' own everywhere else): installed once a process by `lockstep.keras.install`, so a metric
+    made before lockstep's strategies were first asked for is Keras' own."""
     if _ORIGINAL:
         return
     _ORIGINAL["__init__"] = original = keras.metrics.Metric.__init__

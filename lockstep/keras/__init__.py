@@ -1,0 +1,37 @@
+"""Keras' own face inside lockstep: Keras' distribution in a strategy's scope (`_distribution`),
+Keras' `model.fit` / `evaluate` / `predict` run by lockstep's Trainer (`_fit`), and Keras metrics
+updated exactly inside `strategy.run` (`_metrics_in_run`).
+
+Each patches Keras once a process; `install` does all three, and `lockstep` calls it when a
+strategy or the Trainer is first asked for (before any scope can be entered). This is the part
+above every other: it imports the Trainer, the scopes and the metrics, and nothing imports it but
+`lockstep` itself. How the parts below read Keras objects (a model's `stateless_call` and
+random draws, a Keras metric, a callback, a `PyDataset`, an optimizer) stays with each part's
+adapter, where that part tells the kinds of its inputs apart.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ._distribution import follow_scopes
+from ._fit import install as _route_fit
+from ._metrics_in_run import install as _metrics_in_run
+
+
+def install() -> None:
+    """Keras follows lockstep's scopes (once a process), when Keras runs on JAX: imported already,
+    or asked for by ``KERAS_BACKEND=jax`` (which importing lockstep first selects); a Keras on
+    another backend is refused by the strategies themselves."""
+    keras = sys.modules.get("keras")
+    if keras is None and os.environ.get("KERAS_BACKEND") == "jax":
+        import keras
+    if keras is None or keras.backend.backend() != "jax":
+        return
+    follow_scopes(keras)
+    _route_fit(keras)
+    _metrics_in_run(keras)
+
+
+__all__ = ["install"]
