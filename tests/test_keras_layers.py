@@ -395,3 +395,36 @@ def test_a_replicas_rows_of_a_draw_are_drawn_from_its_first_counter_as_one_devic
     for replica, per_row in ((7, 10**6), (1, 2**13)):
         words = np.asarray(jax.random.key_data(_Rows(3000, 8, jnp.int32(replica)).key(seed, per_row)), np.uint64)
         assert int(words[2]) * 2**32 + int(words[3]) == replica * 3000 * per_row
+
+
+ROWS_OR_NOT = {  # a draw whose length is a replica's rows, for every row (left) or one for the batch (right)
+    "Dropout noise_shape=(1, 6)": lambda: [L.Flatten(), L.Dense(6), L.Dropout(0.5, noise_shape=(1, 6))],
+    "SpatialDropout1D": lambda: [L.Conv1D(4, 2), L.SpatialDropout1D(0.5), L.Flatten()],
+    "both": lambda: [L.Conv1D(4, 2), L.SpatialDropout1D(0.5), L.Flatten(), L.Dense(6),
+                     L.Dropout(0.5, noise_shape=(1, 6))],
+}
+
+
+@pytest.mark.parametrize("name", list(ROWS_OR_NOT))
+def test_a_draw_as_long_as_a_replicas_rows_follows_them_only_where_it_follows_the_batch(name):
+    """With one row on each replica, `Dropout(noise_shape=(1, 6))` draws one mask of one row for
+    the whole batch and `SpatialDropout1D` one for each row: alike in length, told apart by tracing
+    the model at two batch sizes (before, both were taken for rows, so each replica drew its own
+    shared mask). Batches of 4 on 4 replicas, 13 rows (a last batch of one row: three replicas
+    without rows), against Keras' own one-device `fit`."""
+    def factory():
+        return keras.Sequential([keras.Input((6, 3)), *ROWS_OR_NOT[name](), L.Dense(3)])
+
+    x = _seq(n=13)
+    y = _labels(x)
+
+    def fit(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+    want = fit(_build(factory))
+    with ls.MirroredStrategy(4).scope():
+        got = fit(_build(factory))
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6, err_msg=name)

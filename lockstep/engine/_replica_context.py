@@ -123,8 +123,9 @@ def get_replica_context() -> ReplicaContext | None:
 
 
 @contextlib.contextmanager
-def replica_context(ctx: ReplicaContext) -> Iterator[ReplicaContext]:
-    """Makes `ctx` the one `get_replica_context()` returns while a replica's function is traced."""
+def replica_context(ctx: ReplicaContext | None) -> Iterator[ReplicaContext | None]:
+    """Makes `ctx` the one `get_replica_context()` returns while a replica's function is traced
+    (None: code traced there as if outside any replica)."""
     stack = getattr(_LOCAL, "stack", None)
     if stack is None:
         stack = _LOCAL.stack = []

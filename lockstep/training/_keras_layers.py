@@ -11,8 +11,8 @@
 - Keras' random draws (`keras.random.*`: `Dropout`'s mask, `GaussianNoise`, a recurrent layer's
   dropout masks, random augmentation) are drawn for the global batch and each replica takes its
   rows (`random_draws_as_one_device`): every replica holds the same seed generator states, so a
-  draw whose first dimension is the replica's rows is the global batch's draw, this replica's rows
-  of it: JAX's counter-based draws give element i the hash of counter i whatever the draw's
+  draw that follows the batch's rows (its first dimension is the rows' at two batch sizes:
+  `draws_following_rows`) is the global batch's draw, this replica's rows of it: JAX's counter-based draws give element i the hash of counter i whatever the draw's
   length, so `normal` / `uniform` / `truncated_normal` / dropout masks are drawn with counters
   starting at the replica's first element (`_Rows.key`: no more bits than its own rows'), the
   others drawn for the global batch and sliced (the rows past the real ones are padding). Draws of
@@ -38,7 +38,7 @@ import numpy as np
 from jax import lax
 
 from .._keras_kind import defined_in_keras
-from ..engine import cross_replica_moments, get_replica_context
+from ..engine import cross_replica_moments, get_replica_context, replica_context
 
 
 def _layers(model: Any) -> list[Any]:
@@ -244,12 +244,18 @@ _SHAPED_DRAWS = ("normal", "uniform", "randint", "truncated_normal", "gamma", "b
 class _Rows(NamedTuple):
     """How Keras' draws are made on this thread: a call on `rows` rows, replica `replica` of
     `replicas` (draw the global batch's, take this replica's rows), or (`tile`) each row given the
-    first row's values (`check_batch_losses`' probes: a row draws alike in a batch of any rows)."""
+    first row's values (`check_batch_losses`' probes: a row draws alike in a batch of any rows).
+    `seen` lists each draw's first dimension as the call makes them; `following` (from
+    `draws_following_rows`) says which draws, in that order, follow the batch's rows; `recording`:
+    every draw is Keras' own, only seen."""
 
     rows: int
     replicas: int
     replica: Any
     tile: bool = False
+    following: tuple[bool, ...] | None = None
+    seen: list[Any] | None = None
+    recording: bool = False
 
     def draw(self, draw: Callable[[tuple[int, ...]], Any], shape: tuple[int, ...]) -> Any:
         if self.tile:
@@ -272,10 +278,42 @@ class _Rows(NamedTuple):
 
     def follows(self, shape: Any, *args: Any) -> bool:
         """Whether a draw of `shape` (with `args`) is one of the batch's rows, drawn so: its first
-        dimension the rows', and no argument an array of the rows' (Keras' own takes those)."""
+        dimension the rows', no argument an array of the rows' (Keras' own takes those), and
+        (where `following` is known) a draw that follows the batch's length."""
         shape = tuple(shape)
-        return bool(shape) and shape[0] == self.rows and not any(
+        if self.seen is not None:
+            self.seen.append(shape[0] if shape else None)
+        if self.recording:
+            return False
+        rows = bool(shape) and shape[0] == self.rows and not any(
             np.ndim(a) and np.shape(a)[0] == self.rows for a in args if hasattr(a, "shape"))
+        if self.following is None or self.seen is None or len(self.seen) > len(self.following):
+            return rows
+        return rows and self.following[len(self.seen) - 1]
+
+
+def draws_following_rows(model: Any, x: Any, flag: dict[str, Any]) -> tuple[bool, ...] | None:
+    """Which of Keras' random draws in a call of `model` on a batch like `x` follow the batch's
+    rows, in the order the call makes them: those whose first dimension is the rows' at 2 and at
+    3 rows (traced, outside any replica). A draw of a replica's length may be one for the whole
+    batch (`Dropout(noise_shape=(1, ...))` on one row a replica) or one per row (`SpatialDropout1D`):
+    only its length at another batch size tells. None where the two calls draw differently (a call
+    that cannot be traced so): then a draw of the rows' length is taken for the rows'."""
+    def seen(n: int) -> list[Any]:
+        rows = _Rows(n, 1, 0, seen=[], recording=True)
+        like = jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *np.shape(a)[1:]), a.dtype), x)
+        with _drawing(rows), replica_context(None):
+            jax.eval_shape(lambda t, nt, v: model.stateless_call(t, nt, v, **flag),
+                           [v.value for v in model.trainable_variables],
+                           [v.value for v in model.non_trainable_variables], like)
+        return rows.seen or []
+    try:
+        two, three = seen(2), seen(3)
+    except Exception:  # noqa: BLE001 (a model that cannot be called at other batch sizes: the length decides)
+        return None
+    if len(two) != len(three):
+        return None
+    return tuple(a == 2 and b == 3 for a, b in zip(two, three))
 
 
 def _rows_of_bits(key: Any, bit_width: int, shape: tuple[int, ...]) -> Any:
@@ -376,10 +414,11 @@ def _drawing(rows: _Rows | None) -> Iterator[None]:
         _SETTING.rows = previous
 
 
-def random_draws_as_one_device(rows: int) -> Any:
+def random_draws_as_one_device(rows: int, following: tuple[bool, ...] | None = None) -> Any:
     """While tracing a replica's call on its `rows` rows: Keras' random draws are the global
     batch's, this replica's rows of them (see the module docstring; `shuffle`, and a draw given
-    arrays of the rows, are Keras' own). Outside a replica, or on one, Keras' own."""
+    arrays of the rows, are Keras' own; `following`: which draws follow the rows, from
+    `draws_following_rows`). Outside a replica, or on one, Keras' own."""
     ctx = get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return contextlib.nullcontext()
@@ -387,4 +426,5 @@ def random_draws_as_one_device(rows: int) -> Any:
         warnings.warn("jax_threefry_partitionable is off: a row's random draws then depend on the batch's length, "
                       "so lockstep's replicas draw other dropout masks and noise than one device would.",
                       UserWarning, stacklevel=3)
-    return _drawing(_Rows(rows, ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group))
+    return _drawing(_Rows(rows, ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group, following=following,
+                          seen=None if following is None else []))

@@ -25,7 +25,8 @@ import numpy as np
 
 from ..engine import get_replica_context, held, host_value
 from ._keras_layers import (activity_penalties_masked, check_activity_regularizers, check_batch_losses, check_supported,
-                            hook_batch_norm, layer_outputs_named, random_draws_as_one_device)
+                            draws_following_rows, hook_batch_norm, layer_outputs_named,
+                            random_draws_as_one_device)
 
 BATCH_STATISTICS = ("global", "per_replica")
 
@@ -165,6 +166,7 @@ class _KerasAdapter:
         hook_batch_norm(model, batch_statistics)
         check_activity_regularizers(model)
         self._trainable: list[int] | None = None  # the trainable variables when built (ids)
+        self._draws: dict[Any, tuple[bool, ...] | None] = {}  # draws_following_rows by call signature
 
     def ready(self) -> bool:
         return bool(self.model.built)
@@ -207,10 +209,23 @@ class _KerasAdapter:
     def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
         rows = int(np.shape(jax.tree.leaves(x)[0])[0])
         flag = {"training": training} if getattr(self.model, "_call_has_training_arg", True) else {}
-        with activity_penalties_masked(self.model), random_draws_as_one_device(rows):
+        with activity_penalties_masked(self.model), random_draws_as_one_device(rows, self._following(x, flag)):
             y, new, losses = self.model.stateless_call(
                 params["trainable"], params["non_trainable"], x, return_losses=True, **flag)
         return y, list(new), sum(losses, jnp.zeros(())) if losses else None
+
+    def _following(self, x: Any, flag: dict[str, Any]) -> tuple[bool, ...] | None:
+        """`draws_following_rows` for calls on batches like `x` (once a signature), where a replica
+        of several draws at random (the model has seed generators)."""
+        ctx = get_replica_context()
+        if ctx is None or ctx.num_replicas_in_sync == 1 or not any(
+                "seed_generator" in getattr(v, "path", "") for v in self.model.non_trainable_variables):
+            return None
+        leaves, tree = jax.tree.flatten(x)
+        key = (tree, tuple((np.shape(a)[1:], str(a.dtype)) for a in leaves), tuple(flag.items()))
+        if key not in self._draws:
+            self._draws[key] = draws_following_rows(self.model, x, flag)
+        return self._draws[key]
 
     def _order(self) -> list[tuple[str, int]]:
         """Where each of `model.weights` lives in (trainable, non_trainable)."""
