@@ -70,7 +70,8 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 
 #: the parts whose names, when first asked for, make Keras follow lockstep's scopes first
 #: (`lockstep.keras.install`: Keras' distribution in a scope, Keras' own `model.fit` run by the
-#: Trainer, Keras metrics inside `strategy.run`), so that no scope is entered before it
+#: Trainer, Keras metrics inside `strategy.run`): every public strategy comes from one of them, so
+#: a scope entered before it is one of a strategy made from a private module (`_scope` warns)
 _KERAS_FOLLOWS = (".distribute", ".cluster", ".training", ".experimental")
 
 

@@ -184,3 +184,23 @@ def test_keras_fit_in_a_scope_runs_through_lockstep_whichever_public_name_gave_t
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["Trainer", "2"], out.stdout
+
+
+def test_a_scope_keras_does_not_follow_is_warned_about():
+    """A strategy made from a private module, before any public name installed `lockstep.keras`:
+    its scope says that Keras would not follow it (models built on one device), never silently."""
+    code = ("import warnings, keras\nfrom lockstep.distribute._strategy import MirroredStrategy\n"
+            "with warnings.catch_warnings(record=True) as caught:\n"
+            "    warnings.simplefilter('always')\n"
+            "    with MirroredStrategy(2).scope():\n"
+            "        pass\n"
+            "print(any('Keras does not follow this lockstep scope' in str(w.message) for w in caught))\n"
+            "import lockstep as ls\n"
+            "with warnings.catch_warnings():\n"
+            "    warnings.simplefilter('error')\n"
+            "    with ls.MirroredStrategy(2).scope():\n"
+            "        print(len(keras.distribution.distribution().device_mesh.devices.flat))\n")
+    env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "KERAS_BACKEND": "jax"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split() == ["True", "2"], out.stdout

@@ -41,6 +41,14 @@ _RECENT: list[weakref.ReferenceType[Strategy]] = []
 def entered(strategy: "Strategy") -> Iterator["Strategy"]:
     """Makes `strategy` the active one (Keras' distribution follows it: `lockstep.keras`)."""
     check_keras_backend()
+    keras = sys.modules.get("keras")
+    if keras is not None and not getattr(keras, "lockstep_follows_scopes", False):
+        import warnings
+
+        warnings.warn(
+            "Keras does not follow this lockstep scope: its models would be built, and `model.fit` run, on one "
+            "device. Take the strategy from `lockstep` (`ls.MirroredStrategy(...)`), not from a private module, or "
+            "call `lockstep.keras.install()` first.", UserWarning, stacklevel=4)
     _SCOPES.stack.append(strategy)
     _RECENT.append(weakref.ref(strategy))
     del _RECENT[:-16]

@@ -81,7 +81,8 @@ class Strategy:
         """Makes this strategy the one `get_strategy()` returns inside the block.
 
         A Keras 3 model built inside the block gets its variables replicated on this strategy's
-        devices (Keras' own `DataParallel` distribution is in force there), and a `Trainer` made
+        devices (Keras' distribution there is a `DataParallel` over them, unless one was set with
+        `keras.distribution.set_distribution`: `lockstep.keras`), and a `Trainer` made
         later for that model, outside any scope, runs on this strategy — as in `tf.distribute`.
 
         >>> import lockstep as ls

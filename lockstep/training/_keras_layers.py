@@ -304,16 +304,22 @@ def draws_following_rows(model: Any, x: Any, flag: dict[str, Any]) -> tuple[bool
         like = jax.tree.map(lambda a: jax.ShapeDtypeStruct((n, *np.shape(a)[1:]), a.dtype), x)
         with _drawing(rows), replica_context(None):
             jax.eval_shape(lambda t, nt, v: model.stateless_call(t, nt, v, **flag),
-                           [v.value for v in model.trainable_variables],
-                           [v.value for v in model.non_trainable_variables], like)
+                           *([jax.ShapeDtypeStruct(v.shape, v.dtype) for v in variables]
+                             for variables in (model.trainable_variables, model.non_trainable_variables)), like)
         return rows.seen or []
     try:
         two, three = seen(2), seen(3)
-    except Exception:  # noqa: BLE001 (a model that cannot be called at other batch sizes: the length decides)
-        return None
-    if len(two) != len(three):
-        return None
-    return tuple(a == 2 and b == 3 for a, b in zip(two, three))
+    except Exception as e:  # noqa: BLE001 (a model that cannot be called at other batch sizes: the length decides)
+        two, three, why = [], [None], f"it cannot be called on 2 and 3 rows ({type(e).__name__}: {e})"
+    else:
+        why = "it draws another number of times on 2 rows than on 3"
+    if len(two) == len(three):
+        return tuple(a == 2 and b == 3 for a, b in zip(two, three))
+    warnings.warn(f"lockstep cannot tell which random draws of model {getattr(model, 'name', '?')!r} follow the "
+                  f"batch's rows ({why[:300]}): a draw as long as a replica's rows is taken for the rows' (a mask "
+                  "shared by the batch, Dropout(noise_shape=(1, ...)), on one row a replica would then be drawn "
+                  "per replica).", UserWarning, stacklevel=2)
+    return None
 
 
 def _rows_of_bits(key: Any, bit_width: int, shape: tuple[int, ...]) -> Any:

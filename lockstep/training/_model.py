@@ -218,7 +218,7 @@ class _KerasAdapter:
         """`draws_following_rows` for calls on batches like `x` (once a signature), where a replica
         of several draws at random (the model has seed generators)."""
         ctx = get_replica_context()
-        if ctx is None or ctx.num_replicas_in_sync == 1 or not any(
+        if ctx is None or ctx.num_replicas_in_sync == 1 or flag.get("training") is False or not any(
                 "seed_generator" in getattr(v, "path", "") for v in self.model.non_trainable_variables):
             return None
         leaves, tree = jax.tree.flatten(x)
