@@ -58,7 +58,7 @@ _EXPORTS: dict[str, str] = {
     "compute_average_loss": ".losses",
     "scale_regularization_loss": ".losses",
     "cross_replica_moments": ".engine._moments",
-    "DataPosition": ".training",
+    "DataPosition": ".data",
     "FunctionalModel": ".training",
     "TrainState": ".training",
     "Trainer": ".training",
@@ -137,7 +137,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .engine._replica_context import get_replica_context as get_replica_context
     from .losses import compute_average_loss as compute_average_loss
     from .losses import scale_regularization_loss as scale_regularization_loss
-    from .training import DataPosition as DataPosition
+    from .data import DataPosition as DataPosition
     from .training import FunctionalModel as FunctionalModel
     from .training import TrainState as TrainState
     from .training import Trainer as Trainer

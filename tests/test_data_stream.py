@@ -18,7 +18,7 @@ import lockstep as ls
 from lockstep.data import IterableBatches, batches
 from lockstep.engine import Engine, ResidentBatch
 from lockstep.training import DataPosition
-from lockstep.training._data_stream import DataStream
+from lockstep.data import DataStream
 
 
 def _rows(batch):

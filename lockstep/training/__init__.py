@@ -1,6 +1,6 @@
 """Training: `Trainer`, `TrainState`, model adapters and the compiled-step factories."""
 
-from ._data_stream import DataPosition as DataPosition
+from ..data import DataPosition as DataPosition
 from ._inputs import Validation as Validation
 from ._inputs import class_weighted as class_weighted
 from ._inputs import is_arrays as is_arrays

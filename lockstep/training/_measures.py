@@ -9,7 +9,7 @@ from typing import Any
 
 import jax
 
-from ._data_stream import DataStream
+from ..data import DataStream
 from ._executions import executions
 from ._flops import matmul_flops
 from ._inputs import first_batch, to_batches

@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from ..engine import broadcast_from_chief, spread
-from ._data_stream import DataPosition, DataStream
+from ..data import DataPosition, DataStream
 from ._train_state import TrainState
 
 

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import jax
 import numpy as np
 
-from ._data_stream import DataPosition
+from ..data import DataPosition
 from ._state_names import StateNames
 
 @dataclasses.dataclass(frozen=True, eq=False)

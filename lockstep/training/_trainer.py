@@ -43,7 +43,7 @@ from ._inputs import (
 from ._compiled import is_compiled_keras
 from ._compiled import settings as compiled_settings
 from ._compiled import steps_per_execution as compiled_steps_per_execution
-from ._data_stream import DataStream
+from ..data import DataStream
 from ._evaluation import TrainerEvaluation, agreed, batches_in, note_weighted_metrics
 from ._executions import executions, whole_calls
 from ._input_shapes import InputCheck

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from ..data import DataAdapter
+from ._adapter import DataAdapter
 from ..engine import DIGEST_MODULUS, allgather_sizes
 
 if TYPE_CHECKING:
