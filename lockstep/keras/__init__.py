@@ -5,9 +5,9 @@ updated exactly inside `strategy.run` (`_metrics_in_run`).
 Each patches Keras once a process; `install` does all three, and `lockstep` calls it when a
 strategy or the Trainer is first asked for (before any scope can be entered). This is the part
 above every other: it imports the Trainer, the scopes and the metrics, and nothing imports it but
-the public faces `lockstep` and `lockstep.experimental`. How the parts below read Keras objects (a model's `stateless_call` and
-random draws, a Keras metric, a callback, a `PyDataset`, an optimizer) stays with each part's
-adapter, where that part tells the kinds of its inputs apart.
+the public faces `lockstep` and `lockstep.experimental`. How the parts below read Keras objects (a
+model's `stateless_call` and random draws, a Keras metric, a callback, a `PyDataset`, an optimizer)
+stays with each part's adapter, where that part tells the kinds of its inputs apart.
 """
 
 from __future__ import annotations

@@ -26,7 +26,6 @@ from typing import Any
 from .._errors import UsageError, WorkersDisagreeError
 from ..distribute import active, remember_scope
 
-_CLASSES: dict[int, type] = {}
 _OURS: weakref.WeakKeyDictionary[Any, Any] = weakref.WeakKeyDictionary()  # strategy -> its distribution
 
 
@@ -61,30 +60,27 @@ def follow_scopes(keras: Any) -> None:
 def _keras_data_parallel(keras: Any) -> type:
     """Keras' `DataParallel`, except that Keras' own training loops refuse to run under it: they
     would split batches Keras' way (`IndivisibleError` on a short last batch, per-replica
-    statistics), not lockstep's."""
-    cls = _CLASSES.get(id(keras))
-    if cls is None:
-        class LockstepDataParallel(keras.distribution.DataParallel):  # type: ignore[misc, name-defined]
-            strategy: Any = None  # a weak reference to the scope's strategy
-            follows_lockstep_scope = True  # what the Trainer takes for no Keras distribution
+    statistics), not lockstep's (made once, by `follow_scopes`)."""
+    class LockstepDataParallel(keras.distribution.DataParallel):  # type: ignore[misc, name-defined]
+        strategy: Any = None  # a weak reference to the scope's strategy
+        follows_lockstep_scope = True  # what the Trainer takes for no Keras distribution
 
-            def get_variable_layout(self, variable: Any) -> Any:
-                _MAKING[:] = [] if getattr(variable, "trainable", True) else [  # a setting: compared, not broadcast
-                    getattr(variable, "path", None) or getattr(variable, "name", "?")]
-                if self.strategy is not None and self.strategy() is not None:  # made in this strategy's scope
-                    remember_scope(variable, self.strategy())
-                    layout = getattr(self.strategy(), "keras_variable_layout", None)
-                    if layout is not None:  # a sharded strategy: the variable is created in its layout
-                        return layout(variable)
-                return super().get_variable_layout(variable)
+        def get_variable_layout(self, variable: Any) -> Any:
+            _MAKING[:] = [] if getattr(variable, "trainable", True) else [  # a setting: compared, not broadcast
+                getattr(variable, "path", None) or getattr(variable, "name", "?")]
+            if self.strategy is not None and self.strategy() is not None:  # made in this strategy's scope
+                remember_scope(variable, self.strategy())
+                layout = getattr(self.strategy(), "keras_variable_layout", None)
+                if layout is not None:  # a sharded strategy: the variable is created in its layout
+                    return layout(variable)
+            return super().get_variable_layout(variable)
 
-            def get_data_layout(self, data_shape: Any) -> Any:  # only Keras' fit/evaluate/predict ask
-                raise UsageError(
-                    "a Keras training loop other than `model.fit` / `evaluate` / `predict` (which lockstep runs) "
-                    "asked to split a batch inside a lockstep `strategy.scope()`: train with `model.fit` or "
-                    "`ls.Trainer(model).fit(...)`, which are exact for any batch size, or call it outside the scope.")
-        cls = _CLASSES[id(keras)] = LockstepDataParallel
-    return cls
+        def get_data_layout(self, data_shape: Any) -> Any:  # only Keras' fit/evaluate/predict ask
+            raise UsageError(
+                "a Keras training loop other than `model.fit` / `evaluate` / `predict` (which lockstep runs) "
+                "asked to split a batch inside a lockstep `strategy.scope()`: train with `model.fit` or "
+                "`ls.Trainer(model).fit(...)`, which are exact for any batch size, or call it outside the scope.")
+    return LockstepDataParallel
 
 
 _PUT: dict[str, Any] = {}

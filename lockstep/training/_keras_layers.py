@@ -12,8 +12,8 @@
   dropout masks, random augmentation) are drawn for the global batch and each replica takes its
   rows (`random_draws_as_one_device`): every replica holds the same seed generator states, so a
   draw that follows the batch's rows (its first dimension is the rows' at two batch sizes:
-  `draws_following_rows`) is the global batch's draw, this replica's rows of it: JAX's counter-based draws give element i the hash of counter i whatever the draw's
-  length, so `normal` / `uniform` / `truncated_normal` / dropout masks are drawn with counters
+  `draws_following_rows`) is the global batch's draw, this replica's rows of it: JAX's
+  counter-based draws give element i the hash of counter i whatever the draw's length, so `normal` / `uniform` / `truncated_normal` / dropout masks are drawn with counters
   starting at the replica's first element (`_Rows.key`: no more bits than its own rows'), the
   others drawn for the global batch and sliced (the rows past the real ones are padding). Draws of
   other shapes are the same on every replica, as on one device.
@@ -309,12 +309,11 @@ def draws_following_rows(model: Any, x: Any, flag: dict[str, Any]) -> tuple[bool
         return rows.seen or []
     try:
         two, three = seen(2), seen(3)
-    except Exception as e:  # noqa: BLE001 (a model that cannot be called at other batch sizes: the length decides)
-        two, three, why = [], [None], f"it cannot be called on 2 and 3 rows ({type(e).__name__}: {e})"
-    else:
+        if len(two) == len(three):
+            return tuple(a == 2 and b == 3 for a, b in zip(two, three))
         why = "it draws another number of times on 2 rows than on 3"
-    if len(two) == len(three):
-        return tuple(a == 2 and b == 3 for a, b in zip(two, three))
+    except Exception as e:  # noqa: BLE001 (a model that cannot be called at other batch sizes: the length decides)
+        why = f"it cannot be called on 2 and 3 rows ({type(e).__name__}: {e})"
     warnings.warn(f"lockstep cannot tell which random draws of model {getattr(model, 'name', '?')!r} follow the "
                   f"batch's rows ({why[:300]}): a draw as long as a replica's rows is taken for the rows' (a mask "
                   "shared by the batch, Dropout(noise_shape=(1, ...)), on one row a replica would then be drawn "
