@@ -32,8 +32,8 @@ def _stored(trainer):
 
 def _assert_padding_holds_zeros(trainer):
     """Every stored array's padding (parameters and optimizer state) is zero."""
-    state, placement = _stored(trainer), trainer._placement
-    layouts = jax.tree.leaves((placement._layouts, placement._layouts_of_state(state.opt_state)))
+    state, layout = _stored(trainer), trainer._layout
+    layouts = jax.tree.leaves((layout._layouts, layout._layouts_of_state(state.opt_state)))
     checked = 0
     for leaf, v in zip(jax.tree.leaves((state.params, state.opt_state)), layouts):
         if not hasattr(v, "shape") or tuple(leaf.shape) == v.shape or len(leaf.shape) != len(v.shape):

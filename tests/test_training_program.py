@@ -12,14 +12,15 @@ from jax.sharding import PartitionSpec as P
 
 import lockstep as ls
 from lockstep.data import accumulation_groups
+from lockstep.sharding import state_layout
 from lockstep.metrics import Mean, MetricCollection
 from lockstep.training._executions import make_program, runs
-from lockstep.training._placement import placement_for
 from lockstep.training._step_runner import StepRunner
 from lockstep.training._steps import make_gradient_step
 from lockstep.training._train_state import TrainState
 
 LR = 0.1
+_PATHS = {"trainable": {"w": "w", "b": "b"}, "non_trainable": {}}
 
 
 def _apply(params, x, training):
@@ -66,7 +67,7 @@ def test_one_update_of_micro_batches_is_numpys_step_on_their_rows(kind, sizes):
     rng = np.random.default_rng(sum(sizes))
     w, b = rng.normal(size=(5, 3)).astype(np.float32), rng.normal(size=(3,)).astype(np.float32)
     params = {"trainable": {"w": w, "b": b}, "non_trainable": {}}
-    layout = placement_for(engine, optax.sgd(LR), params, {"trainable": {"w": "w", "b": "b"}, "non_trainable": {}})
+    layout = state_layout(engine, engine.sharding, optax.sgd(LR), params, _PATHS)
     assert (layout.plan is None) == (kind == "replicated")
     tracker, metrics = Mean(), MetricCollection({})
     step = make_gradient_step(layout.on_stored(_apply), _loss, tracker, metrics, engine.num_replicas)
@@ -125,7 +126,7 @@ def test_the_runner_takes_an_execution_of_resident_and_placed_batches_as_numpy_s
     x, y = rng.normal(size=(11, 5)).astype(np.float32), rng.normal(size=(11, 3)).astype(np.float32)
     x1, y1 = rng.normal(size=(1, 5)).astype(np.float32), rng.normal(size=(1, 3)).astype(np.float32)
     params = {"trainable": {"w": w, "b": b}, "non_trainable": {}}
-    layout = placement_for(engine, optax.sgd(LR), params, {"trainable": {"w": "w", "b": "b"}, "non_trainable": {}})
+    layout = state_layout(engine, engine.sharding, optax.sgd(LR), params, _PATHS)
     tracker, metrics = Mean(), MetricCollection({})
     steps = {"gradient": make_gradient_step(layout.on_stored(_apply), _loss, tracker, metrics, engine.num_replicas)}
     runner = StepRunner(engine, steps, layout)

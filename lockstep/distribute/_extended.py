@@ -1,6 +1,6 @@
 """`tf.distribute`'s ``strategy.extended``: the engine, with the facts TF's API reads off it
 (which devices hold the variables, which worker writes checkpoints and summaries) and how the
-strategy lays a model's variables out (`sharding`, `plan`).
+strategy lays a model's variables out (`sharding`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import jax
 from jax.sharding import Mesh
 
 from ..engine import BATCH_AXIS, Engine
-from ..sharding import ShardingConfig, ShardingPlan
+from ..sharding import ShardingConfig
 
 
 class StrategyExtended(Engine):
@@ -32,12 +32,6 @@ class StrategyExtended(Engine):
         super().__init__(devices, owner, mesh=mesh, batch_axis=batch_axis, split_model_axes=sharding is not None)
         #: how the strategy lays a model's variables out (None: replicated on every device)
         self.sharding = sharding
-
-    def plan(self, params: Any, paths: Any, trainable: Any) -> ShardingPlan | None:
-        """The layouts of a model's parameters (trees of arrays, path strings and trainable flags)
-        under the strategy's `sharding`, or None when it replicates them."""
-        return None if self.sharding is None else self.sharding.plan(self.mesh, self.batch_axis, params, paths,
-                                                                     trainable)
 
     @property
     def worker_devices(self) -> tuple[str, ...]:

@@ -2,7 +2,7 @@
 named axes (data parallelism: one ``"batch"`` axis). It never imports the `tf.distribute` face,
 training, callbacks or checkpoints; they are built on it.
 
-Modules: `_devices` (simulated CPU devices, backends), `_layout` (a padded batch's rows and mask),
+Modules: `_devices` (simulated CPU devices, backends), `_batch_rows` (a padded batch's rows and mask),
 `_cross_replica` (collectives inside a replica, reductions of per-replica arrays outside, host
 collectives across workers), `_placement` (batches placed on the mesh), `_replica_context`
 (what a replica's function knows), `_loops` (recurrent carries), `_compiler` (the `run`
@@ -12,11 +12,11 @@ Other packages import what they use of it from here, never from its modules.
 """
 
 from ._devices import backends_started as backends_started
-from ._layout import along_rows as along_rows
-from ._layout import BatchRows as BatchRows
-from ._layout import DIGEST_MODULUS as DIGEST_MODULUS
-from ._layout import padded_per_replica as padded_per_replica
-from ._layout import StepInfo as StepInfo
+from ._batch_rows import along_rows as along_rows
+from ._batch_rows import BatchRows as BatchRows
+from ._batch_rows import DIGEST_MODULUS as DIGEST_MODULUS
+from ._batch_rows import padded_per_replica as padded_per_replica
+from ._batch_rows import StepInfo as StepInfo
 from ._reduce_op import ReduceOp as ReduceOp
 from ._cross_replica import all_gather as all_gather
 from ._cross_replica import all_reduce as all_reduce
@@ -36,6 +36,7 @@ from ._cross_replica import to_varying as to_varying
 from ._cross_replica import spread as spread
 from ._replica_context import get_replica_context as get_replica_context
 from ._replica_context import replica_context as replica_context
+from ._replica_context import replicas_axis as replicas_axis
 from ._moments import cross_replica_moments as cross_replica_moments
 from ._state_updates import is_recording as is_recording
 from ._state_updates import record as record
@@ -81,6 +82,7 @@ __all__ = [
     "reduce_stacked",
     "ReduceOp",
     "replica_context",
+    "replicas_axis",
     "ResidentBatch",
     "ResidentPass",
     "take_step",

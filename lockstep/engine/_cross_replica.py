@@ -19,7 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ._layout import StepInfo, rows_digest
+from ._batch_rows import StepInfo, rows_digest
 from ._reduce_op import ReduceOp
 
 # --- inside a replica ----------------------------------------------------------------------

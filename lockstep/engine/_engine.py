@@ -19,7 +19,7 @@ from jax.sharding import AxisType, Mesh
 
 from ._compiler import RunCompiler
 from ._cross_replica import ReplicatedCall, axis_names, gather_stacked, spread
-from ._layout import StepInfo
+from ._batch_rows import StepInfo
 from ._placement import BatchDistributor
 from ._replica_context import ReplicaContext
 

@@ -122,6 +122,18 @@ def get_replica_context() -> ReplicaContext | None:
     return stack[-1] if stack else None
 
 
+def replicas_axis() -> str | tuple[str, ...]:
+    """The mesh axis along which the replicas of the step being traced lie (its replica context's).
+
+    Raises:
+      RuntimeError: called outside a replica's function being traced.
+    """
+    ctx = get_replica_context()
+    if ctx is None:
+        raise RuntimeError("lockstep's steps are traced inside the engine's replica context.")
+    return ctx.axis_name
+
+
 @contextlib.contextmanager
 def replica_context(ctx: ReplicaContext | None) -> Iterator[ReplicaContext | None]:
     """Makes `ctx` the one `get_replica_context()` returns while a replica's function is traced

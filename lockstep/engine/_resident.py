@@ -3,7 +3,7 @@ rows on its devices once (its share of the batch axis), from which compiled step
 rows themselves, so that a training step costs the host no copy and no transfer.
 
 A pass (`ResidentPass`) is each replica's rows of every batch, in step order (a replica's rows of
-batch `i` are its slice of the batch padded as `_layout` pads a global batch), split over the
+batch `i` are its slice of the batch padded as `_batch_rows` pads a global batch), split over the
 batch axis, and each batch's real count. Step `i` of the pass reads its rows inside the compiled
 program (`take_step`): each replica slices its block of step `i` and builds its mask from the real
 count, which gives exactly the rows, padding and mask that placing the batch from the host gives
@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._layout import BatchRows, StepInfo, rows_digest, to_numpy
+from ._batch_rows import BatchRows, StepInfo, rows_digest, to_numpy
 
 #: Largest in-memory training data (all arrays together, in MiB) that `fit` places a pass of at
 #: once (each device its replica's share); larger data is placed batch by batch. 0 turns it off.

@@ -6,7 +6,7 @@ from ._inputs import class_weighted as class_weighted
 from ._inputs import is_arrays as is_arrays
 from ._model import FunctionalModel as FunctionalModel
 from ._optimizers import get_optimizer as get_optimizer
-from ._placement import memory_estimate as memory_estimate
+from ._model_layout import memory_estimate as memory_estimate
 from ._state_names import StateNames as StateNames
 from ._steps import make_eval_step as make_eval_step
 from ._steps import make_predict_step as make_predict_step

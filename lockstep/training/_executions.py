@@ -7,7 +7,7 @@ An execution (`steps_per_execution`, Keras' name) is a list of consecutive updat
 shape; an update whose batches differ in shape, or come from two passes, is a run of its own.
 
 A run's program (`make_program`) is one `jax.jit` made from the gradient step and the state
-layout (`lockstep.training._placement`), and nothing else:
+layout (`lockstep.sharding.state_layout`), and nothing else:
 
 * the replicas' part, a `shard_map` over the batch axis: each replica takes the update's batches
   one after another (`micro_batched`: a `lax.scan` over them, or one call for one batch), each in

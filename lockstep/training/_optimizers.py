@@ -4,11 +4,13 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
+import jax
 import numpy as np
 import optax
 
 from .._keras_kind import is_keras
 from ..engine import held
+from ..sharding import Slots
 
 def keras_adam(learning_rate: Any, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-7,
                weight_decay: float | None = None) -> optax.GradientTransformation:
@@ -165,6 +167,20 @@ def keras_state_owners(optimizer: Any, trainable_variables: Any) -> list[int | N
         owner = max((p for p in by_path if rest.startswith(p + "_")), key=len, default=None)
         owners.append(None if owner is None else by_path[owner])
     return owners
+
+
+def keras_slots(optimizer: Any, trainable_variables: Any) -> Slots:
+    """How a Keras optimizer's state (its variables, as `from_keras` keeps them) follows the
+    trainable variables: `lockstep.sharding`'s `Slots`, each slot laid out as the variable it
+    belongs to (`keras_state_owners`), the iteration count and the learning rate as the rest."""
+    owners = keras_state_owners(optimizer, trainable_variables)
+
+    def slots(opt_state: Any, mapped: Any, per_param: Any, other: Any) -> Any:
+        def keras(state: Any, _: Any) -> Any:
+            return KerasOptimizerState([other if i is None else per_param[i] for i in owners],
+                                       {k: other for k in state.hyperparams})
+        return jax.tree.map(keras, opt_state, mapped, is_leaf=lambda x: isinstance(x, KerasOptimizerState))
+    return slots
 
 
 def keras_state_variables(optimizer: Any) -> list[Any]:

@@ -30,16 +30,16 @@ def callback_key(callbacks: list[Any]) -> dict[str, Any]:
     return out
 
 
-def initial_state(placement: Any, params: Any, names: Any = None) -> TrainState:
-    """Worker 0's `params` (host arrays) on the devices as `placement` (`_placement`'s) lays them
-    out, with a fresh optimizer state; `names(params, opt_state)` gives their `StateNames`."""
+def initial_state(layout: Any, params: Any, names: Any = None) -> TrainState:
+    """Worker 0's `params` (host arrays) on the devices as `layout` (`lockstep.sharding`'s state
+    layout) lays them out, with a fresh optimizer state; `names(params, opt_state)` gives their `StateNames`."""
     leaves, tree = jax.tree.flatten(params)
     own = [i for i, x in enumerate(leaves) if not spread(x)]  # a global array spread over workers is one value
     for i, x in zip(own, broadcast_from_chief([np.asarray(leaves[i]) for i in own])):
         leaves[i] = np.asarray(x)  # every worker starts from worker 0's
     params = jax.tree.unflatten(tree, leaves)
-    params = placement.params(params)
-    opt_state = placement.init_opt_state(params)
+    params = layout.params(params)
+    opt_state = layout.init_opt_state(params)
     return TrainState(params=params, opt_state=opt_state, metric_state=None, epoch=0, step=0, global_step=0, seed=0,
                       callbacks={}, names=None if names is None else names(params, opt_state))
 
@@ -83,9 +83,9 @@ def _per_replica(engine: Any, metrics: Any, saved: Any) -> Any:
         {name: {field: moved(name, field, v) for field, v in fields.items()} for name, fields in saved.items()})
 
 
-def placed(engine: Any, placement: Any, metrics: Any, current: TrainState, state: TrainState) -> TrainState:
+def placed(engine: Any, layout: Any, metrics: Any, current: TrainState, state: TrainState) -> TrainState:
     """`state` checked against `current` (the trainer's) and placed on `engine`: the weights and
-    optimizer state as `placement` lays them out (whatever mesh they were saved from), the running metric state of an epoch in progress per replica
+    optimizer state as `layout` lays them out (whatever mesh they were saved from), the running metric state of an epoch in progress per replica
     (`metrics`, a `MetricCollection`, reduces one taken on another number of replicas).
 
     Raises:
@@ -99,7 +99,7 @@ def placed(engine: Any, placement: Any, metrics: Any, current: TrainState, state
         if jax.tree.structure(mine) != jax.tree.structure(theirs):
             raise ValueError(f"`state.{name}` has another structure than this trainer's: "
                              f"{jax.tree.structure(theirs)} vs {jax.tree.structure(mine)}.")
-    want = placement.shapes(current.params, current.opt_state)
+    want = layout.shapes(current.params, current.opt_state)
     for (path, leaf), shape in zip(jax.tree_util.tree_flatten_with_path((state.params, state.opt_state))[0], want):
         if tuple(np.shape(leaf)) != shape:
             raise ValueError(f"`state` holds an array of shape {tuple(np.shape(leaf))} at "
@@ -108,7 +108,7 @@ def placed(engine: Any, placement: Any, metrics: Any, current: TrainState, state
     metric_state = None
     if state.step and state.metric_state is not None:  # mid-epoch: the epoch's running metrics go on
         metric_state = _per_replica(engine, metrics, state.metric_state)
-    return state.replace(params=placement.params(state.params), opt_state=placement.opt_state(state.opt_state),
+    return state.replace(params=layout.params(state.params), opt_state=layout.opt_state(state.opt_state),
                          metric_state=metric_state, names=current.names)
 
 

@@ -39,7 +39,7 @@ def checked_accumulation(k: Any) -> int:
 
 class StepRunner:
     """Runs `steps` (from `make_steps`) on `engine` (`strategy.extended`) with the state laid out
-    by `layout` (`lockstep.training._placement`'s)."""
+    by `layout` (`lockstep.sharding.state_layout`'s)."""
 
     def __init__(self, engine: Any, steps: dict[str, Callable[..., Any]], layout: Any):
         self._engine = engine

@@ -9,7 +9,7 @@ The steps run with `shard_map`'s replication typing off (`CHECK_VMA = False`): a
 whose carry starts replicated (zeros) and becomes per-replica — every Keras recurrent layer —
 then traces on any number of replicas. The price is that JAX no longer sums the gradients of
 replicated parameters over replicas by itself: the gradient step returns each replica's share and
-the state layout combines them (`lockstep.training._placement`: a `psum`, or a reduce-scatter).
+the state layout combines them (`lockstep.sharding.state_layout`: a `psum`, or a reduce-scatter).
 """
 
 from __future__ import annotations
@@ -20,9 +20,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 
-from ..engine import ReduceOp, all_reduce, get_replica_context
+from ..engine import ReduceOp, all_reduce, replicas_axis
 from ..losses import masked_average_loss, times_sample_weight
 from ..metrics import Mean, MetricCollection
 from ._keras_layers import LAYER_OUTPUT
@@ -116,14 +115,6 @@ def weighted_losses(loss_fn: LossFn, y: Any, y_pred: Any, sample_weight: Any) ->
     return times_sample_weight(loss_fn(y, y_pred), sample_weight)
 
 
-def replicas_axis() -> str | tuple[str, ...]:
-    """The mesh axis along which the replicas of the step being traced lie (its replica context's)."""
-    ctx = get_replica_context()
-    if ctx is None:
-        raise RuntimeError("lockstep's steps are traced inside the engine's replica context.")
-    return ctx.axis_name
-
-
 def global_penalty(penalty: jax.Array | None, num_replicas: int) -> jax.Array | None:
     """The step's whole penalty (regularisers, `add_loss`) from each replica's: every replica
     contributes ``penalty / num_replicas`` (see `_model`), so the sum counts it once."""
@@ -206,12 +197,6 @@ def make_gradient_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metric
         return grads, _agree_non_trainable(non_trainable, mask), logs
 
     return gradient_step
-
-
-def updated(optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, trainable: Any) -> tuple[Any, Any]:
-    """(trainable parameters, optimizer state) after one update with the global `grads`."""
-    updates, opt_state = optimizer.update(grads, opt_state, trainable)
-    return optax.apply_updates(trainable, updates), opt_state
 
 
 def make_eval_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,

@@ -31,6 +31,7 @@ from ..distribute import Strategy, get_strategy, recent, strategy_of_model
 from ..callbacks import Callback, CallbackList, History, ProgbarLogger, is_chief
 from ..data import IterableBatches
 from ..metrics import Mean, Metric, MetricCollection, get as get_metric
+from ..sharding import Replicated
 from ._inputs import (
     class_weighted,
     first_batch,
@@ -52,7 +53,7 @@ from ._model import FunctionalModel, adapt, output_shape
 from ._outputs import shapes_of
 from ._optimizers import get_optimizer, is_keras_optimizer, is_loss_scaled, loss_scale_settings
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
-from ._placement import Replicated, placement_of
+from ._model_layout import layout_of
 from ._restore import fit_start, initial_state, placed, snapshot, take_up
 from ._logs import LazyLogs, read_logs
 from ._train_state import TrainState
@@ -195,11 +196,11 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             self._optimizer = with_loss_scaling(self._optimizer, *loss_scale_settings(optimizer))
         self._loss_fn = _losses.get(loss)
         self._labels = LabelCheck(loss)  # labels checked on the host against a named loss
-        self._inputs = InputCheck(lambda p, x: self._placement.on_stored(self._adapter.apply)(p, x, False)[0],
+        self._inputs = InputCheck(lambda p, x: self._layout.on_stored(self._adapter.apply)(p, x, False)[0],
                                   self._adapter.check_input)
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._runner: StepRunner | None = None  # the compiled steps, once the model is built
-        self._placement: Replicated = Replicated(self._engine, self._optimizer)  # where the state lies, once built
+        self._layout: Replicated = Replicated(self._engine, self._optimizer)  # where the state lies, once built
         self.layouts: Any = None  # a sharded strategy's `ShardingPlan` of the variables, once built
         self.stop_training, self.history = False, None  # history: the last fit's `History`
         self.stop_evaluating = self.stop_predicting = False  # a callback's, in a batch of evaluate / predict
@@ -224,7 +225,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             self._initial_state(self._adapter.build(x))
         self._inputs.check(self._state.params, x, arg)
         if y is not None and (not self._all.built or self._labels.needs_classes):
-            pred_shape = output_shape(self._adapter, self._state.params, x, self._placement.on_stored(self._adapter.apply))
+            pred_shape = output_shape(self._adapter, self._state.params, x, self._layout.on_stored(self._adapter.apply))
             self._labels.set_classes(pred_shape)
             if self._labels.kind is not None and labels is not None:  # arrays: alike on every worker
                 self._labels.check(labels, labels_arg or arg)
@@ -236,8 +237,8 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         if self._runner is None:
             apply = in_precision(self._adapter.apply, self.dtype_policy, isinstance(self.model, FunctionalModel))
             self._runner = StepRunner(self._engine, make_steps(
-                self._placement.on_stored(apply), self._loss_fn, self._loss_tracker, self._metrics,
-                self.strategy.num_replicas_in_sync, self.remat, self._adapter.layers_named), self._placement)
+                self._layout.on_stored(apply), self._loss_fn, self._loss_tracker, self._metrics,
+                self.strategy.num_replicas_in_sync, self.remat, self._adapter.layers_named), self._layout)
         return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
 
     def _build_on(self, data: Any, arg: str, labels: Any = None, labels_arg: str | None = None,
@@ -253,10 +254,10 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
 
     def _initial_state(self, params: Any) -> None:
         """The state a new model starts from, laid out as the strategy says."""
-        self._placement = placement_of(self._engine, self._optimizer, self._keras_optimizer, self.model, params,
+        self._layout = layout_of(self._engine, self._optimizer, self._keras_optimizer, self.model, params,
                                        self._adapter.paths(params))
-        self._state = initial_state(self._placement, params, self._names)
-        self.layouts = self._placement.plan  # a sharded strategy's `ShardingPlan` (`.report()`); None: replicated
+        self._state = initial_state(self._layout, params, self._names)
+        self.layouts = self._layout.plan  # a sharded strategy's `ShardingPlan` (`.report()`); None: replicated
 
     def get_metric(self, name: str) -> Metric | None:
         """The metric logged under `name` (``"loss"`` included), or None."""
@@ -282,13 +283,13 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         In the variables' own shapes: a sharded strategy's padded variables are cut on the devices,
         so with several workers every worker asks for it at one point (as for `get_weights`)."""
         self._require_built()
-        return snapshot(self._placement.unpadded(self._state), self._callbacks, self._stream)
+        return snapshot(self._layout.unpadded(self._state), self._callbacks, self._stream)
 
     def shared_train_state(self) -> TrainState:
         """`train_state` with every worker's data checksum and iterator state: a collective, which
         every worker calls at the same step (as `BackupAndRestore` does)."""
         self._require_built()
-        return snapshot(self._placement.unpadded(self._state), self._callbacks, self._stream, share=True)
+        return snapshot(self._layout.unpadded(self._state), self._callbacks, self._stream, share=True)
 
     def restore(self, state: TrainState) -> None:
         """Puts `state` (from `train_state`, or a checkpoint of it) back.
@@ -302,7 +303,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
           ValueError: its weights do not fit this trainer's model and optimizer.
         """
         self._require_built()
-        self._resume = placed(self._engine, self._placement, self._all, self._state, state)
+        self._resume = placed(self._engine, self._layout, self._all, self._state, state)
         self._state = self._state.replace(params=self._resume.params, opt_state=self._resume.opt_state)
 
     # --- fit -------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ class TrainerWeights:
 
     _state: Any
     _adapter: Any
-    _placement: Any
+    _layout: Any
     _engine: Any
     _keras_optimizer: Any
 
@@ -42,30 +42,30 @@ class TrainerWeights:
     def sync_model(self) -> None:
         """Writes the trained weights (and a Keras optimizer's state) into the model object, as
         Keras' `fit` leaves it; `fit` does it on every exit."""
-        self._adapter.sync_to_model(host_tree(self._placement.unpadded_params(self._state.params)))
-        to_keras(self._keras_optimizer, self._placement.unpadded_state(self._state.opt_state))
+        self._adapter.sync_to_model(host_tree(self._layout.unpadded_params(self._state.params)))
+        to_keras(self._keras_optimizer, self._layout.unpadded_state(self._state.opt_state))
 
     @contextlib.contextmanager
     def keras_variables_current(self) -> Iterator[None]:
         """Inside: the Keras model's variables hold the current weights (as they lie on the devices),
         and what user code assigns to them (`layer.kernel.assign(...)`) is the next step's."""
-        lent = None if self._state is None else self._adapter.lend(self._placement.unpadded_params(self._state.params))
+        lent = None if self._state is None else self._adapter.lend(self._layout.unpadded_params(self._state.params))
         yield
         if lent is not None and (params := self._adapter.taken(lent)) is not None:
-            self._state = self._state.replace(params=self._placement.params(params))
+            self._state = self._state.replace(params=self._layout.params(params))
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
         if self._state is None and self._adapter.ready():
             self._initial_state(self._adapter.build(None))
         self._require_built()
-        return self._adapter.get_weights(host_tree(self._placement.unpadded_params(self._state.params)))
+        return self._adapter.get_weights(host_tree(self._layout.unpadded_params(self._state.params)))
 
     def set_weights(self, weights: Any) -> None:
         """Replaces the weights (same structure as `get_weights`); a Keras model is kept in sync."""
         self.get_weights()
-        params = self._adapter.set_weights(host_tree(self._placement.unpadded_params(self._state.params)), weights)
-        self._state = self._state.replace(params=self._placement.params(params))
+        params = self._adapter.set_weights(host_tree(self._layout.unpadded_params(self._state.params)), weights)
+        self._state = self._state.replace(params=self._layout.params(params))
         self._adapter.sync_to_model(params)
 
     @property

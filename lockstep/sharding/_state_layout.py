@@ -1,6 +1,8 @@
-"""Where a `Trainer` keeps its weights and optimizer state: replicated on every device
-(`Replicated`), or laid out by a sharded strategy's plan (`Sharded`: tensor-parallel rules and
-ZeRO stages, `lockstep.sharding`), and the compiled steps such a layout needs.
+"""The layout of a trainer's state, as data: where its weights and optimizer state lie
+(replicated on every device, `Replicated`; or laid out by a `ShardingPlan`, `Sharded`), their
+stored shapes (padding), how each gradient is reduced, and the bytes each device will hold.
+Data parallelism is the layout in which every variable is whole; one training program is made
+from a step and a layout (`lockstep.training`).
 
 A sharded step is one `jax.jit` around two parts. The replicas' part (a `shard_map` over the
 batch axis only; the model axes stay the compiler's, which lays out their shards) computes each
@@ -10,11 +12,21 @@ shards, as the compiler partitions any optax transform (a global-norm clip inclu
 moves about 2P bytes (P gathered or all-gathered, P reduce-scattered) and equals the replicated
 step up to the order of the gradient's sums.
 
-A variable that its splits do not divide is stored padded with zeros (`lockstep.sharding`'s plan):
+A variable that its splits do not divide is stored padded with zeros (the plan's `stored_shape`):
 the model sees it cut to its shape (`on_stored`), so its gradient comes out padded with zeros;
 the update runs on the variables', gradients' and optimizer state's own shapes and is padded
 again; what leaves the trainer (`unpadded_params`, `unpadded_state`: Keras variables, backups) has
 the variable's own shape.
+
+>>> import jax, numpy as np, optax, lockstep as ls
+>>> engine = ls.MirroredStrategy(4).extended
+>>> params = {"trainable": {"w": np.zeros((3, 8), np.float32)}, "non_trainable": {}}
+>>> type(state_layout(engine, None, optax.adam(0.1), params, {"trainable": {"w": "w"}, "non_trainable": {}})).__name__
+'Replicated'
+>>> sharded = ShardingConfig(rules=(), zero_stage=3, min_shard_size=1)
+>>> layout = state_layout(engine, sharded, optax.adam(0.1), params, {"trainable": {"w": "w"}, "non_trainable": {}})
+>>> layout.estimate(params)   # each device: 6 of w's 24 floats, 2 of Adam's moments, their count
+{'parameters': 24, 'gradients': 24, 'optimizer_state': 52, 'total': 100}
 """
 
 from __future__ import annotations
@@ -29,12 +41,14 @@ import optax
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from ..distribute import get_strategy
-from ..engine import spread
-from ..sharding import ShardingPlan, VariableLayout, fit_to, shard_bytes
-from ._model import keras_paths
-from ._optimizers import KerasOptimizerState, get_optimizer, is_keras_optimizer, keras_state_owners
-from ._steps import replicas_axis, updated
+from ..engine import replicas_axis, spread
+from ._plan import ShardingConfig, ShardingPlan, VariableLayout, fit_to, shard_bytes
+
+#: How an optimizer's state follows its parameters, where optax cannot tell (a Keras optimizer's
+#: slots): ``slots(opt_state, mapped, per_param, other)`` is `mapped` (optax's ``tree_map_params``
+#: of the state: each parameter's value from `per_param`, a list like the trainable parameters,
+#: the rest `other`) with the states optax left as `other` mapped too.
+Slots = Callable[[Any, Any, Any, Any], Any]
 
 
 #: An optimizer-state array that belongs to no parameter (a step count, a scalar).
@@ -137,13 +151,13 @@ class Sharded(Replicated):
     """Weights and optimizer state laid out by `plan` (see `lockstep.sharding`)."""
 
     def __init__(self, engine: Any, optimizer: optax.GradientTransformation, plan: ShardingPlan,
-                 keras_owners: list[int | None] | None = None):
+                 slots: Slots | None = None):
         super().__init__(engine, optimizer)
         self.plan = plan
         self.shards_accumulators = plan.zero_stage >= 2  # stages 2 and 3: each replica accumulates its share
         self.update_in_replica = False  # on the shards, as the compiler partitions it
         self.gradient_kinds = plan.gradient_specs()["trainable"]
-        self._keras_owners = keras_owners  # a Keras optimizer's variables' parameters (`keras_state_owners`)
+        self._slots = slots  # how the optimizer's state follows the parameters where optax cannot tell
         self._param_shardings = plan.shardings("param")
         self._state_shardings: Any = None
         self._layouts = plan.tree(plan.variables)  # each parameter's `VariableLayout`, a tree like the parameters
@@ -162,12 +176,7 @@ class Sharded(Replicated):
         value in `per_param` (a tree like the trainable parameters), the rest (counts, scalars) `other`."""
         out = optax.tree_map_params(self._optimizer, lambda _, value: value, opt_state, per_param,
                                     transform_non_params=lambda _: other)
-        if self._keras_owners is not None:  # a Keras optimizer's slots, by the variable each belongs to
-            def keras(state: Any, _: Any) -> Any:
-                return KerasOptimizerState([other if i is None else per_param[i] for i in self._keras_owners],
-                                           {k: other for k in state.hyperparams})
-            out = jax.tree.map(keras, opt_state, out, is_leaf=lambda x: isinstance(x, KerasOptimizerState))
-        return out
+        return out if self._slots is None else self._slots(opt_state, out, per_param, other)
 
     def state_shardings(self, opt_state: Any) -> Any:
         """Where each array of an optimizer state (arrays or their shapes) lies: a parameter's
@@ -189,8 +198,8 @@ class Sharded(Replicated):
 
     def init_opt_state(self, params: Any) -> Any:
         """A fresh optimizer state made on the devices already laid out (no device holds a whole one;
-        a Keras optimizer's is its variables, which Keras made in their layouts)."""
-        if self._keras_owners is not None:
+        an optimizer with `slots` of its own, a Keras optimizer, made them in their layouts)."""
+        if self._slots is not None:
             return self.opt_state(self._optimizer.init(params["trainable"]))
         shapes = jax.eval_shape(self._optimizer.init, params["trainable"])
         return self._engine.jit(lambda t: self._stored_state(self._optimizer.init(self._cut(t))),
@@ -324,46 +333,21 @@ def _bytes(x: Any, spec: P, mesh: Any) -> int:
     return shard_bytes(tuple(x.shape), np.dtype(x.dtype).itemsize, spec, dict(zip(mesh.axis_names, mesh.devices.shape)))
 
 
-def memory_estimate(model: Any, optimizer: Any = "adam", strategy: Any = None) -> dict[str, int]:
-    """Bytes of parameters, gradients (in a step) and optimizer state each device of `strategy`
-    (default: the active scope's) will hold for `model` (a built Keras model) trained with
-    `optimizer` (a name, a Keras optimizer or an optax transformation), worked out before
-    anything is placed: DeepSpeed's table. Padded variables (splits that do not divide them)
-    count their padded shards; not counted: the model's own Keras variables, which hold such a
-    variable without the split that does not divide it.
-
-    >>> import lockstep as ls, keras
-    >>> strategy = ls.ShardedStrategy(mesh=ls.DeviceMesh((8, 1), ("batch", "model")), zero_stage=3,
-    ...                               min_shard_size=1)
-    >>> model = keras.Sequential([keras.Input((16,)), keras.layers.Dense(64)])
-    >>> ls.memory_estimate(model, "adam", strategy)["parameters"]   # (16 * 64 + 64) * 4 bytes over 8 devices
-    544
-    """
-    engine = (strategy or get_strategy()).extended
-    shapes = {"trainable": [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in model.trainable_variables],
-              "non_trainable": [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in model.non_trainable_variables]}
-    transformation = get_optimizer(optimizer, model.trainable_variables)
-    keras_optimizer = optimizer if is_keras_optimizer(optimizer) else None
-    return placement_of(engine, transformation, keras_optimizer, model, shapes, keras_paths(model)).estimate(shapes)
+def updated(optimizer: optax.GradientTransformation, grads: Any, opt_state: Any, trainable: Any) -> tuple[Any, Any]:
+    """(trainable parameters, optimizer state) after one update with the global `grads`."""
+    updates, opt_state = optimizer.update(grads, opt_state, trainable)
+    return optax.apply_updates(trainable, updates), opt_state
 
 
-def placement_of(engine: Any, optimizer: optax.GradientTransformation, keras_optimizer: Any, model: Any,
-                 params: Any, paths: Any) -> Replicated:
-    """Where a trainer of `model` keeps `params` (whose paths are `paths`) and its optimizer state
-    (see `placement_for`); `keras_optimizer`: the Keras optimizer it runs, if any."""
-    owners = None if keras_optimizer is None else keras_state_owners(keras_optimizer, model.trainable_variables)
-    return placement_for(engine, optimizer, params, paths, owners)
-
-
-def placement_for(engine: Any, optimizer: optax.GradientTransformation, params: Any, paths: Any,
-                  keras_owners: list[int | None] | None = None) -> Replicated:
-    """`Sharded` when `engine` lays models out (a sharded strategy's), else `Replicated`;
-    `keras_owners`: a Keras optimizer's `keras_state_owners` (its slots are laid out as the
-    variable each belongs to)."""
+def state_layout(engine: Any, sharding: ShardingConfig | None, optimizer: optax.GradientTransformation, params: Any,
+                 paths: Any, slots: Slots | None = None) -> Replicated:
+    """The layout of a state `params` (``{"trainable": tree, "non_trainable": tree}`` of arrays or
+    shapes; `paths` alike, their variables' paths) and its `optimizer`'s state on `engine`'s mesh:
+    `Sharded` by `sharding`'s plan, or `Replicated` where `sharding` is None; `slots`: how the
+    optimizer's state follows the parameters where optax cannot tell (a Keras optimizer's)."""
+    if sharding is None:
+        return Replicated(engine, optimizer)
     trainable = {"trainable": jax.tree.map(lambda _: True, params["trainable"]),
                  "non_trainable": jax.tree.map(lambda _: False, params["non_trainable"])}
-    plan = engine.plan(params, paths, trainable)
-    if plan is None:
-        return Replicated(engine, optimizer)
-    return Sharded(engine, optimizer, plan, keras_owners)
-
+    plan = sharding.plan(engine.mesh, engine.batch_axis, params, paths, trainable)
+    return Sharded(engine, optimizer, plan, slots)

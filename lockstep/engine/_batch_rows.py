@@ -1,4 +1,4 @@
-"""Batch layout: how a batch's rows are padded, which replica holds which rows, and the mask.
+"""A batch's rows: how they are padded, which replica holds which rows, and the mask.
 
 Pure host-side functions (NumPy only, no devices), shared by every input path: global batches
 (`experimental_distribute_dataset`, `fit` on arrays) and per-worker pipelines
