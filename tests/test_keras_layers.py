@@ -428,3 +428,53 @@ def test_a_draw_as_long_as_a_replicas_rows_follows_them_only_where_it_follows_th
         got = fit(_build(factory))
     for a, b in zip(want, got):
         np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6, err_msg=name)
+
+
+def _jax_dropout(params, rng, inputs, training):
+    if training:
+        inputs = jnp.where(jax.random.bernoulli(rng, 0.5, inputs.shape), inputs * 2.0, 0.0)
+    return inputs @ params["w"]
+
+
+REFUSED_DRAWS = {  # what a replica cannot draw as one device does, and the error's words
+    "MixUp": (lambda: [L.Reshape((6, 3, 1)), L.MixUp(seed=1), L.Flatten()], "keras.random.shuffle permutes"),
+    "CutMix": (lambda: [L.Reshape((6, 3, 1)), L.CutMix(seed=1), L.Flatten()], "keras.random.shuffle permutes"),
+    "JaxLayer with rng": (lambda: [L.JaxLayer(_jax_dropout, init_fn=lambda rng, inputs: {"w": jnp.ones((3, 2))}),
+                                   L.Flatten()], "passes `rng` to its JAX function"),
+}
+
+
+@pytest.mark.filterwarnings("ignore:(?s).*Explicitly requested dtype int64")  # Keras' MixUp and CutMix on JAX
+@pytest.mark.parametrize("name", list(REFUSED_DRAWS))
+def test_draws_a_replica_cannot_make_as_one_device_are_refused_on_several_replicas(name):
+    """MixUp and CutMix mix each row with another row of the whole batch (`keras.random.shuffle`),
+    and a `JaxLayer`'s function draws with its own `rng`: a replica, holding only its rows, cannot
+    draw either as one device does. On 2 replicas Keras' `fit` in a scope raises a clear error
+    (before: each replica mixed its own rows, or drew one mask for its rows, silently another
+    step); `predict` there gives Keras' own outputs; on one replica `fit` gives Keras' own
+    one-device weights."""
+    layers, words = REFUSED_DRAWS[name]
+
+    def factory():
+        return keras.Sequential([keras.Input((6, 3)), *layers(), L.Dense(3)])
+
+    x = _seq(n=13)
+    y = _labels(x)
+
+    def compiled(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        return model
+    want_outputs = compiled(_build(factory)).predict(x, verbose=0)  # (a predict call moves the seeds on)
+    keras_model = compiled(_build(factory))
+    keras_model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    with ls.MirroredStrategy(1).scope():
+        one = compiled(_build(factory))
+        one.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+    for a, b in zip(keras_model.get_weights(), one.get_weights()):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6, err_msg=name)
+    with ls.MirroredStrategy(2).scope():
+        two = compiled(_build(factory))
+        np.testing.assert_allclose(two.predict(x, verbose=0), want_outputs, rtol=1e-5, atol=1e-6)
+        with pytest.raises(ValueError, match=words):
+            two.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)

@@ -16,7 +16,9 @@
   counter-based draws give element i the hash of counter i whatever the draw's length, so `normal` / `uniform` / `truncated_normal` / dropout masks are drawn with counters
   starting at the replica's first element (`_Rows.key`: no more bits than its own rows'), the
   others drawn for the global batch and sliced (the rows past the real ones are padding). Draws of
-  other shapes are the same on every replica, as on one device.
+  other shapes are the same on every replica, as on one device. What cannot be drawn so is refused on several replicas: a training call's shuffle of the rows
+  (`keras.random.shuffle`: `MixUp`, `CutMix`; a replica holds only its rows) and a `JaxLayer`'s
+  `rng` (its function draws with `jax.random`).
 - A stateful recurrent layer is refused by name (`check_supported`).
 - A layer's own `add_loss` term computed from the batch (`check_batch_losses`): each replica
   computes it on its rows, and one device's value is their mean only for a mean over the rows on
@@ -247,7 +249,7 @@ class _Rows(NamedTuple):
     first row's values (`check_batch_losses`' probes: a row draws alike in a batch of any rows).
     `seen` lists each draw's first dimension as the call makes them; `following` (from
     `draws_following_rows`) says which draws, in that order, follow the batch's rows; `recording`:
-    every draw is Keras' own, only seen."""
+    every draw is Keras' own, only seen; `training`: a training call (where mixing rows counts)."""
 
     rows: int
     replicas: int
@@ -256,6 +258,7 @@ class _Rows(NamedTuple):
     following: tuple[bool, ...] | None = None
     seen: list[Any] | None = None
     recording: bool = False
+    training: bool = True
 
     def draw(self, draw: Callable[[tuple[int, ...]], Any], shape: tuple[int, ...]) -> Any:
         if self.tile:
@@ -366,11 +369,13 @@ def _install() -> None:
     """Replaces Keras' random functions (JAX backend) by ones that draw as `_SETTING` says on the
     calling thread (Keras' own where it says nothing), once."""
     from keras.src.backend.jax import random as keras_random
+    from keras.src.utils.jax_layer import JaxLayer
 
     with _INSTALL:
         if _KERAS_OWN:
             return
-        own = {name: getattr(keras_random, name) for name in (*_SHAPED_DRAWS, "dropout", "categorical")}
+        own = {name: getattr(keras_random, name) for name in (*_SHAPED_DRAWS, "dropout", "categorical", "shuffle")}
+        own["call_seed"] = JaxLayer._get_call_seed
 
         def shaped(draw: Any, keyed: bool) -> Any:
             def rows_drawn(shape: Any, *args: Any, **kwargs: Any) -> Any:
@@ -403,9 +408,31 @@ def _install() -> None:
             return lax.dynamic_slice_in_dim(own["categorical"](placed, num_samples, dtype, seed),
                                             rows.replica * rows.rows, rows.rows, axis=0)
 
+        def shuffle(x: Any, axis: int = 0, seed: Any = None) -> Any:
+            rows = _SETTING.rows
+            if rows is not None and axis == 0 and rows.follows(np.shape(x)) and rows.training and not rows.tile:
+                raise ValueError(
+                    f"keras.random.shuffle permutes the batch's rows (MixUp, CutMix, or a layer of yours) inside the "
+                    f"model, on {rows.replicas} replicas: one device permutes the whole batch, a replica here only "
+                    "its own rows, so the step would not be the one-device step. Mix the rows in the input pipeline "
+                    "(a tf.data or Grain map over whole batches) or train on one replica.")
+            return own["shuffle"](x, axis, seed)
+
+        def call_seed(layer: Any) -> Any:  # a JaxLayer's `rng` for its function, which draws with jax.random
+            rows = _SETTING.rows
+            if rows is not None and rows.replicas > 1 and not (rows.recording or rows.tile):
+                raise ValueError(
+                    f"layer {layer.name!r} ({type(layer).__name__}) passes `rng` to its JAX function, whose draws "
+                    f"(dropout, noise) would be the same on each of {rows.replicas} replicas instead of each row's "
+                    "draw for the global batch: the step would not be the one-device step. Draw with Keras layers "
+                    "(keras.layers.Dropout, keras.random), which lockstep draws as one device does, or train on one "
+                    "replica.")
+            return own["call_seed"](layer)
+
         for name in _SHAPED_DRAWS:
             setattr(keras_random, name, shaped(own[name], name in _KEYED_DRAWS))
-        keras_random.dropout, keras_random.categorical = dropout, categorical
+        keras_random.dropout, keras_random.categorical, keras_random.shuffle = dropout, categorical, shuffle
+        JaxLayer._get_call_seed = call_seed
         _KERAS_OWN.update(own)
 
 
@@ -419,11 +446,16 @@ def _drawing(rows: _Rows | None) -> Iterator[None]:
         _SETTING.rows = previous
 
 
-def random_draws_as_one_device(rows: int, following: tuple[bool, ...] | None = None) -> Any:
+def random_draws_as_one_device(rows: int, following: tuple[bool, ...] | None = None, training: bool = True) -> Any:
     """While tracing a replica's call on its `rows` rows: Keras' random draws are the global
-    batch's, this replica's rows of them (see the module docstring; `shuffle`, and a draw given
-    arrays of the rows, are Keras' own; `following`: which draws follow the rows, from
-    `draws_following_rows`). Outside a replica, or on one, Keras' own."""
+    batch's, this replica's rows of them (see the module docstring; a draw given arrays of the
+    rows is Keras' own; `following`: which draws follow the rows, from `draws_following_rows`).
+    Outside a replica, or on one, Keras' own.
+
+    Raises (while the call is traced, on several replicas):
+      ValueError: a training call shuffles the batch's rows (`keras.random.shuffle`: MixUp,
+        CutMix), or a `JaxLayer` / `FlaxLayer` asks for an `rng` (its draws are its own).
+    """
     ctx = get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:
         return contextlib.nullcontext()
@@ -432,4 +464,4 @@ def random_draws_as_one_device(rows: int, following: tuple[bool, ...] | None = N
                       "so lockstep's replicas draw other dropout masks and noise than one device would.",
                       UserWarning, stacklevel=3)
     return _drawing(_Rows(rows, ctx.num_replicas_in_sync, ctx.replica_id_in_sync_group, following=following,
-                          seen=None if following is None else []))
+                          seen=None if following is None else [], training=training))

@@ -209,7 +209,8 @@ class _KerasAdapter:
     def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
         rows = int(np.shape(jax.tree.leaves(x)[0])[0])
         flag = {"training": training} if getattr(self.model, "_call_has_training_arg", True) else {}
-        with activity_penalties_masked(self.model), random_draws_as_one_device(rows, self._following(x, flag)):
+        with activity_penalties_masked(self.model), random_draws_as_one_device(
+                rows, self._following(x, flag), training is not False):
             y, new, losses = self.model.stateless_call(
                 params["trainable"], params["non_trainable"], x, return_losses=True, **flag)
         return y, list(new), sum(losses, jnp.zeros(())) if losses else None
