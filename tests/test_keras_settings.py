@@ -834,7 +834,9 @@ def test_a_layers_add_loss_from_the_batch_is_refused_or_warned_about_unless_one_
 def test_the_add_loss_probe_tells_a_mean_from_other_forms_and_leaves_predict_alone():
     """A variance over the batch (0 on any one row) and a subclassed model's own batch sum are
     refused; a mean after a Dropout is a mean (each probe's rows draw alike), warned about; a
-    refused model still predicts (its losses are not used)."""
+    refused model still predicts (its losses are not used). The variance is refused also where the
+    batch's first two rows are alike (before, the probe compared them, saw one value, and let the
+    term through as not computed from the batch)."""
     strategy = ls.MirroredStrategy(4)
     for build in (_penalised(_BatchVariancePenalty), lambda: _SumOfItsOwn()):
         with strategy.scope():
@@ -847,6 +849,11 @@ def test_the_add_loss_probe_tells_a_mean_from_other_forms_and_leaves_predict_alo
         model = _penalised(_MeanAfterDropout)()
     with pytest.warns(UserWarning, match=r"a mean over its rows\): on 4 replicas"):
         model.fit(X, Y, batch_size=8, verbose=0)
+    twice = np.concatenate([X[:1], X])  # the first two rows alike: each a variance of 0, as are both
+    with strategy.scope():
+        model = _penalised(_BatchVariancePenalty)()
+    with pytest.raises(ValueError, match=r"adds a loss computed from the batch .* not a mean"):
+        model.fit(twice, np.concatenate([Y[:1], Y]), batch_size=8, verbose=0)
 
 
 class _Subclassed(keras.Model):

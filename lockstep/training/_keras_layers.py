@@ -168,6 +168,17 @@ def _added_losses(model: Any, x: Any) -> list[tuple[str, Any]]:
     return added
 
 
+def _another_row(x: Any) -> Any:
+    """The first row of the batch `x` (a tree of arrays) that differs from its first row (a row
+    alike in every input would tell a mean from a maximum or a variance no better than the first
+    row itself), else the first row moved off its values."""
+    leaves = [np.asarray(a) for a in jax.tree.leaves(x)]
+    other = next((i for i in range(1, len(leaves[0])) if any(not np.array_equal(a[i], a[0]) for a in leaves)), None)
+    if other is not None:
+        return jax.tree.map(lambda a: a[other:other + 1], x)
+    return jax.tree.map(lambda a: a[:1] * 1.5 + 0.25 if jnp.issubdtype(a.dtype, jnp.floating) else a[:1], x)
+
+
 def check_batch_losses(model: Any, x: Any, replicas: int) -> None:
     """On more than one replica, a layer's `add_loss` term that depends on the batch `x` is refused
     unless it is a mean over the batch's rows (its value on two rows the mean of its values on
@@ -177,9 +188,7 @@ def check_batch_losses(model: Any, x: Any, replicas: int) -> None:
     own_code = [la for la in (model, *_layers(model)) if not defined_in_keras(type(la))]
     if replicas == 1 or not own_code or not jax.eval_shape(lambda x: [v for _, v in _added_losses(model, x)], x):
         return  # Keras' own layers add no loss but their activity regularisers'; a user's may
-    first = jax.tree.map(lambda a: a[:1], x)
-    second = jax.tree.map(lambda a: a[1:2] if len(a) > 1 else (a[:1] * 1.5 + 0.25 if
-                          jnp.issubdtype(a.dtype, jnp.floating) else a[:1]), x)
+    first, second = jax.tree.map(lambda a: a[:1], x), _another_row(x)
     both = jax.tree.map(lambda a, b: jnp.concatenate([a, b]), first, second)
     added = [_added_losses(model, r) for r in (first, second, both)]
     one, other, two = ([float(jnp.sum(v)) for _, v in terms] for terms in added)
