@@ -436,11 +436,18 @@ def _jax_dropout(params, rng, inputs, training):
     return inputs @ params["w"]
 
 
+def _jax_dense(params, rng, inputs, training):  # takes an rng (as every FlaxLayer's function does), draws nothing
+    return inputs @ params["w"]
+
+
+def _jax_layer(call_fn):
+    return keras.layers.JaxLayer(call_fn, init_fn=lambda rng, inputs: {"w": jnp.ones((3, 2)) * 0.3})
+
+
 REFUSED_DRAWS = {  # what a replica cannot draw as one device does, and the error's words
     "MixUp": (lambda: [L.Reshape((6, 3, 1)), L.MixUp(seed=1), L.Flatten()], "keras.random.shuffle permutes"),
     "CutMix": (lambda: [L.Reshape((6, 3, 1)), L.CutMix(seed=1), L.Flatten()], "keras.random.shuffle permutes"),
-    "JaxLayer with rng": (lambda: [L.JaxLayer(_jax_dropout, init_fn=lambda rng, inputs: {"w": jnp.ones((3, 2))}),
-                                   L.Flatten()], "passes `rng` to its JAX function"),
+    "JaxLayer drawing with its rng": (lambda: [_jax_layer(_jax_dropout), L.Flatten()], "draws with the `rng`"),
 }
 
 
@@ -478,3 +485,25 @@ def test_draws_a_replica_cannot_make_as_one_device_are_refused_on_several_replic
         np.testing.assert_allclose(two.predict(x, verbose=0), want_outputs, rtol=1e-5, atol=1e-6)
         with pytest.raises(ValueError, match=words):
             two.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+
+
+def test_a_jax_layer_that_takes_an_rng_without_drawing_trains_as_keras_own_fit():
+    """A `JaxLayer` whose function takes an `rng` (as every `FlaxLayer`'s does) but draws nothing
+    with it is not refused: on 3 replicas (13 rows in batches of 4: padding, replicas without rows)
+    Keras' `fit` in a scope gives Keras' own one-device weights."""
+    def factory():
+        return keras.Sequential([keras.Input((6, 3)), _jax_layer(_jax_dense), L.Flatten(), L.Dense(3)])
+
+    x = _seq(n=13)
+    y = _labels(x)
+
+    def fit(model):
+        model.compile(optimizer=keras.optimizers.SGD(0.05),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
+        return model.get_weights()
+    want = fit(_build(factory))
+    with ls.MirroredStrategy(3).scope():
+        got = fit(_build(factory))
+    for a, b in zip(want, got):
+        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)

@@ -12,8 +12,8 @@ from jax.sharding import PartitionSpec as P
 
 import lockstep as ls
 from lockstep.data import accumulation_groups
-from lockstep.sharding import state_layout
 from lockstep.metrics import Mean, MetricCollection
+from lockstep.sharding import state_layout
 from lockstep.training._executions import make_program, runs
 from lockstep.training._step_runner import StepRunner
 from lockstep.training._steps import make_gradient_step

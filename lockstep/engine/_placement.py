@@ -16,8 +16,8 @@ from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from ._cross_replica import allgather_sizes, axis_names, batch_digests
-from ._batch_rows import (BatchRows, StepInfo, aligned_take, batch_checksum, batch_length, pad_and_mask, padded_per_replica,
-                      rows_digest, to_numpy)
+from ._batch_rows import (BatchRows, StepInfo, aligned_take, batch_checksum, batch_length, pad_and_mask,
+                          padded_per_replica, rows_digest, to_numpy)
 from ._prefetch import prefetch, prefetch_depth
 
 

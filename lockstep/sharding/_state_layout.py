@@ -25,7 +25,7 @@ the variable's own shape.
 'Replicated'
 >>> sharded = ShardingConfig(rules=(), zero_stage=3, min_shard_size=1)
 >>> layout = state_layout(engine, sharded, optax.adam(0.1), params, {"trainable": {"w": "w"}, "non_trainable": {}})
->>> layout.estimate(params)   # each device: 6 of w's 24 floats, 2 of Adam's moments, their count
+>>> layout.estimate(params)   # bytes a device holds: 6 of w's 24 float32s; of each Adam moment's; the count
 {'parameters': 24, 'gradients': 24, 'optimizer_state': 52, 'total': 100}
 """
 
@@ -46,8 +46,10 @@ from ._plan import ShardingConfig, ShardingPlan, VariableLayout, fit_to, shard_b
 
 #: How an optimizer's state follows its parameters, where optax cannot tell (a Keras optimizer's
 #: slots): ``slots(opt_state, mapped, per_param, other)`` is `mapped` (optax's ``tree_map_params``
-#: of the state: each parameter's value from `per_param`, a list like the trainable parameters,
-#: the rest `other`) with the states optax left as `other` mapped too.
+#: of the state: each parameter's value from `per_param`, a tree like the trainable parameters,
+#: the rest `other`) with the states optax left as `other` mapped too. An optimizer given slots
+#: makes its state itself (Keras makes its variables, in their layouts): `Sharded` places it, where
+#: it otherwise makes a state on the devices already laid out.
 Slots = Callable[[Any, Any, Any, Any], Any]
 
 

@@ -13,12 +13,14 @@
   rows (`random_draws_as_one_device`): every replica holds the same seed generator states, so a
   draw that follows the batch's rows (its first dimension is the rows' at two batch sizes:
   `draws_following_rows`) is the global batch's draw, this replica's rows of it: JAX's
-  counter-based draws give element i the hash of counter i whatever the draw's length, so `normal` / `uniform` / `truncated_normal` / dropout masks are drawn with counters
-  starting at the replica's first element (`_Rows.key`: no more bits than its own rows'), the
-  others drawn for the global batch and sliced (the rows past the real ones are padding). Draws of
-  other shapes are the same on every replica, as on one device. What cannot be drawn so is refused on several replicas: a training call's shuffle of the rows
-  (`keras.random.shuffle`: `MixUp`, `CutMix`; a replica holds only its rows) and a `JaxLayer`'s
-  `rng` (its function draws with `jax.random`).
+  counter-based draws give element i the hash of counter i whatever the draw's length, so
+  `normal` / `uniform` / `truncated_normal` / dropout masks are drawn with counters starting at
+  the replica's first element (`_Rows.key`: no more bits than its own rows'), the others drawn
+  for the global batch and sliced (the rows past the real ones are padding). Draws of other
+  shapes are the same on every replica, as on one device. What cannot be drawn so is refused on
+  several replicas: a training call's shuffle of the rows (`keras.random.shuffle`: `MixUp`,
+  `CutMix`; a replica holds only its rows) and a `JaxLayer` whose function draws with its `rng`
+  (`_jax_layers`).
 - A stateful recurrent layer is refused by name (`check_supported`).
 - A layer's own `add_loss` term computed from the batch (`check_batch_losses`): each replica
   computes it on its rows, and one device's value is their mean only for a mean over the rows on
@@ -41,6 +43,7 @@ from jax import lax
 
 from .._keras_kind import defined_in_keras
 from ..engine import cross_replica_moments, get_replica_context, replica_context
+from ._jax_layers import refusing_drawn_calls
 
 
 def _layers(model: Any) -> list[Any]:
@@ -169,14 +172,16 @@ def _added_losses(model: Any, x: Any) -> list[tuple[str, Any]]:
 
 
 def _another_row(x: Any) -> Any:
-    """The first row of the batch `x` (a tree of arrays) that differs from its first row (a row
-    alike in every input would tell a mean from a maximum or a variance no better than the first
-    row itself), else the first row moved off its values."""
-    leaves = [np.asarray(a) for a in jax.tree.leaves(x)]
-    other = next((i for i in range(1, len(leaves[0])) if any(not np.array_equal(a[i], a[0]) for a in leaves)), None)
-    if other is not None:
-        return jax.tree.map(lambda a: a[other:other + 1], x)
-    return jax.tree.map(lambda a: a[:1] * 1.5 + 0.25 if jnp.issubdtype(a.dtype, jnp.floating) else a[:1], x)
+    """A probe row for the batch `x` (a tree of arrays): each input's first row unlike its first row
+    (a row alike would tell a mean from a maximum or a variance no better than the first row
+    itself), else its first row moved off its values."""
+    def other(a: Any) -> Any:
+        rows = np.asarray(a)
+        unlike = next((i for i in range(1, len(rows)) if not np.array_equal(rows[i], rows[0])), None)
+        if unlike is not None:
+            return a[unlike:unlike + 1]
+        return a[:1] * 1.5 + 0.25 if jnp.issubdtype(a.dtype, jnp.floating) else a[:1]
+    return jax.tree.map(other, x)
 
 
 def check_batch_losses(model: Any, x: Any, replicas: int) -> None:
@@ -384,7 +389,7 @@ def _install() -> None:
         if _KERAS_OWN:
             return
         own = {name: getattr(keras_random, name) for name in (*_SHAPED_DRAWS, "dropout", "categorical", "shuffle")}
-        own["call_seed"] = JaxLayer._get_call_seed
+        own["jax_layer_call"] = JaxLayer.call
 
         def shaped(draw: Any, keyed: bool) -> Any:
             def rows_drawn(shape: Any, *args: Any, **kwargs: Any) -> Any:
@@ -419,7 +424,8 @@ def _install() -> None:
 
         def shuffle(x: Any, axis: int = 0, seed: Any = None) -> Any:
             rows = _SETTING.rows
-            if rows is not None and axis == 0 and rows.follows(np.shape(x)) and rows.training and not rows.tile:
+            if (rows is not None and axis % max(np.ndim(x), 1) == 0 and rows.follows(np.shape(x)) and rows.training
+                    and not rows.tile):
                 raise ValueError(
                     f"keras.random.shuffle permutes the batch's rows (MixUp, CutMix, or a layer of yours) inside the "
                     f"model, on {rows.replicas} replicas: one device permutes the whole batch, a replica here only "
@@ -427,22 +433,17 @@ def _install() -> None:
                     "(a tf.data or Grain map over whole batches) or train on one replica.")
             return own["shuffle"](x, axis, seed)
 
-        def call_seed(layer: Any) -> Any:  # a JaxLayer's `rng` for its function, which draws with jax.random
-            rows = _SETTING.rows
-            if rows is not None and rows.replicas > 1 and not (rows.recording or rows.tile):
-                raise ValueError(
-                    f"layer {layer.name!r} ({type(layer).__name__}) passes `rng` to its JAX function, whose draws "
-                    f"(dropout, noise) would be the same on each of {rows.replicas} replicas instead of each row's "
-                    "draw for the global batch: the step would not be the one-device step. Draw with Keras layers "
-                    "(keras.layers.Dropout, keras.random), which lockstep draws as one device does, or train on one "
-                    "replica.")
-            return own["call_seed"](layer)
-
         for name in _SHAPED_DRAWS:
             setattr(keras_random, name, shaped(own[name], name in _KEYED_DRAWS))
         keras_random.dropout, keras_random.categorical, keras_random.shuffle = dropout, categorical, shuffle
-        JaxLayer._get_call_seed = call_seed
+        JaxLayer.call = refusing_drawn_calls(own["jax_layer_call"], _replicas_drawing)
         _KERAS_OWN.update(own)
+
+
+def _replicas_drawing() -> int:
+    """The replicas whose draws this thread's call makes as one device's (1: Keras' own draws)."""
+    rows = _SETTING.rows
+    return 1 if rows is None or rows.recording or rows.tile else rows.replicas
 
 
 @contextlib.contextmanager
@@ -463,7 +464,7 @@ def random_draws_as_one_device(rows: int, following: tuple[bool, ...] | None = N
 
     Raises (while the call is traced, on several replicas):
       ValueError: a training call shuffles the batch's rows (`keras.random.shuffle`: MixUp,
-        CutMix), or a `JaxLayer` / `FlaxLayer` asks for an `rng` (its draws are its own).
+        CutMix), or a `JaxLayer` / `FlaxLayer` draws with its `rng` (`_jax_layers`).
     """
     ctx = get_replica_context()
     if ctx is None or ctx.num_replicas_in_sync == 1:

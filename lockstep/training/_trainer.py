@@ -255,7 +255,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
     def _initial_state(self, params: Any) -> None:
         """The state a new model starts from, laid out as the strategy says."""
         self._layout = layout_of(self._engine, self._optimizer, self._keras_optimizer, self.model, params,
-                                       self._adapter.paths(params))
+                                 self._adapter.paths(params))
         self._state = initial_state(self._layout, params, self._names)
         self.layouts = self._layout.plan  # a sharded strategy's `ShardingPlan` (`.report()`); None: replicated
 
