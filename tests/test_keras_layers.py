@@ -142,6 +142,28 @@ def _build(factory, seed=0):
     return factory()
 
 
+def _compiled(model):
+    """`model` compiled as the Keras-reference tests train it: SGD(0.05), a cross-entropy on logits."""
+    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+def _keras_fit_weights(model, x, y, batch_size):
+    """Keras' own `fit` of `model` (in the active scope, if any): 2 epochs in order; its weights."""
+    _compiled(model).fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
+    return model.get_weights()
+
+
+def _assert_fits_as_keras_on_one_device(factory, x, y, batch_size, strategies, name):
+    """Keras' `fit` of `factory()` in each strategy's scope gives Keras' own one-device weights."""
+    want = _keras_fit_weights(_build(factory), x, y, batch_size)
+    for strategy in strategies:
+        with strategy.scope():
+            got = _keras_fit_weights(_build(factory), x, y, batch_size)
+        for a, b in zip(want, got):
+            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6, err_msg=f"{name} on {strategy}")
+
+
 def _fit(factory, x, y, replicas, epochs=2):
     t = ls.Trainer(_build(factory), optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits",
                    strategy=ls.MirroredStrategy(replicas))
@@ -340,21 +362,10 @@ def test_stochastic_layers_train_as_keras_own_fit_draws_on_one_device(name):
         return keras.Sequential([keras.Input((6, 3)), *STOCHASTIC[name](), L.Dense(3)])
 
     x = _seq()
-    y = _labels(x)
-
-    def fit(model):
-        model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(x, y, batch_size=BATCH, epochs=2, shuffle=False, verbose=0)
-        return model.get_weights()
-    want = fit(_build(factory))
     zero_3 = ls.ShardedStrategy(mesh=ls.DeviceMesh((4, 2), ("batch", "model")), zero_stage=3, min_shard_size=1,
                                 max_replicated_fraction=1.0)
-    for strategy in (ls.MirroredStrategy(3), ls.MirroredStrategy(4), zero_3):
-        with strategy.scope():
-            got = fit(_build(factory))
-        for a, b in zip(want, got):
-            np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6, err_msg=f"{name} on {strategy}")
+    _assert_fits_as_keras_on_one_device(factory, x, _labels(x), BATCH,
+                                        (ls.MirroredStrategy(3), ls.MirroredStrategy(4), zero_3), name)
 
 
 def test_functional_model_gets_a_key_per_replica_and_step():
@@ -416,18 +427,7 @@ def test_a_draw_as_long_as_a_replicas_rows_follows_them_only_where_it_follows_th
         return keras.Sequential([keras.Input((6, 3)), *ROWS_OR_NOT[name](), L.Dense(3)])
 
     x = _seq(n=13)
-    y = _labels(x)
-
-    def fit(model):
-        model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
-        return model.get_weights()
-    want = fit(_build(factory))
-    with ls.MirroredStrategy(4).scope():
-        got = fit(_build(factory))
-    for a, b in zip(want, got):
-        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6, err_msg=name)
+    _assert_fits_as_keras_on_one_device(factory, x, _labels(x), 4, (ls.MirroredStrategy(4),), name)
 
 
 def _jax_dropout(params, rng, inputs, training):
@@ -467,21 +467,10 @@ def test_draws_a_replica_cannot_make_as_one_device_are_refused_on_several_replic
 
     x = _seq(n=13)
     y = _labels(x)
-
-    def compiled(model):
-        model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        return model
-    want_outputs = compiled(_build(factory)).predict(x, verbose=0)  # (a predict call moves the seeds on)
-    keras_model = compiled(_build(factory))
-    keras_model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
-    with ls.MirroredStrategy(1).scope():
-        one = compiled(_build(factory))
-        one.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
-    for a, b in zip(keras_model.get_weights(), one.get_weights()):
-        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6, err_msg=name)
+    _assert_fits_as_keras_on_one_device(factory, x, y, 4, (ls.MirroredStrategy(1),), name)
+    want_outputs = _compiled(_build(factory)).predict(x, verbose=0)
     with ls.MirroredStrategy(2).scope():
-        two = compiled(_build(factory))
+        two = _compiled(_build(factory))
         np.testing.assert_allclose(two.predict(x, verbose=0), want_outputs, rtol=1e-5, atol=1e-6)
         with pytest.raises(ValueError, match=words):
             two.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
@@ -495,15 +484,4 @@ def test_a_jax_layer_that_takes_an_rng_without_drawing_trains_as_keras_own_fit()
         return keras.Sequential([keras.Input((6, 3)), _jax_layer(_jax_dense), L.Flatten(), L.Dense(3)])
 
     x = _seq(n=13)
-    y = _labels(x)
-
-    def fit(model):
-        model.compile(optimizer=keras.optimizers.SGD(0.05),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-        model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0)
-        return model.get_weights()
-    want = fit(_build(factory))
-    with ls.MirroredStrategy(3).scope():
-        got = fit(_build(factory))
-    for a, b in zip(want, got):
-        np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6)
+    _assert_fits_as_keras_on_one_device(factory, x, _labels(x), 4, (ls.MirroredStrategy(3),), "JaxLayer")
