@@ -4,7 +4,7 @@
     python benchmarks/random_draws.py --quick    # fewer samples and rounds, for a smoke run
 
 Inside a replica, lockstep draws a Keras layer's random values (a `Dropout` mask, noise) for the
-whole global batch and keeps the replica's rows (`lockstep/training/_keras_layers.py`,
+whole global batch and keeps the replica's rows (`lockstep/keras/_layers.py`,
 `random_draws_as_one_device`): the step is then one device's, on any replica count. Dropout masks
 and normal / uniform draws start their counters at the replica's first row (no more bits than its
 own rows'); other draws generate the whole batch's bits. This compares, side by side in fresh
@@ -38,10 +38,10 @@ def child(mode: str, replicas: int, samples: int, epochs: int) -> None:
     import keras
     import numpy as np
 
-    from lockstep.training import _model
+    from lockstep.keras import _model
 
     if mode == "rows alone":  # each replica draws its own rows only (not one device's masks)
-        _model.random_draws_as_one_device = lambda rows: contextlib.nullcontext()
+        _model.random_draws_as_one_device = lambda *_: contextlib.nullcontext()
     rng = np.random.default_rng(0)
     x, y = rng.normal(size=(samples, 784)).astype("float32"), np.arange(samples) % 10
     keras.utils.set_random_seed(0)

@@ -42,7 +42,7 @@ _EXPORTS: dict[str, str] = {
     "DeviceMesh": ".sharding._mesh",
     "LayoutMap": ".sharding._mesh",
     "ShardedStrategy": ".cluster._sharded",
-    "memory_estimate": ".training",
+    "memory_estimate": ".keras",
     "ValueContext": ".distribute._strategy",
     "get_strategy": ".distribute._strategy",
     "has_strategy": ".distribute._strategy",
@@ -61,7 +61,7 @@ _EXPORTS: dict[str, str] = {
     "DataPosition": ".data",
     "FunctionalModel": ".training",
     "TrainState": ".training",
-    "Trainer": ".training",
+    "Trainer": ".keras",
 }
 _SUBMODULES = ("callbacks", "checkpoint", "data", "experimental", "launch", "losses", "metrics", "training")
 
@@ -72,7 +72,7 @@ __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 #: (`lockstep.keras.install`: Keras' distribution in a scope, Keras' own `model.fit` run by the
 #: Trainer, Keras metrics inside `strategy.run`): every public strategy comes from one of them, so
 #: a scope entered before it is one of a strategy made from a private module (`_scope` warns)
-_KERAS_FOLLOWS = (".distribute", ".cluster", ".training", ".experimental")
+_KERAS_FOLLOWS = (".distribute", ".cluster", ".training", ".experimental", ".keras")
 
 
 def __getattr__(name: str) -> Any:
@@ -140,5 +140,5 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the same names, imported eagerl
     from .data import DataPosition as DataPosition
     from .training import FunctionalModel as FunctionalModel
     from .training import TrainState as TrainState
-    from .training import Trainer as Trainer
-    from .training import memory_estimate as memory_estimate
+    from .keras import Trainer as Trainer
+    from .keras import memory_estimate as memory_estimate

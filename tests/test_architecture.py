@@ -134,7 +134,8 @@ def test_every_public_name_resolves():
     for module in (ls, ls.metrics, ls.callbacks, ls.checkpoint, ls.launch, ls.data, ls.training):
         for name in module.__all__:
             assert getattr(module, name) is not None, (module.__name__, name)
-    assert importlib.import_module("lockstep").Trainer is ls.training.Trainer
+    assert importlib.import_module("lockstep").Trainer is ls.keras.Trainer  # a training.Trainer for Keras models too
+    assert issubclass(ls.Trainer, ls.training.Trainer) and ls.memory_estimate is ls.keras.memory_estimate
 
 
 def test_packages_use_each_other_through_their_init_only():

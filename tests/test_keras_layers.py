@@ -9,7 +9,7 @@ import optax
 import pytest
 
 import lockstep as ls
-from lockstep.training._model import adapt
+from lockstep.keras import KerasModel
 from suite import variants
 
 L = keras.layers
@@ -325,7 +325,7 @@ STOCHASTIC = {
 def _per_replica_training_outputs(model, x, replicas):
     """The model's training-mode outputs on each replica for the same rows on every replica."""
     s = ls.MirroredStrategy(replicas)
-    adapter = adapt(model)
+    adapter = KerasModel(model)
     params = adapter.build(x[:1])
     batch = next(iter(s.experimental_distribute_dataset([np.concatenate([x] * replicas)])))
     out = s.extended.run_arrays(lambda p, d: adapter.apply(p, d, True)[0], (params, batch.data),
@@ -390,7 +390,7 @@ def test_a_replicas_rows_of_a_draw_are_drawn_from_its_first_counter_as_one_devic
     """`normal`, `uniform`, `truncated_normal` and `bernoulli` (dropout) on a replica's key give its
     rows of the global batch's draw, in float32, bfloat16 and float16; the first counter is
     replica x rows x row size in 64 bits (past 2**32 too)."""
-    from lockstep.training._keras_layers import _Rows
+    from lockstep.keras._layers import _Rows
 
     seed, replicas, rows, width = jnp.array([0, 42], jnp.uint32), 4, 3, 5
     for dtype in (jnp.float32, jnp.bfloat16, jnp.float16):

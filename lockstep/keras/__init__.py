@@ -1,12 +1,16 @@
-"""Keras' own face inside lockstep: Keras' distribution in a strategy's scope (`_distribution`),
-Keras' `model.fit` / `evaluate` / `predict` run by lockstep's Trainer (`_fit`), and Keras metrics
-updated exactly inside `strategy.run` (`_metrics_in_run`).
+"""Keras inside lockstep: a Keras 3 model as lockstep drives it (`KerasModel`, `_model`: its
+`stateless_call`; its layers made exact inside a replica, `_layers`: random draws as one device's,
+BatchNorm's global moments, activity regularisers and `add_loss` terms, and refusals of what a
+replica cannot do as one device; `memory_estimate`), the `Trainer` that drives Keras models
+(`_trainer`: `lockstep.Trainer`), and Keras' own face: Keras' distribution in a strategy's scope
+(`_distribution`), Keras' `model.fit` / `evaluate` / `predict` run by that Trainer (`_fit`), and
+Keras metrics updated exactly inside `strategy.run` (`_metrics_in_run`).
 
 Each patches Keras once a process; `install` does all three, and `lockstep` calls it when a
 strategy or the Trainer is first asked for (before any scope can be entered). This is the part
 above every other: it imports the Trainer, the scopes and the metrics, and nothing imports it but
-the public faces `lockstep` and `lockstep.experimental`. How the parts below read Keras objects (a
-model's `stateless_call` and random draws, a Keras metric, a callback, a `PyDataset`, an optimizer)
+the public faces `lockstep` and `lockstep.experimental`. How the other parts below read Keras
+objects (a Keras metric, a callback, a `PyDataset`, an optimizer, `model.compile`'s settings)
 stays with each part's adapter, where that part tells the kinds of its inputs apart.
 """
 
@@ -18,6 +22,9 @@ import sys
 from ._distribution import follow_scopes
 from ._fit import install as _route_fit
 from ._metrics_in_run import install as _metrics_in_run
+from ._model import KerasModel as KerasModel
+from ._model import memory_estimate as memory_estimate
+from ._trainer import Trainer as Trainer
 
 
 def install() -> None:
@@ -35,4 +42,4 @@ def install() -> None:
     keras.lockstep_follows_scopes = True  # what a scope checks (`lockstep.distribute`: it cannot import this)
 
 
-__all__ = ["install"]
+__all__ = ["install", "KerasModel", "memory_estimate", "Trainer"]

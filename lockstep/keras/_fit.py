@@ -38,7 +38,8 @@ from ..callbacks import Callback
 from ..data import PyDatasetBatches, adapt
 from ..distribute import remember_scope, strategy_of_model
 from ..engine import host_value, spread
-from ..training import Trainer, Validation, class_weighted, is_arrays, whole_on_host, writing
+from ..training import Validation, class_weighted, is_arrays, whole_on_host, writing
+from ._trainer import Trainer
 
 _ORIGINAL: dict[str, Any] = {}
 _HELD = "_lockstep_trainer"  # the model's attribute holding (key, Trainer): they live and die together

@@ -1,4 +1,5 @@
-"""Training: `Trainer`, `TrainState`, model adapters and the compiled-step factories."""
+"""Training: `Trainer`, `TrainState`, the model adapters' interface (a `FunctionalModel`'s; a Keras
+model's is `lockstep.keras`'s) and the compiled-step factories."""
 
 from ..data import DataPosition as DataPosition
 from ._inputs import Validation as Validation
@@ -6,8 +7,11 @@ from ._inputs import class_weighted as class_weighted
 from ._inputs import is_arrays as is_arrays
 from ._model import FunctionalModel as FunctionalModel
 from ._optimizers import get_optimizer as get_optimizer
-from ._model_layout import memory_estimate as memory_estimate
+from ._model import checked_batch_statistics as checked_batch_statistics
+from ._model_layout import layout_of as layout_of
+from ._optimizers import is_keras_optimizer as is_keras_optimizer
 from ._state_names import StateNames as StateNames
+from ._steps import LAYER_OUTPUT as LAYER_OUTPUT
 from ._steps import make_eval_step as make_eval_step
 from ._steps import make_predict_step as make_predict_step
 from ._steps import make_gradient_step as make_gradient_step
@@ -20,4 +24,4 @@ from ._weight_files import whole_on_host as whole_on_host
 from ._weight_files import writing as writing
 
 __all__ = ["DataPosition", "FunctionalModel", "LoopRecord", "StateNames", "TrainState", "Trainer", "flatten_train_state", "get_optimizer", "make_eval_step",
-           "make_gradient_step", "make_predict_step", "memory_estimate", "unflatten_train_state"]
+           "make_gradient_step", "make_predict_step", "unflatten_train_state"]

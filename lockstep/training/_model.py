@@ -1,15 +1,11 @@
-"""Model adapters: a Keras 3 model (JAX backend, stateless API) or a plain JAX `FunctionalModel`.
+"""Model adapters: the one interface a `Trainer` drives a model through, and a plain JAX
+`FunctionalModel`'s (a Keras 3 model's is `lockstep.keras`'s, which its `Trainer` adapts).
 
-Both expose one interface to the compiled steps: parameters as a pytree
-``{"trainable": ..., "non_trainable": ...}`` and a pure ``apply(params, x, training)`` that
-returns ``(y_pred, new_non_trainable, penalty)``: the penalty is the model's own losses
-(regularisers, `add_loss`) on this replica, or None when it has none.
-
-Randomness: a Keras model's random draws (dropout masks, noise) are what one device draws for
-the global batch, each replica's rows of them (`random_draws_as_one_device`); a
-`FunctionalModel`'s key is ``fold_in(fold_in(key(seed), step), replica)`` (its draws differ per
-replica, reproducibly; on one replica, what one device draws). Batch statistics of Keras `BatchNormalization` layers are taken over the global batch
-(`lockstep.cross_replica_moments`) unless the trainer asks for per-replica statistics.
+An adapter gives the compiled steps parameters as a pytree ``{"trainable": ..., "non_trainable":
+...}`` and a pure ``apply(params, x, training)`` that returns ``(y_pred, new_non_trainable,
+penalty)``: the penalty is the model's own losses (regularisers, `add_loss`) on this replica, or
+None when it has none. A `FunctionalModel`'s key is ``fold_in(fold_in(key(seed), step),
+replica)`` (its draws differ per replica, reproducibly; on one replica, what one device draws).
 """
 
 from __future__ import annotations
@@ -23,10 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import get_replica_context, held, host_value
-from ._keras_layers import (activity_penalties_masked, check_activity_regularizers, check_batch_losses, check_supported,
-                            draws_following_rows, hook_batch_norm, layer_outputs_named,
-                            random_draws_as_one_device)
+from ..engine import get_replica_context, host_value
 
 BATCH_STATISTICS = ("global", "per_replica")
 
@@ -137,183 +130,19 @@ class _FunctionalAdapter:
         return None
 
 
-class _KerasAdapter:
-    """Drives a Keras 3 model through `stateless_call`; the Keras variables are kept in sync.
-
-    Its `BatchNormalization` layers take their batch statistics over the global batch (their
-    `_moments` is lockstep's inside a replica, Keras' own elsewhere), unless `batch_statistics`
-    is ``"per_replica"``.
-    """
-
-    def __init__(self, model: Any, batch_statistics: str = "global"):
-        import keras
-
-        if keras.backend.backend() != "jax":
-            raise ValueError(
-                f"a Keras model needs the JAX backend, but Keras runs on {keras.backend.backend()!r}: set "
-                "the environment variable KERAS_BACKEND=jax before importing keras."
-            )
-        foreign = keras.distribution.distribution()
-        if foreign is not None and not getattr(foreign, "follows_lockstep_scope", False):  # its layouts: ignored
-            raise ValueError(
-                f"a keras.distribution setting is active ({type(foreign).__name__}): lockstep "
-                "places the model itself and would ignore its layouts, running replicated; unset it "
-                "(keras.distribution.set_distribution(None)) and use a lockstep strategy: "
-                "ls.ShardedStrategy(mesh=..., layout_map=..., batch_dim_name=...) takes Keras' DeviceMesh and "
-                "LayoutMap as they are.")
-        self.model = model
-        check_supported(model)
-        hook_batch_norm(model, batch_statistics)
-        check_activity_regularizers(model)
-        self._trainable: list[int] | None = None  # the trainable variables when built (ids)
-        self._draws: dict[Any, tuple[bool, ...] | None] = {}  # draws_following_rows by call signature
-
-    def ready(self) -> bool:
-        return bool(self.model.built)
-
-    def build(self, sample_x: Any) -> Params:
-        if not self.model.built:
-            self.model(sample_x)  # builds the variables from one real input
-        self._trainable = [id(v) for v in self.model.trainable_variables]
-        return {"trainable": [held(v.value) for v in self.model.trainable_variables],
-                "non_trainable": [held(v.value) for v in self.model.non_trainable_variables]}
-
-    def build_compiled(self, x: Any, y: Any, keras_optimizer: bool = True) -> None:
-        """Keras' compiled loss and metrics built for a batch like `(x, y)`, as Keras' own `fit`
-        builds them (Keras callbacks read them: `EarlyStopping(monitor="val_accuracy")` finds the
-        direction of "accuracy" there). A model Keras cannot build so is left as it is, and so is one
-        whose unbuilt Keras optimizer the trainer does not use (`keras_optimizer` False: Keras would
-        build it too, slots and all)."""
-        optimizer = getattr(self.model, "optimizer", None)
-        if not keras_optimizer and optimizer is not None and not optimizer.built:
-            return
-        compiled = getattr(self.model, "_compile_metrics", None), getattr(self.model, "_compile_loss", None)
-        if any(c is not None and not c.built for c in compiled):
-            try:
-                self.model._symbolic_build(data_batch=(x, y))
-            except Exception:  # noqa: BLE001 - lockstep's step does not need them; a callback says what it misses
-                pass
-
-    def check_batch_losses(self, x: Any, replicas: int) -> None:
-        """Refuses, or warns about, `add_loss` terms computed from the batch (`check_batch_losses`)."""
-        check_batch_losses(self.model, x, replicas)
-
-    def paths(self, params: Params) -> Any:
-        """Each variable's Keras `variable.path`, a tree like `params`."""
-        return keras_paths(self.model)
-
-    def layers_named(self) -> Any:
-        """A context in which the model's layers name their outputs (``remat="layers"``)."""
-        return layer_outputs_named(self.model)
-
-    def apply(self, params: Params, x: Any, training: bool) -> tuple[Any, Any, jax.Array | None]:
-        rows = int(np.shape(jax.tree.leaves(x)[0])[0])
-        flag = {"training": training} if getattr(self.model, "_call_has_training_arg", True) else {}
-        with activity_penalties_masked(self.model), random_draws_as_one_device(
-                rows, self._following(x, flag), training is not False):
-            y, new, losses = self.model.stateless_call(
-                params["trainable"], params["non_trainable"], x, return_losses=True, **flag)
-        return y, list(new), sum(losses, jnp.zeros(())) if losses else None
-
-    def _following(self, x: Any, flag: dict[str, Any]) -> tuple[bool, ...] | None:
-        """`draws_following_rows` for calls on batches like `x` (once a signature), where a replica
-        of several draws at random (the model has seed generators)."""
-        ctx = get_replica_context()
-        if ctx is None or ctx.num_replicas_in_sync == 1 or flag.get("training") is False or not any(
-                "seed_generator" in getattr(v, "path", "") for v in self.model.non_trainable_variables):
-            return None
-        leaves, tree = jax.tree.flatten(x)
-        key = (tree, tuple((np.shape(a)[1:], str(a.dtype)) for a in leaves), tuple(flag.items()))
-        if key not in self._draws:
-            self._draws[key] = draws_following_rows(self.model, x, flag)
-        return self._draws[key]
-
-    def _order(self) -> list[tuple[str, int]]:
-        """Where each of `model.weights` lives in (trainable, non_trainable)."""
-        index = {id(v): ("trainable", i) for i, v in enumerate(self.model.trainable_variables)}
-        index.update({id(v): ("non_trainable", i) for i, v in enumerate(self.model.non_trainable_variables)})
-        return [index[id(v)] for v in self.model.weights]
-
-    def get_weights(self, params: Params) -> list[np.ndarray]:
-        return [host_value(params[kind][i]) for kind, i in self._order()]
-
-    def set_weights(self, params: Params, weights: Any) -> Params:
-        order = self._order()
-        if not isinstance(weights, (list, tuple)) or len(weights) != len(order):
-            raise ValueError(f"`weights` must be a list of {len(order)} arrays (the order of `model.weights`), "
-                             f"got {type(weights).__name__} of length {len(weights) if hasattr(weights, '__len__') else '?'}.")
-        out = {"trainable": list(params["trainable"]), "non_trainable": list(params["non_trainable"])}
-        for (kind, i), w in zip(order, weights):
-            if np.shape(out[kind][i]) != np.shape(w):
-                raise ValueError(f"`weights` holds an array of shape {np.shape(w)} where {np.shape(out[kind][i])} belongs.")
-            out[kind][i] = np.asarray(w, dtype=out[kind][i].dtype)
-        return out
-
-    def sync_to_model(self, params: Params) -> None:
-        for v, value in zip(self.model.trainable_variables, params["trainable"]):
-            v.assign(held(value))
-        for v, value in zip(self.model.non_trainable_variables, params["non_trainable"]):
-            v.assign(held(value))
-
-    def check_unchanged(self) -> None:
-        """Raises when a layer's `trainable` changed since `build` (the parameters are split by it)."""
-        now = [id(v) for v in self.model.trainable_variables]
-        if self._trainable is not None and now != self._trainable:
-            raise ValueError(
-                f"the model's trainable variables changed after this Trainer was made (a layer's `trainable` was "
-                f"set: {len(self._trainable)} trainable variables then, {len(now)} now): make a new Trainer, or, "
-                "for model.fit, call `model.compile(...)` again after changing `trainable`, as Keras needs.")
-
-    def check_input(self, x: Any) -> None:
-        """Keras' own check of a batch against the model's inputs (a dict's keys by the inputs'
-        names, their number and shapes), which `stateless_call` skips: a misspelled key or a list in
-        another order is Keras' ValueError, not inputs silently taken in another order."""
-        from keras.src.layers.input_spec import assert_input_compatibility  # what Layer.__call__ runs
-
-        spec = self.model.input_spec
-        if spec:
-            assert_input_compatibility(spec, x, self.model.name)
-
-    def _variables(self) -> list[Any]:
-        return [*self.model.trainable_variables, *self.model.non_trainable_variables]
-
-    def lend(self, params: Params) -> list[Any]:
-        """The Keras variables made to hold `params` as they lie on the devices (no copy), for a
-        user's code that reads or assigns them; returns what each holds, for `taken`."""
-        variables = self._variables()
-        for v, value in zip(variables, [*params["trainable"], *params["non_trainable"]]):
-            v.assign(value)
-        return [v.value for v in variables]
-
-    def taken(self, lent: list[Any]) -> Params | None:
-        """The variables' values when any was assigned since `lend` gave `lent` (else None)."""
-        variables = self._variables()
-        if len(variables) == len(lent) and all(v.value is x for v, x in zip(variables, lent)):
-            return None
-        values = [v.value for v in variables]
-        n = len(self.model.trainable_variables)
-        return {"trainable": values[:n], "non_trainable": values[n:]}
-
-
-def keras_paths(model: Any) -> dict[str, list[str]]:
-    """A Keras model's variables' paths, as a `Trainer` holds their values."""
-    return {"trainable": [v.path for v in model.trainable_variables],
-            "non_trainable": [v.path for v in model.non_trainable_variables]}
-
-
-def adapt(model: Any, seed: int = 0, batch_statistics: str = "global") -> _FunctionalAdapter | _KerasAdapter:
-    """The adapter for `model`: a `FunctionalModel` or a Keras 3 model."""
+def checked_batch_statistics(batch_statistics: str) -> str:
     if batch_statistics not in BATCH_STATISTICS:
         raise ValueError(f"`batch_statistics` must be one of {BATCH_STATISTICS}, got {batch_statistics!r}.")
+    return batch_statistics
+
+
+def adapt(model: Any, seed: int = 0, batch_statistics: str = "global") -> Any:
+    """The adapter for `model`, a `FunctionalModel` (`lockstep.Trainer` adapts Keras 3 models too)."""
+    checked_batch_statistics(batch_statistics)
     if isinstance(model, FunctionalModel):
         return _FunctionalAdapter(model, seed)
-    try:
-        import keras
-    except ImportError:  # pragma: no cover - keras is a dependency
-        keras = None
-    if keras is not None and isinstance(model, keras.Model):
-        return _KerasAdapter(model, batch_statistics)
-    raise TypeError(f"`model` must be a Keras 3 model or a lockstep.FunctionalModel, got {type(model).__name__}.")
+    raise TypeError(f"`model` must be a lockstep.FunctionalModel here, got {type(model).__name__}: lockstep.Trainer "
+                    "(lockstep.keras.Trainer) takes Keras 3 models too.")
 
 
 def output_shape(adapter: Any, params: Params, x: Any, apply: Callable[..., Any] | None = None) -> Any:

@@ -24,10 +24,13 @@ import jax.numpy as jnp
 from ..engine import ReduceOp, all_reduce, replicas_axis
 from ..losses import masked_average_loss, times_sample_weight
 from ..metrics import Mean, MetricCollection
-from ._keras_layers import LAYER_OUTPUT
 
 Apply = Callable[[Any, Any, bool], tuple[Any, Any, jax.Array | None]]
 LossFn = Callable[[Any, Any], jax.Array]
+
+#: the name `jax.checkpoint`'s policy keeps under ``remat="layers"``: what a model adapter's
+#: `layers_named` calls its layers' outputs
+LAYER_OUTPUT = "lockstep_layer_output"
 
 #: Steps are traced without replication typing (see the module docstring).
 CHECK_VMA = False

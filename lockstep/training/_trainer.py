@@ -170,7 +170,14 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         of a Keras model's layers' outputs kept, their insides computed again), "dots" (matrix
         products kept, MaxText's "save dots"), "offload" (those moved to host memory) or a JAX
         checkpoint policy's name; the numbers are the same.
+
+    This class drives a `FunctionalModel`; `lockstep.Trainer` (`lockstep.keras.Trainer`, a subclass
+    whose `model_adapter` adapts Keras models too) drives both.
     """
+
+    #: how the trainer drives `model`: ``model_adapter(model, seed, batch_statistics)``, an adapter
+    #: (`lockstep.training._model`: `build`, `apply`, weights)
+    model_adapter: Callable[[Any, int, str], Any] = staticmethod(adapt)
 
     def __init__(self, model: Any, optimizer: str | optax.GradientTransformation | None = None,
                  loss: str | Callable[..., Any] | None = None, metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
@@ -184,7 +191,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         self.strategy = _strategy_for(model, strategy)
         self.model = model
         self._engine = self.strategy.extended
-        self._adapter = adapt(model, seed, batch_statistics)
+        self._adapter = self.model_adapter(model, seed, batch_statistics)
         keras_compiled = optimizer is None and is_compiled_keras(model)  # the optimizer is model.compile's
         optimizer, loss, metrics = compiled_settings(model, optimizer, loss, metrics)  # model.compile's
         self._optimizer = get_optimizer(optimizer, getattr(model, "trainable_variables", None))

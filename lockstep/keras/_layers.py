@@ -43,6 +43,7 @@ from jax import lax
 
 from .._keras_kind import defined_in_keras
 from ..engine import cross_replica_moments, get_replica_context, replica_context
+from ..training import LAYER_OUTPUT
 from ._jax_layers import refusing_drawn_calls
 
 
@@ -227,8 +228,6 @@ def activity_penalties_masked(model: Any) -> Iterator[None]:
             layer.activity_regularizer = reg
 
 
-#: the name `jax.checkpoint`'s policy keeps under ``remat="layers"`` (`lockstep.training._steps`)
-LAYER_OUTPUT = "lockstep_layer_output"
 
 
 @contextlib.contextmanager
