@@ -1,11 +1,13 @@
 """`lockstep.Trainer`: lockstep's `Trainer` for Keras 3 models as well as `FunctionalModel`s (a
-Keras model is driven through `KerasModel`, `_model`)."""
+Keras model is driven through `KerasModel`, `_model`; what it trains with may come from its
+`compile`, `_compiled`)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from .. import training
+from ._compiled import compiled_settings
 from ._model import KerasModel
 
 
@@ -23,3 +25,4 @@ def _adapt(model: Any, seed: int = 0, batch_statistics: str = "global") -> Any:
 class Trainer(training.Trainer):
     __doc__ = training.Trainer.__doc__
     model_adapter = staticmethod(_adapt)
+    model_settings = staticmethod(compiled_settings)

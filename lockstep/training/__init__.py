@@ -10,6 +10,14 @@ from ._optimizers import get_optimizer as get_optimizer
 from ._model import checked_batch_statistics as checked_batch_statistics
 from ._model_layout import layout_of as layout_of
 from ._optimizers import is_keras_optimizer as is_keras_optimizer
+from ._optimizers import is_loss_scaled as is_loss_scaled
+from ._outputs import Outputs as Outputs
+from ._outputs import loss_weight as loss_weight
+from ._outputs import settings as output_settings
+from ._settings import DEFAULT_LOSS as DEFAULT_LOSS
+from ._settings import DEFAULT_OPTIMIZER as DEFAULT_OPTIMIZER
+from ._settings import ModelSettings as ModelSettings
+from ._settings import checked_steps_per_execution as checked_steps_per_execution
 from ._state_names import StateNames as StateNames
 from ._steps import LAYER_OUTPUT as LAYER_OUTPUT
 from ._steps import make_eval_step as make_eval_step

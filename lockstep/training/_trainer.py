@@ -41,9 +41,6 @@ from ._inputs import (
     validation_batches,
     validation_labels,
 )
-from ._compiled import is_compiled_keras
-from ._compiled import settings as compiled_settings
-from ._compiled import steps_per_execution as compiled_steps_per_execution
 from ..data import DataStream
 from ._evaluation import TrainerEvaluation, agreed, batches_in, note_weighted_metrics
 from ._executions import executions, whole_calls
@@ -51,9 +48,10 @@ from ._input_shapes import InputCheck
 from ._labels import LabelCheck, checked
 from ._model import FunctionalModel, adapt, output_shape
 from ._outputs import shapes_of
-from ._optimizers import get_optimizer, is_keras_optimizer, is_loss_scaled, loss_scale_settings
+from ._optimizers import get_optimizer, is_keras_optimizer, loss_scale_settings
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
 from ._model_layout import layout_of
+from ._settings import given_settings
 from ._restore import fit_start, initial_state, placed, snapshot, take_up
 from ._logs import LazyLogs, read_logs
 from ._train_state import TrainState
@@ -178,6 +176,10 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
     #: how the trainer drives `model`: ``model_adapter(model, seed, batch_statistics)``, an adapter
     #: (`lockstep.training._model`: `build`, `apply`, weights)
     model_adapter: Callable[[Any, int, str], Any] = staticmethod(adapt)
+    #: what the trainer trains `model` with: ``model_settings(model, optimizer, loss, metrics,
+    #: steps_per_execution)``, a `ModelSettings` (`lockstep.training._settings`: those given, else
+    #: lockstep's defaults; a compiled Keras model's own in `lockstep.keras`'s subclass)
+    model_settings: Callable[..., Any] = staticmethod(given_settings)
 
     def __init__(self, model: Any, optimizer: str | optax.GradientTransformation | None = None,
                  loss: str | Callable[..., Any] | None = None, metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
@@ -187,19 +189,18 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         self._accumulation = checked_accumulation(gradient_accumulation_steps)
         self.remat = checked_remat(remat)
         self.seed = seed
-        self.steps_per_execution = compiled_steps_per_execution(model, steps_per_execution)
         self.strategy = _strategy_for(model, strategy)
         self.model = model
         self._engine = self.strategy.extended
         self._adapter = self.model_adapter(model, seed, batch_statistics)
-        keras_compiled = optimizer is None and is_compiled_keras(model)  # the optimizer is model.compile's
-        optimizer, loss, metrics = compiled_settings(model, optimizer, loss, metrics)  # model.compile's
+        settings = self.model_settings(model, optimizer, loss, metrics, steps_per_execution)
+        optimizer, loss, metrics, self.steps_per_execution = settings[:4]
         self._optimizer = get_optimizer(optimizer, getattr(model, "trainable_variables", None))
         self._keras_optimizer = optimizer if is_keras_optimizer(optimizer) else None  # given its state back
         self._names = functools.partial(state_names, model, optimizer)  # what backups call each array
         self.dtype_policy = resolve_policy(model, dtype_policy)
         # dynamic loss scaling (a Keras LossScaleOptimizer's settings), unless Keras' compile left it out
-        if self.dtype_policy == "mixed_float16" and not (keras_compiled and not is_loss_scaled(optimizer)):
+        if self.dtype_policy == "mixed_float16" and settings.loss_scaling:
             self._optimizer = with_loss_scaling(self._optimizer, *loss_scale_settings(optimizer))
         self._loss_fn = _losses.get(loss)
         self._labels = LabelCheck(loss)  # labels checked on the host against a named loss

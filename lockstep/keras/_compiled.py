@@ -1,4 +1,6 @@
-"""What `model.compile(...)` gave a Keras model — optimizer, loss, metrics — taken up by a `Trainer`.
+"""What `model.compile(...)` gave a Keras model — optimizer, loss, metrics, steps per execution —
+taken up by a `Trainer` (`compiled_settings`, the Keras Trainer's `model_settings`), and a Keras
+model's losses and metrics per output.
 
 TF users compile in the strategy's scope (seed 004: ``model.compile(optimizer="adam",
 loss=..., metrics=["accuracy"])``) and expect training to use exactly that; `Trainer` arguments
@@ -9,16 +11,11 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
-
 from .. import losses as _losses
 from .._keras_kind import is_keras
 from ..metrics import get as get_metric
-from ._outputs import Outputs, loss_weight
-from ._outputs import settings as output_settings
-
-DEFAULT_OPTIMIZER = "adam"
-DEFAULT_LOSS = "sparse_categorical_crossentropy"
+from ..training import (DEFAULT_LOSS, DEFAULT_OPTIMIZER, ModelSettings, Outputs, checked_steps_per_execution,
+                        is_loss_scaled, loss_weight, output_settings)
 
 
 def no_loss(y_true: Any, y_pred: Any) -> Any:
@@ -36,17 +33,21 @@ def is_compiled_keras(model: Any) -> bool:
         model, "get_compile_config")
 
 
-def steps_per_execution(model: Any, given: Any) -> int:
-    """`given` (a positive integer), else a compiled Keras model's `steps_per_execution`, else 1.
+def compiled_settings(model: Any, optimizer: Any, loss: Any, metrics: Any, steps_per_execution: Any) -> ModelSettings:
+    """`settings`, and `steps_per_execution` given (a positive integer), else a compiled Keras
+    model's, else 1; loss scaling under ``mixed_float16`` unless Keras' `compile` left it out (the
+    optimizer, `compile`'s, not a `LossScaleOptimizer`).
 
     Raises:
-      ValueError: `given` (or the compiled one) is not a positive integer.
+      ValueError: `steps_per_execution` (or the compiled one) is not a positive integer.
     """
-    if given is None:
-        given = getattr(model, "steps_per_execution", 1) if is_compiled_keras(model) else 1
-    if isinstance(given, bool) or not isinstance(given, (int, np.integer)) or given < 1:
-        raise ValueError(f"`steps_per_execution` must be a positive integer, got steps_per_execution={given!r}.")
-    return int(given)
+    compiled = is_compiled_keras(model)
+    if steps_per_execution is None:
+        steps_per_execution = getattr(model, "steps_per_execution", 1) if compiled else 1
+    steps = checked_steps_per_execution(steps_per_execution)
+    from_compile = optimizer is None and compiled  # the optimizer is model.compile's
+    optimizer, loss, metrics = settings(model, optimizer, loss, metrics)
+    return ModelSettings(optimizer, loss, metrics, steps, not (from_compile and not is_loss_scaled(optimizer)))
 
 
 def settings(model: Any, optimizer: Any, loss: Any, metrics: Any) -> tuple[Any, Any, Any]:
