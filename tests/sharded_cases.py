@@ -5,6 +5,7 @@ import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 
+import jax  # noqa: E402
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras import layers as L  # noqa: E402
@@ -142,6 +143,15 @@ def used_rules(model_name):
             "odd": [".*dense.*/kernel"], "odd_cnn": [".*conv.*/kernel", ".*norm/(gamma|beta|moving_mean|moving_variance)"],
             }[model_name]
     return {k: RULES[k] for k in keys}
+
+
+def device_bytes(tree):
+    """Bytes of `tree`'s arrays on each device, from their shards."""
+    out = {}
+    for leaf in jax.tree.leaves(tree):
+        for s in leaf.addressable_shards:
+            out[s.device] = out.get(s.device, 0) + s.data.nbytes
+    return out
 
 
 class Preempted(Exception):

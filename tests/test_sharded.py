@@ -14,8 +14,8 @@ from keras import layers as L
 
 import lockstep as ls
 from keras_reference import assert_equals_one_device, assert_weights_close
-from sharded_cases import (ALL_MODELS, COMPILE, MESHES, MODELS, Preempted, backed_up_fit, case_data, cnn, functional_mlp,
-                           keras_fit, mlp, sharded_fit, sharded_strategy, transformer, used_rules)
+from sharded_cases import (ALL_MODELS, COMPILE, MESHES, MODELS, Preempted, backed_up_fit, case_data, cnn, device_bytes,
+                           functional_mlp, keras_fit, mlp, sharded_fit, sharded_strategy, transformer, used_rules)
 from suite import variants
 
 CASES = [(m, shape, stage) for m in MODELS for shape in MESHES for stage in (0, 1, 2, 3)
@@ -67,15 +67,6 @@ def test_variables_are_created_in_their_layout_inside_the_scope():
     assert {s.data.shape for s in kernel.addressable_shards} == {(6, 8)}  # (12, 32) over 2 x 4 devices
 
 
-def _device_bytes(tree):
-    """Bytes of `tree`'s arrays on each device, from their shards."""
-    out = {}
-    for leaf in jax.tree.leaves(tree):
-        for s in leaf.addressable_shards:
-            out[s.device] = out.get(s.device, 0) + s.data.nbytes
-    return out
-
-
 def _wide():
     return keras.Sequential([keras.Input((64,)), L.Dense(256, activation="relu", name="dense_1"),
                              L.Dense(256, activation="relu", name="dense_2"), L.Dense(8, name="dense_3")])
@@ -94,7 +85,7 @@ def test_memory_per_device_is_what_the_stage_promises_and_the_estimate_says(stag
     state = trainer.train_state
     n, p = 8, model.count_params()  # fp32 Adam: 4 bytes of parameter and 8 of state per parameter
     small = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables if np.prod(v.shape) < 1024)
-    params, opt = _device_bytes(state.params), _device_bytes(state.opt_state)
+    params, opt = device_bytes(state.params), device_bytes(state.opt_state)
     assert len(set(params.values())) == 1 and len(set(opt.values())) == 1  # every device alike
     per_device = params[jax.devices()[0]] + opt[jax.devices()[0]]
     hyper = 64  # Adam's step counts and hyperparameters: a few replicated scalars

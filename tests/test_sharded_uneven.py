@@ -16,9 +16,8 @@ from keras import layers as L
 
 import lockstep as ls
 from keras_reference import assert_equals_one_device, assert_weights_close
-from sharded_cases import (COMPILE, ODD_MODELS, Preempted, StopAfterFirstEpoch, case_data, functional_mlp,
-                                 keras_fit, odd,
-                                 sharded_fit, sharded_strategy, used_rules)
+from sharded_cases import (COMPILE, ODD_MODELS, Preempted, StopAfterFirstEpoch, case_data, device_bytes, functional_mlp,
+                           keras_fit, odd, sharded_fit, sharded_strategy, used_rules)
 from suite import FULL, variants
 
 CASES = [("odd", (8, 1), 3), ("odd", (2, 4), 3), ("odd", (4, 2), 2), ("odd", (1, 8), 1), ("odd", (4, 2), 0),
@@ -43,14 +42,6 @@ def _assert_padding_holds_zeros(trainer):
             assert not whole[(slice(None),) * dim + (slice(size, None),)].any()
         checked += 1
     assert checked  # some array is padded
-
-
-def _device_bytes(tree):
-    out = {}
-    for leaf in jax.tree.leaves(tree):
-        for s in leaf.addressable_shards:
-            out[s.device] = out.get(s.device, 0) + s.data.nbytes
-    return out
 
 
 @pytest.mark.parametrize("model_name,shape,stage", variants(CASES, {("odd", (2, 4), 3), ("odd_cnn", (2, 4), 3)}))
@@ -106,7 +97,7 @@ def test_padded_shards_are_the_memory_each_device_holds_and_the_estimate_says(st
     state = _stored(trainer)
     n, p = 8, model.count_params()
     small = 4 * sum(int(np.prod(v.shape)) for v in model.trainable_variables if np.prod(v.shape) < 1024)
-    params, opt = _device_bytes(state.params), _device_bytes(state.opt_state)
+    params, opt = device_bytes(state.params), device_bytes(state.opt_state)
     for v, leaf in zip(trainer.layouts.variables, jax.tree.leaves(state.params)):  # each device: ceil(size / 8)
         ways = [8 if axis == "batch" else 1 for axis in tuple(v.param_spec) + (None,) * len(v.shape)]
         assert {s.data.shape for s in leaf.addressable_shards} == {tuple(-(-d // n) for d, n in zip(v.shape, ways))}
