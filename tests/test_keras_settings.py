@@ -901,3 +901,37 @@ def test_a_subclassed_model_made_in_the_scope_trains_on_it_with_its_compile_as_k
     assert_logs_close(got[1], want[1])
     np.testing.assert_allclose(got[2], want[2], rtol=1e-5, atol=1e-6)
     assert_weights_close(got_w, want_w)
+
+
+def _batches_of(x, y=None, size=8):
+    """A generator of `x`'s (and `y`'s) batches, tuples as Keras wants them: a one-shot iterable."""
+    for i in range(0, len(x), size):
+        yield (x[i:i + size],) if y is None else (x[i:i + size], y[i:i + size])
+
+
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")  # Keras' own, at a generator's end
+@pytest.mark.parametrize("call", ["fit", "evaluate", "predict"])
+def test_a_subclassed_model_made_in_the_scope_is_built_on_a_generators_first_batch_as_keras_does(call):
+    """A subclassed model made and compiled in the scope, first used on a generator (13 rows in
+    batches of 8 on 4 replicas): its first batch builds it, as Keras' loop builds it, and is then
+    trained on (or evaluated, predicted) all the same. Before, the Trainer was made first and
+    refused the Keras optimizer of a model without variables."""
+    def build():
+        keras.utils.set_random_seed(0)
+        model = _Subclassed()
+        model.compile(optimizer=keras.optimizers.Adam(0.01),
+                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        return model
+
+    def run(model):
+        if call == "fit":
+            return model.fit(_batches_of(X, Y), epochs=1, shuffle=False, verbose=0).history
+        if call == "evaluate":
+            return model.evaluate(_batches_of(X, Y), verbose=0, return_dict=True)
+        return model.predict(_batches_of(X), verbose=0)
+    (want, want_w), (got, got_w) = _both(build, run)
+    if call == "predict":
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    else:
+        assert_logs_close(got, want)
+    assert_weights_close(got_w, want_w)

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 from ..callbacks import Callback
-from ..data import PyDatasetBatches, adapt
+from ..data import DataAdapter, PyDatasetBatches, adapt
 from ..distribute import remember_scope, strategy_of_model
 from ..engine import host_value, spread
 from ..training import Validation, class_weighted, is_arrays, whole_on_host, writing
@@ -105,20 +105,24 @@ def _compiled(model: Any) -> None:
         raise ValueError("You must call `compile()` before using the model.")  # Keras' own words
 
 
-def _built_as_keras(model: Any, strategy: Any, x: Any, y: Any, batch_size: Any, predicting: bool = False) -> None:
-    """A model without variables yet (a subclassed one makes them when first called) built as
-    Keras' loops build it, in `strategy`'s scope: from the first batch's shapes, with its compiled
-    loss, metrics and optimizer (`predicting`: its layers alone, by a call on the batch); for
-    arrays and a `keras.utils.PyDataset` (other data: on the Trainer's first read)."""
-    if model.variables:
-        return
+def _built_as_keras(model: Any, strategy: Any, x: Any, y: Any, batch_size: Any, predicting: bool = False,
+                    shuffle: Any = False) -> Any:
+    """`x`, after a model without variables yet (a subclassed one makes them when first called) is
+    built as Keras' loops build it, in `strategy`'s scope: from the first batch's shapes, with its
+    compiled loss, metrics and optimizer (`predicting`: its layers alone, by a call on the batch).
+    Data other than arrays is read through the adapter the Trainer then takes in its place (a
+    generator's first batch is not lost; `shuffle` as `fit` gives it)."""
+    if model.variables or x is None:
+        return x
     if is_arrays(x):
         first = jax.tree.map(lambda a: np.asarray(a)[:32 if batch_size is None else batch_size],
                              (x,) if y is None else (x, y))
-    elif isinstance(x, PyDatasetBatches):
-        first = x.first()
     else:
-        return
+        if y is None:  # (with `y`, the Trainer refuses it as Keras does)
+            x = adapt(x, None, None, batch_size, bool(shuffle) and shuffle != "batch", None)
+        first = x.first() if isinstance(x, DataAdapter) else None
+        if first is None:
+            return x
     with strategy.scope():
         if predicting:
             from keras.src.backend import StatelessScope
@@ -127,6 +131,7 @@ def _built_as_keras(model: Any, strategy: Any, x: Any, y: Any, batch_size: Any, 
                 model(first[0] if isinstance(first, tuple) else first)
         else:
             model._symbolic_build(data_batch=first)
+    return x
 
 
 def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:
@@ -179,7 +184,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     _one_validation_of(validation_data, validation_freq, range(initial_epoch, epochs))
     _compiled(self)
     x = _as_keras_starts(self, x, y, sample_weight, batch_size, shuffle, validation_split, validation_data)
-    _built_as_keras(self, strategy, x, y, batch_size)
+    x = _built_as_keras(self, strategy, x, y, batch_size, shuffle=shuffle)
     trainer = _trainer(self, strategy)
     validation_data = _validated_as_keras(validation_data)
     callbacks = [*(callbacks or []), _KerasModelHistory(self)]
@@ -273,7 +278,7 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, v
     try:
         _compiled(self)
         x = _as_keras_starts(self, x, y, sample_weight, batch_size, False)
-        _built_as_keras(self, strategy, x, y, batch_size)
+        x = _built_as_keras(self, strategy, x, y, batch_size)
         trainer = _trainer(self, strategy)
         logs = trainer.evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight, verbose=verbose,
                                 callbacks=callbacks, return_dict=True, steps=steps)
@@ -292,7 +297,7 @@ def _predict(self: Any, x: Any, batch_size: Any = None, verbose: Any = "auto", s
         if PyDatasetBatches.accepts(x):  # Keras reads a first batch only to build an unbuilt model
             x = adapt(x, batch_size=batch_size, seed=None)
             x.keras_start(_unbuilt(self, compiled=False), end=False)
-        _built_as_keras(self, strategy, x, None, batch_size, predicting=True)
+        x = _built_as_keras(self, strategy, x, None, batch_size, predicting=True)
         trainer = _trainer(self, strategy, compiled=False)
         return trainer.predict(x, batch_size=batch_size, verbose=verbose, callbacks=callbacks,
                                steps=steps)
