@@ -63,7 +63,7 @@ _EXPORTS: dict[str, str] = {
     "TrainState": ".training",
     "Trainer": ".keras",
 }
-_SUBMODULES = ("callbacks", "checkpoint", "data", "experimental", "launch", "losses", "metrics", "training")
+_SUBMODULES = ("callbacks", "checkpoint", "data", "experimental", "keras", "launch", "losses", "metrics", "training")
 
 __all__ = sorted([*_EXPORTS, *_SUBMODULES])
 

@@ -263,3 +263,26 @@ def test_a_state_taken_after_a_stopped_fit_whose_passes_numpy_draws_resumes_as_t
     np.testing.assert_allclose(got["loss"][-1], want["loss"][-1], rtol=1e-6)
     for a, b in zip(jax.tree.leaves(resumed.get_weights()), jax.tree.leaves(whole.get_weights())):
         np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_the_keras_free_trainer_drives_a_functional_model_as_lockstep_trainer_does_and_names_it_for_keras():
+    """`lockstep.training.Trainer` (no Keras model adapter, no `compile` settings) trains a
+    `FunctionalModel` to `lockstep.Trainer`'s weights (a last batch of 4 rows of 100 on 3
+    replicas: one replica without rows); a Keras model is refused naming `lockstep.Trainer`; a loss
+    per output is refused (a FunctionalModel's outputs have no names); a bad `steps_per_execution`
+    is named before the model is read."""
+    x, y = data()
+    weights = []
+    for trainer_class in (ls.training.Trainer, ls.Trainer):
+        trainer = trainer_class(functional_mlp(), optimizer=optax.sgd(0.1),
+                                loss="sparse_categorical_crossentropy_from_logits", strategy=ls.MirroredStrategy(3))
+        trainer.fit(x[:100], y[:100], batch_size=12, epochs=2, verbose=0, seed=1)
+        weights.append(trainer.get_weights())
+    for a, b in zip(jax.tree.leaves(weights[0]), jax.tree.leaves(weights[1])):
+        np.testing.assert_array_equal(a, b)
+    with pytest.raises(TypeError, match=r"lockstep.Trainer \(lockstep.keras.Trainer\) takes Keras 3 models"):
+        ls.training.Trainer(keras_mlp(), strategy=ls.MirroredStrategy(2))
+    with pytest.raises(ValueError, match=r"`loss` is given per output \(dict\), but this model's outputs have no names"):
+        ls.training.Trainer(functional_mlp(), loss={"a": "mse"}, strategy=ls.MirroredStrategy(2))
+    with pytest.raises(ValueError, match=r"steps_per_execution=0"):
+        ls.training.Trainer("not a model", steps_per_execution=0)

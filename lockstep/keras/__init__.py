@@ -1,13 +1,15 @@
 """Keras inside lockstep: a Keras 3 model as lockstep drives it (`KerasModel`, `_model`: its
-`stateless_call`; its layers made exact inside a replica, `_layers`: random draws as one device's,
-BatchNorm's global moments, activity regularisers and `add_loss` terms, and refusals of what a
-replica cannot do as one device; `memory_estimate`), what `model.compile` gave it (`_compiled`), the
-`Trainer` that drives Keras models (`_trainer`: `lockstep.Trainer`), and Keras' own face: Keras' distribution in a strategy's scope
-(`_distribution`), Keras' `model.fit` / `evaluate` / `predict` run by that Trainer (`_fit`), and
-Keras metrics updated exactly inside `strategy.run` (`_metrics_in_run`).
+`stateless_call`; its layers made exact inside a replica, `_layers`: random draws as one
+device's, BatchNorm's global moments, activity regularisers and `add_loss` terms, and refusals
+of what a replica cannot do as one device; `memory_estimate`), what `model.compile` gave it
+(`_compiled`), the `Trainer` that drives Keras models (`_trainer`: `lockstep.Trainer`), and
+Keras' own face: Keras' distribution in a strategy's scope (`_distribution`), Keras' `model.fit`
+/ `evaluate` / `predict` run by that Trainer (`_fit`), and Keras metrics updated exactly inside
+`strategy.run` (`_metrics_in_run`).
 
-Each patches Keras once a process; `install` does all three, and `lockstep` calls it when a
-strategy or the Trainer is first asked for (before any scope can be entered). This is the part
+Those last three patch Keras once a process: `install` does all three, and `lockstep` calls it
+when a strategy or the Trainer is first asked for (before any scope can be entered); `_layers`
+wraps Keras' random functions when a replica's step is first traced. This is the part
 above every other: it imports the Trainer, the scopes and the metrics, and nothing imports it but
 the public faces `lockstep` and `lockstep.experimental`. How the other parts below read Keras
 objects (a Keras metric, a callback, a `PyDataset`, an optimizer, a precision policy)

@@ -228,8 +228,6 @@ def activity_penalties_masked(model: Any) -> Iterator[None]:
             layer.activity_regularizer = reg
 
 
-
-
 @contextlib.contextmanager
 def layer_outputs_named(model: Any) -> Iterator[None]:
     """While tracing a step: the outputs of each of `model.layers` are named `LAYER_OUTPUT`

@@ -19,7 +19,7 @@ import numpy as np
 
 from ..distribute import get_strategy
 from ..engine import get_replica_context, held, host_value
-from ..training import get_optimizer, is_keras_optimizer, layout_of
+from ..training import checked_batch_statistics, get_optimizer, is_keras_optimizer, layout_of
 from ._layers import (activity_penalties_masked, check_activity_regularizers, check_batch_losses, check_supported,
                       draws_following_rows, hook_batch_norm, layer_outputs_named, random_draws_as_one_device)
 
@@ -36,6 +36,8 @@ class KerasModel:
 
     def __init__(self, model: Any, batch_statistics: str = "global"):
         import keras
+
+        checked_batch_statistics(batch_statistics)
 
         if keras.backend.backend() != "jax":
             raise ValueError(
@@ -182,8 +184,6 @@ class KerasModel:
         values = [v.value for v in variables]
         n = len(self.model.trainable_variables)
         return {"trainable": values[:n], "non_trainable": values[n:]}
-
-
 
 
 def keras_paths(model: Any) -> dict[str, list[str]]:

@@ -16,7 +16,7 @@ def _adapt(model: Any, seed: int = 0, batch_statistics: str = "global") -> Any:
     import keras
 
     if isinstance(model, keras.Model):
-        return KerasModel(model, training.checked_batch_statistics(batch_statistics))
+        return KerasModel(model, batch_statistics)
     if isinstance(model, training.FunctionalModel):
         return training.Trainer.model_adapter(model, seed, batch_statistics)
     raise TypeError(f"`model` must be a Keras 3 model or a lockstep.FunctionalModel, got {type(model).__name__}.")

@@ -118,13 +118,13 @@ class _FunctionalAdapter:
         self._params = params
 
     def check_unchanged(self) -> None:
-        """A functional model's parameters cannot change kind (see `_KerasAdapter.check_unchanged`)."""
+        """A functional model's parameters cannot change kind (see `lockstep.keras.KerasModel.check_unchanged`)."""
 
     def check_input(self, x: Any) -> None:
-        """Nothing to check beyond what `apply` takes (see `_KerasAdapter.check_input`)."""
+        """Nothing to check beyond what `apply` takes (see `lockstep.keras.KerasModel.check_input`)."""
 
     def lend(self, params: Params) -> None:
-        """No Keras variables to lend (see `_KerasAdapter.lend`)."""
+        """No Keras variables to lend (see `lockstep.keras.KerasModel.lend`)."""
 
     def taken(self, lent: Any) -> Params | None:
         return None

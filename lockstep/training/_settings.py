@@ -48,8 +48,7 @@ def given_settings(model: Any, optimizer: Any, loss: Any, metrics: Any, steps_pe
     steps = checked_steps_per_execution(1 if steps_per_execution is None else steps_per_execution)
     if isinstance(loss, (dict, list, tuple)):
         raise ValueError(
-            f"`loss` is given per output ({type(loss).__name__}), but the model's outputs are not known before it "
-            "runs (a subclassed model): give one loss, a function of the whole y_true and y_pred, or build the model "
-            "with the functional API.")
+            f"`loss` is given per output ({type(loss).__name__}), but this model's outputs have no names: give one "
+            "loss, a function of the whole y_true and y_pred.")
     return ModelSettings(DEFAULT_OPTIMIZER if optimizer is None else optimizer, DEFAULT_LOSS if loss is None else loss,
                          metrics, steps)

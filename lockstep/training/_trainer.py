@@ -46,12 +46,12 @@ from ._evaluation import TrainerEvaluation, agreed, batches_in, note_weighted_me
 from ._executions import executions, whole_calls
 from ._input_shapes import InputCheck
 from ._labels import LabelCheck, checked
-from ._model import FunctionalModel, adapt, output_shape
+from ._model import FunctionalModel, adapt, checked_batch_statistics, output_shape
 from ._outputs import shapes_of
 from ._optimizers import get_optimizer, is_keras_optimizer, loss_scale_settings
 from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
 from ._model_layout import layout_of
-from ._settings import given_settings
+from ._settings import ModelSettings, checked_steps_per_execution, given_settings
 from ._restore import fit_start, initial_state, placed, snapshot, take_up
 from ._logs import LazyLogs, read_logs
 from ._train_state import TrainState
@@ -140,8 +140,10 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
     The whole state of a `fit` in progress is one `TrainState` (`train_state` / `restore`).
 
     Args:
-      model: a Keras 3 model (JAX backend) or a `lockstep.FunctionalModel`. For a Keras model on
-        which `compile` was called, the optimizer, loss and metrics left out here are the compiled ones.
+      model: a `lockstep.FunctionalModel`, or a Keras 3 model (JAX backend) given to
+        `lockstep.Trainer` (`lockstep.keras.Trainer`: this class with Keras' model adapter and
+        `compile`'s settings). For a Keras model on which `compile` was called, the optimizer, loss
+        and metrics left out here are the compiled ones.
       optimizer: an optax transformation, a Keras optimizer (run by Keras' own update), or a name
         (``"adam"``, ``"adamw"``, ``"sgd"``, ``"rmsprop"``); default ``"adam"``.
       loss: a Keras loss name (``"..._from_logits"`` for logits), a Keras loss object or a
@@ -168,18 +170,15 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         of a Keras model's layers' outputs kept, their insides computed again), "dots" (matrix
         products kept, MaxText's "save dots"), "offload" (those moved to host memory) or a JAX
         checkpoint policy's name; the numbers are the same.
-
-    This class drives a `FunctionalModel`; `lockstep.Trainer` (`lockstep.keras.Trainer`, a subclass
-    whose `model_adapter` adapts Keras models too) drives both.
     """
 
     #: how the trainer drives `model`: ``model_adapter(model, seed, batch_statistics)``, an adapter
-    #: (`lockstep.training._model`: `build`, `apply`, weights)
+    #: (`lockstep.training._model`: `build`, `apply`, weights); a subclass sets a `staticmethod`
     model_adapter: Callable[[Any, int, str], Any] = staticmethod(adapt)
     #: what the trainer trains `model` with: ``model_settings(model, optimizer, loss, metrics,
     #: steps_per_execution)``, a `ModelSettings` (`lockstep.training._settings`: those given, else
     #: lockstep's defaults; a compiled Keras model's own in `lockstep.keras`'s subclass)
-    model_settings: Callable[..., Any] = staticmethod(given_settings)
+    model_settings: Callable[..., ModelSettings] = staticmethod(given_settings)
 
     def __init__(self, model: Any, optimizer: str | optax.GradientTransformation | None = None,
                  loss: str | Callable[..., Any] | None = None, metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
@@ -189,6 +188,9 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         self._accumulation = checked_accumulation(gradient_accumulation_steps)
         self.remat = checked_remat(remat)
         self.seed = seed
+        if steps_per_execution is not None:  # checked before the model is read, as every argument is
+            checked_steps_per_execution(steps_per_execution)
+        checked_batch_statistics(batch_statistics)
         self.strategy = _strategy_for(model, strategy)
         self.model = model
         self._engine = self.strategy.extended
