@@ -46,19 +46,19 @@ def compiled_settings(model: Any, optimizer: Any, loss: Any, metrics: Any, steps
         steps_per_execution = getattr(model, "steps_per_execution", 1) if compiled else 1
     steps = checked_steps_per_execution(steps_per_execution)
     from_compile = optimizer is None and compiled  # the optimizer is model.compile's
-    optimizer, loss, metrics = settings(model, optimizer, loss, metrics)
+    optimizer, loss, metrics = settings(model, optimizer, loss, metrics, compiled)
     return ModelSettings(optimizer, loss, metrics, steps, not (from_compile and not is_loss_scaled(optimizer)))
 
 
-def settings(model: Any, optimizer: Any, loss: Any, metrics: Any) -> tuple[Any, Any, Any]:
-    """(optimizer, loss, metrics): each given one, else the compiled model's, else the default.
+def settings(model: Any, optimizer: Any, loss: Any, metrics: Any, compiled: bool) -> tuple[Any, Any, Any]:
+    """(optimizer, loss, metrics): each given one, else the compiled model's (`compiled`: `compile`
+    was called on `model`), else the default.
 
     Metrics come from both `metrics` and `weighted_metrics` of `compile` (as in Keras 3, only the
     latter are weighted by `sample_weight`). A model with several outputs, or a loss given per
     output, gets a `_outputs.OutputLosses` and metrics per output; a single output's
     `loss_weights` scale its loss.
     """
-    compiled = is_compiled_keras(model)
     loss_weights = None
     if compiled:
         if optimizer is None:

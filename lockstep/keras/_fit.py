@@ -38,7 +38,7 @@ from ..callbacks import Callback
 from ..data import DataAdapter, PyDatasetBatches, adapt
 from ..distribute import remember_scope, strategy_of_model
 from ..engine import host_value, spread
-from ..training import Validation, class_weighted, is_arrays, whole_on_host, writing
+from ..training import Validation, class_weighted, is_arrays, to_batches, whole_on_host, writing
 from ._trainer import Trainer
 
 _ORIGINAL: dict[str, Any] = {}
@@ -119,7 +119,7 @@ def _built_as_keras(model: Any, strategy: Any, x: Any, y: Any, batch_size: Any, 
                              (x,) if y is None else (x, y))
     else:
         if y is None:  # (with `y`, the Trainer refuses it as Keras does)
-            x = adapt(x, None, None, batch_size, bool(shuffle) and shuffle != "batch", None)
+            x = to_batches(strategy, x, None, None, batch_size, shuffle, None)
         first = x.first() if isinstance(x, DataAdapter) else None
         if first is None:
             return x

@@ -5,6 +5,7 @@ from ..data import DataPosition as DataPosition
 from ._inputs import Validation as Validation
 from ._inputs import class_weighted as class_weighted
 from ._inputs import is_arrays as is_arrays
+from ._inputs import to_batches as to_batches
 from ._model import FunctionalModel as FunctionalModel
 from ._optimizers import get_optimizer as get_optimizer
 from ._model import checked_batch_statistics as checked_batch_statistics
