@@ -2,7 +2,7 @@
 `stateless_call`; its layers made exact inside a replica, `_layers`: random draws as one
 device's, BatchNorm's global moments, activity regularisers and `add_loss` terms, and refusals
 of what a replica cannot do as one device; `memory_estimate`), what `model.compile` gave it
-(`_compiled`), the `Trainer` that drives Keras models (`_trainer`: `lockstep.Trainer`), and
+(`_compiled`), a Keras optimizer object as that Trainer runs it (`_optimizer`), the `Trainer` that drives Keras models (`_trainer`: `lockstep.Trainer`), and
 Keras' own face: Keras' distribution in a strategy's scope (`_distribution`), Keras' `model.fit`
 / `evaluate` / `predict` run by that Trainer (`_fit`), and Keras metrics updated exactly inside
 `strategy.run` (`_metrics_in_run`).
@@ -12,8 +12,8 @@ when a strategy or the Trainer is first asked for (before any scope can be enter
 wraps Keras' random functions when a replica's step is first traced. This is the part
 above every other: it imports the Trainer, the scopes and the metrics, and nothing imports it but
 the public faces `lockstep` and `lockstep.experimental`. How the other parts below read Keras
-objects (a Keras metric, a callback, a `PyDataset`, an optimizer, a precision policy)
-stays with each part's adapter, where that part tells the kinds of its inputs apart.
+objects (a Keras metric, a callback, a `PyDataset`) stays with each part's adapter, where that
+part tells the kinds of its inputs apart.
 """
 
 from __future__ import annotations

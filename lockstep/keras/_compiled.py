@@ -15,7 +15,8 @@ from .. import losses as _losses
 from .._keras_kind import is_keras
 from ..metrics import get as get_metric
 from ..training import (DEFAULT_LOSS, DEFAULT_OPTIMIZER, ModelSettings, Outputs, checked_steps_per_execution,
-                        is_loss_scaled, loss_weight, output_settings)
+                        loss_weight, output_settings)
+from ._optimizer import is_loss_scaled
 
 
 def no_loss(y_true: Any, y_pred: Any) -> Any:

@@ -38,7 +38,8 @@ from ..callbacks import Callback
 from ..data import DataAdapter, PyDatasetBatches, adapt
 from ..distribute import remember_scope, strategy_of_model
 from ..engine import host_value, spread
-from ..training import Validation, class_weighted, is_arrays, to_batches, whole_on_host, writing
+from ..training import Validation, class_weighted, is_arrays, to_batches
+from ._model_files import whole_on_host, writing
 from ._trainer import Trainer
 
 _ORIGINAL: dict[str, Any] = {}

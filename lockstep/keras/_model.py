@@ -11,6 +11,7 @@ unless the trainer asks for per-replica statistics.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import jax
@@ -19,9 +20,10 @@ import numpy as np
 
 from ..distribute import get_strategy
 from ..engine import get_replica_context, held, host_value
-from ..training import checked_batch_statistics, get_optimizer, is_keras_optimizer, layout_of
+from ..training import Optimizer, checked_batch_statistics
 from ._layers import (activity_penalties_masked, check_activity_regularizers, check_batch_losses, check_supported,
                       draws_following_rows, hook_batch_norm, layer_outputs_named, random_draws_as_one_device)
+from ._optimizer import KerasOptimizer, optimizer_for
 
 Params = dict[str, Any]
 
@@ -69,14 +71,14 @@ class KerasModel:
         return {"trainable": [held(v.value) for v in self.model.trainable_variables],
                 "non_trainable": [held(v.value) for v in self.model.non_trainable_variables]}
 
-    def build_compiled(self, x: Any, y: Any, keras_optimizer: bool = True) -> None:
+    def build_compiled(self, x: Any, y: Any, runs: Optimizer) -> None:
         """Keras' compiled loss and metrics built for a batch like `(x, y)`, as Keras' own `fit`
         builds them (Keras callbacks read them: `EarlyStopping(monitor="val_accuracy")` finds the
         direction of "accuracy" there). A model Keras cannot build so is left as it is, and so is one
-        whose unbuilt Keras optimizer the trainer does not use (`keras_optimizer` False: Keras would
-        build it too, slots and all)."""
+        whose unbuilt Keras optimizer the trainer does not run (`runs` is not a `KerasOptimizer`: Keras
+        would build it too, slots and all)."""
         optimizer = getattr(self.model, "optimizer", None)
-        if not keras_optimizer and optimizer is not None and not optimizer.built:
+        if not isinstance(runs, KerasOptimizer) and optimizer is not None and not optimizer.built:
             return
         compiled = getattr(self.model, "_compile_metrics", None), getattr(self.model, "_compile_loss", None)
         if any(c is not None and not c.built for c in compiled):
@@ -92,6 +94,26 @@ class KerasModel:
     def paths(self, params: Params) -> Any:
         """Each variable's Keras `variable.path`, a tree like `params`."""
         return keras_paths(self.model)
+
+    def variable_names(self, param_paths: list[Any]) -> tuple[list[str], str]:
+        """The names backups give the variables at `param_paths` (``dense_1/kernel``:
+        `keras_variable_names`), and the model's class."""
+        by_id = keras_variable_names(self.model)
+        variables = {"trainable": self.model.trainable_variables, "non_trainable": self.model.non_trainable_variables}
+        found = [variables[p[0].key][p[1].idx] for p in param_paths]
+        return [by_id.get(id(v), v.path) for v in found], type(self.model).__name__
+
+    def optimizer(self, given: Any) -> Optimizer:
+        """How the trainer runs `given`: a Keras optimizer object by Keras' own update (`KerasOptimizer`)."""
+        return optimizer_for(given, self.model)
+
+    def dtype_policy(self) -> str | None:
+        """The model's dtype policy (`model.dtype_policy`, from `keras.config.set_dtype_policy` or
+        per model; a loaded mixed model says float32 where its layers keep the mixed one)."""
+        policy = getattr(getattr(self.model, "dtype_policy", None), "name", None)
+        layers = {getattr(getattr(layer, "dtype_policy", None), "name", None) for layer in self.model.layers}
+        mixed = [p for p in ("mixed_float16", "mixed_bfloat16") if p in layers]
+        return mixed[0] if policy == "float32" and mixed else policy
 
     def layers_named(self) -> Any:
         """A context in which the model's layers name their outputs (``remat="layers"``)."""
@@ -186,6 +208,36 @@ class KerasModel:
         return {"trainable": values[:n], "non_trainable": values[n:]}
 
 
+def _snake(name: str) -> str:
+    name = re.sub(r"(.)([A-Z][a-z]+)", r"\1_\2", name)
+    return re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", name).lower()
+
+
+def keras_variable_names(model: Any) -> dict[int, str]:
+    """``id(variable) -> name`` for every variable of a Keras model, by position among layers
+    of the same class (nested models walked), then the variable's path inside its layer."""
+    names: dict[int, str] = {}
+
+    def walk(container: Any, prefix: str) -> None:
+        used: dict[str, int] = {}
+        for layer in getattr(container, "layers", []):
+            base = _snake(type(layer).__name__)
+            n = used.get(base, 0)
+            used[base] = n + 1
+            here = f"{prefix}{base}" + (f"_{n}" if n else "")
+            if getattr(layer, "layers", None):
+                walk(layer, here + "/")
+            for v in layer.weights:
+                parts = v.path.split("/")
+                inner = parts[len(parts) - parts[::-1].index(layer.name):] if layer.name in parts[:-1] else [v.name]
+                names.setdefault(id(v), f"{here}/{'/'.join(inner)}")
+
+    walk(model, "")
+    for v in model.weights:  # the model's own variables
+        names.setdefault(id(v), v.name)
+    return names
+
+
 def keras_paths(model: Any) -> dict[str, list[str]]:
     """A Keras model's variables' paths, as a `Trainer` holds their values."""
     return {"trainable": [v.path for v in model.trainable_variables],
@@ -210,6 +262,4 @@ def memory_estimate(model: Any, optimizer: Any = "adam", strategy: Any = None) -
     engine = (strategy or get_strategy()).extended
     shapes = {"trainable": [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in model.trainable_variables],
               "non_trainable": [jax.ShapeDtypeStruct(tuple(v.shape), v.dtype) for v in model.non_trainable_variables]}
-    transformation = get_optimizer(optimizer, model.trainable_variables)
-    keras_optimizer = optimizer if is_keras_optimizer(optimizer) else None
-    return layout_of(engine, transformation, keras_optimizer, model, shapes, keras_paths(model)).estimate(shapes)
+    return optimizer_for(optimizer, model).layout(engine, shapes, keras_paths(model)).estimate(shapes)

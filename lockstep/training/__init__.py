@@ -9,9 +9,7 @@ from ._inputs import to_batches as to_batches
 from ._model import FunctionalModel as FunctionalModel
 from ._optimizers import get_optimizer as get_optimizer
 from ._model import checked_batch_statistics as checked_batch_statistics
-from ._model_layout import layout_of as layout_of
-from ._optimizers import is_keras_optimizer as is_keras_optimizer
-from ._optimizers import is_loss_scaled as is_loss_scaled
+from ._optimizers import Optimizer as Optimizer
 from ._outputs import Outputs as Outputs
 from ._outputs import loss_weight as loss_weight
 from ._outputs import settings as output_settings
@@ -29,8 +27,6 @@ from ._train_state import TrainState as TrainState
 from ._train_state import flatten_train_state as flatten_train_state
 from ._train_state import unflatten_train_state as unflatten_train_state
 from ._trainer import Trainer as Trainer
-from ._weight_files import whole_on_host as whole_on_host
-from ._weight_files import writing as writing
 
-__all__ = ["DataPosition", "FunctionalModel", "LoopRecord", "StateNames", "TrainState", "Trainer", "flatten_train_state", "get_optimizer", "make_eval_step",
+__all__ = ["DataPosition", "FunctionalModel", "LoopRecord", "Optimizer", "StateNames", "TrainState", "Trainer", "flatten_train_state", "get_optimizer", "make_eval_step",
            "make_gradient_step", "make_predict_step", "unflatten_train_state"]

@@ -17,12 +17,12 @@ from ._inputs import first_batch, to_batches
 
 class TrainerMeasures:
     """Mixed into `Trainer` (it reads `_runner`, `_stream`, `_cblist`, `model`, `strategy`, `_state` and
-    `_keras_optimizer`; `step_memory` of data builds the model as `fit` does)."""
+    `_optimizer`; `step_memory` of data builds the model as `fit` does)."""
 
     _runner: Any
     _stream: Any
     _cblist: Any
-    _keras_optimizer: Any
+    _optimizer: Any
     model: Any
     strategy: Any
     _state: Any
@@ -88,7 +88,7 @@ class TrainerMeasures:
         of the strategy, each buffer once and none the training state holds (Keras variables may
         be lent the state's arrays)."""
         device = next((d for d in self.strategy.devices if d.process_index == jax.process_index()), None)
-        variables = [*getattr(self.model, "variables", ()), *getattr(self._keras_optimizer, "variables", ())]
+        variables = [*getattr(self.model, "variables", ()), *self._optimizer.variables]
         arrays = [a for a in (getattr(v, "_value", None) for v in variables) if isinstance(a, jax.Array)]
         state = self._state  # as the step holds it (`train_state` would cut padded arrays: a collective)
         counted = {s.data.unsafe_buffer_pointer() for a in jax.tree.leaves((state.params, state.opt_state))

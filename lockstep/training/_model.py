@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..engine import get_replica_context, host_value
+from ._optimizers import Optimizer, get_optimizer
+from ._state_names import by_tree_paths
 
 BATCH_STATISTICS = ("global", "per_replica")
 
@@ -93,6 +95,18 @@ class _FunctionalAdapter:
 
     def get_weights(self, params: Params) -> Any:
         return jax.tree.map(host_value, params["trainable"])
+
+    def variable_names(self, param_paths: list[Any]) -> tuple[list[str], str]:
+        """The names backups give the parameters at `param_paths`: their paths (`by_tree_paths`)."""
+        return by_tree_paths(param_paths)
+
+    def optimizer(self, given: Any) -> Optimizer:
+        """How the trainer runs `given`, a name or an optax transformation (`get_optimizer`)."""
+        return Optimizer(get_optimizer(given))
+
+    def dtype_policy(self) -> str | None:
+        """A function has no dtype policy of its own: the trainer's `dtype_policy` is its."""
+        return None
 
     def layers_named(self) -> Any:
         """A function has no layers: ``remat="layers"`` keeps nothing but its inputs (as "full")."""

@@ -1,16 +1,18 @@
-"""Optimizer names resolved to optax, with the learning rate exposed for callbacks."""
+"""Optimizers as a `Trainer` runs them (`Optimizer`: an optax transformation, how its state is laid
+out and named), names resolved to optax, and the learning rate exposed for callbacks."""
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+import copy
+from typing import Any
 
 import jax
 import numpy as np
 import optax
 
 from .._keras_kind import is_keras
-from ..engine import held
-from ..sharding import Slots
+from ..sharding import Replicated, Slots, state_layout
+from ._precision import with_loss_scaling
 
 def keras_adam(learning_rate: Any, b1: float = 0.9, b2: float = 0.999, eps: float = 1e-7,
                weight_decay: float | None = None) -> optax.GradientTransformation:
@@ -54,10 +56,10 @@ _OPTIMIZERS: dict[str, tuple[Any, float, dict[str, Any]]] = {
 }
 
 
-def get_optimizer(optimizer: Any, trainable_variables: Any = None) -> optax.GradientTransformation:
-    """An optax transformation from a name (``"adam"``, ``"adamw"``, ``"sgd"``, ``"rmsprop"``), a Keras
-    optimizer object (run through Keras' own update, see `from_keras`; `trainable_variables` are
-    the Keras model's), or as given.
+def get_optimizer(optimizer: Any) -> optax.GradientTransformation:
+    """An optax transformation from a name (``"adam"``, ``"adamw"``, ``"sgd"``, ``"rmsprop"``) or as
+    given (a Keras optimizer object is `lockstep.keras`'s: it runs with the Keras model it was
+    built for).
 
     Named optimizers are built with `optax.inject_hyperparams`, so `Trainer.learning_rate` can be
     read and changed (LearningRateScheduler, ReduceLROnPlateau) without recompiling.
@@ -75,170 +77,87 @@ def get_optimizer(optimizer: Any, trainable_variables: Any = None) -> optax.Grad
         return optax.inject_hyperparams(factory)(learning_rate=lr, **kwargs)
     if isinstance(optimizer, optax.GradientTransformation):
         return optimizer
-    if is_keras_optimizer(optimizer):
-        optimizer = getattr(optimizer, "inner_optimizer", optimizer)  # LossScaleOptimizer: lockstep scales
-        if not trainable_variables:
-            raise TypeError("a Keras optimizer object needs a Keras model with its variables (a subclassed model "
-                            "makes them when first called: call it on a batch, or `model.build(input_shape)`, "
-                            "first); for a FunctionalModel pass an optax transformation or a name.")
-        return from_keras(optimizer, trainable_variables)
+    if is_keras(optimizer) and hasattr(optimizer, "stateless_apply"):
+        raise TypeError("a Keras optimizer object needs a Keras model with its variables (a subclassed model "
+                        "makes them when first called: call it on a batch, or `model.build(input_shape)`, "
+                        "first); for a FunctionalModel pass an optax transformation or a name.")
     raise TypeError(f"`optimizer` must be a name, a Keras optimizer or an optax.GradientTransformation, got "
                     f"{type(optimizer).__name__}.")
 
 
-def is_loss_scaled(optimizer: Any) -> bool:
-    """Whether `optimizer` is a Keras `LossScaleOptimizer` (`compile` wraps one under
-    ``mixed_float16`` unless given ``auto_scale_loss=False``)."""
-    return hasattr(optimizer, "inner_optimizer") and hasattr(optimizer, "dynamic_growth_steps")
+class Optimizer:
+    """An optimizer as a `Trainer` runs it: an optax `transformation`, and what else holds or names
+    its state. A model adapter's ``optimizer(given)`` makes one: this one for a name or an optax
+    transformation (`get_optimizer`), whose state only the trainer holds, named by its tree paths;
+    `lockstep.keras`'s for a Keras optimizer object, which lays its slots out as their variables,
+    names them by variable and slot, and is given the trained state back.
 
-
-def loss_scale_settings(optimizer: Any) -> tuple[float, int, int]:
-    """(scale, growth steps, finite steps since the scale last changed) of a Keras
-    `LossScaleOptimizer` (Keras' `compile` wraps the optimizer in one under ``mixed_float16``):
-    where it stands after earlier training (a loaded model's), else its initial scale; without
-    one, Keras' defaults (2**15, 2000, 0)."""
-    if is_loss_scaled(optimizer):
-        if optimizer.built:
-            return (float(np.asarray(optimizer.dynamic_scale.value)), int(optimizer.dynamic_growth_steps),
-                    int(np.asarray(optimizer.step_counter.value)))
-        return float(optimizer.initial_scale), int(optimizer.dynamic_growth_steps), 0
-    return 2.0**15, 2000, 0
-
-
-class KerasOptimizerState(NamedTuple):
-    """A Keras optimizer's variables as optax state; its learning rate (when a variable, not a
-    schedule) sits in `hyperparams`, where `Trainer.learning_rate` reads and sets it."""
-
-    variables: list[Any]
-    hyperparams: dict[str, Any]
-
-
-def from_keras(optimizer: Any, trainable_variables: Any) -> optax.GradientTransformation:
-    """A Keras 3 optimizer object as an optax transformation that runs Keras' own update
-    (`stateless_apply`: the same formulas, weight decay, clipping, EMA and iteration count as
-    `model.fit`), for a Keras model whose trainable variables are `trainable_variables` (the
-    parameters are then the list of their values, in that order).
-
-    Raises:
-      ValueError: the optimizer accumulates gradients itself (`gradient_accumulation_steps`):
-        its micro-steps are averaged without their sample counts.
+    >>> import jax.numpy as jnp
+    >>> opt = Optimizer(optax.adam(0.1))
+    >>> names, identity = opt.state_names([("['w']", "w")], opt.transformation.init({"w": jnp.zeros(2)}))
+    >>> names[1], identity
+    ('[0].mu:w', 'ScaleByAdamState, EmptyState')
     """
-    if getattr(optimizer, "gradient_accumulation_steps", None):
-        raise ValueError(
-            f"the Keras optimizer {type(optimizer).__name__} has gradient_accumulation_steps="
-            f"{optimizer.gradient_accumulation_steps}: Keras averages micro-steps without weighting them by their "
-            "sample counts, which is not the single-device step; leave it unset and pass "
-            f"`ls.Trainer(..., gradient_accumulation_steps={optimizer.gradient_accumulation_steps})`, which is.")
-    if not optimizer.built:
-        optimizer.build(list(trainable_variables))
-    built_for = len(getattr(optimizer, "_trainable_variables", trainable_variables))  # what Keras checks too
-    lr_at = _learning_rate_index(optimizer)
 
-    def init(params: Any) -> KerasOptimizerState:
-        values = [held(v.value) for v in optimizer.variables]
-        hyper = {} if lr_at is None else {"learning_rate": values.pop(lr_at)}
-        return KerasOptimizerState(values, hyper)
+    #: how its state follows the parameters (`lockstep.sharding.Slots`); None: found by tree paths
+    slots: Slots | None = None
 
-    def update(grads: Any, state: KerasOptimizerState, params: Any = None) -> tuple[Any, KerasOptimizerState]:
-        if built_for != len(grads):  # traced with the train step, before any step (evaluate may go on, as in Keras)
-            raise ValueError(
-                f"the Keras optimizer was built for {built_for} trainable variables and the model now has "
-                f"{len(grads)}: a layer's `trainable` changed after `compile`. As in Keras, call "
-                "`model.compile(...)` again after changing `trainable`, with a new optimizer object.")
-        values = list(state.variables)
-        if lr_at is not None:
-            values.insert(lr_at, state.hyperparams["learning_rate"])
-        new_params, new_values = optimizer.stateless_apply(values, list(grads), list(params))
-        new_values = list(new_values)
-        hyper = {} if lr_at is None else {"learning_rate": new_values.pop(lr_at)}
-        return [n - p for n, p in zip(new_params, params)], KerasOptimizerState(new_values, hyper)
+    def __init__(self, transformation: optax.GradientTransformation):
+        self.transformation = transformation
 
-    return optax.GradientTransformation(init, update)  # type: ignore[arg-type]
+    @property
+    def variables(self) -> list[Any]:
+        """The model object's own variables that hold this optimizer's state (none here)."""
+        return []
 
+    def loss_scale(self) -> tuple[float, int, int]:
+        """(scale, growth steps, finite steps since the scale last changed) dynamic loss scaling
+        starts from: Keras' `LossScaleOptimizer` defaults (2**15, 2000, 0)."""
+        return 2.0**15, 2000, 0
 
-def keras_state_owners(optimizer: Any, trainable_variables: Any) -> list[int | None]:
-    """For each of a Keras optimizer's variables as `from_keras` keeps them (the learning rate
-    apart), the index of the trainable variable it belongs to (Keras names it after the variable's
-    path: ``adam/dense_kernel_momentum``), or None (the iteration count)."""
-    by_path = {v.path.replace("/", "_"): i for i, v in enumerate(trainable_variables)}
-    owners: list[int | None] = []
-    for v in keras_state_variables(optimizer):
-        rest = v.path.split("/", 1)[-1]
-        owner = max((p for p in by_path if rest.startswith(p + "_")), key=len, default=None)
-        owners.append(None if owner is None else by_path[owner])
-    return owners
+    def scaled(self) -> "Optimizer":
+        """This optimizer under dynamic loss scaling (``mixed_float16``), from `loss_scale`."""
+        out = copy.copy(self)
+        out.transformation = with_loss_scaling(self.transformation, *self.loss_scale())
+        return out
 
+    def layout(self, engine: Any, params: Any, paths: Any) -> Replicated:
+        """Where a trainer on `engine` (a strategy's `extended`) keeps `params` (whose paths are
+        `paths`) and this optimizer's state: `lockstep.sharding`'s layout."""
+        return state_layout(engine, engine.sharding, self.transformation, params, paths, self.slots)
 
-def keras_slots(optimizer: Any, trainable_variables: Any) -> Slots:
-    """How a Keras optimizer's state (its variables, as `from_keras` keeps them) follows the
-    trainable variables: `lockstep.sharding`'s `Slots`, each slot laid out as the variable it
-    belongs to (`keras_state_owners`), the iteration count and the learning rate as the rest."""
-    owners = keras_state_owners(optimizer, trainable_variables)
+    def write_back(self, opt_state: Any) -> None:
+        """Gives the trained state (host arrays) to what holds it besides the trainer: nothing here."""
 
-    def slots(opt_state: Any, mapped: Any, per_param: Any, other: Any) -> Any:
-        def keras(state: Any, _: Any) -> Any:
-            return KerasOptimizerState([other if i is None else per_param[i] for i in owners],
-                                       {k: other for k in state.hyperparams})
-        return jax.tree.map(keras, opt_state, mapped, is_leaf=lambda x: isinstance(x, KerasOptimizerState))
-    return slots
+    def state_names(self, trainable: list[tuple[str, str]], opt_state: Any) -> tuple[list[str], str]:
+        """A name for each array of `opt_state` (flattening order), and what the optimizer is (the
+        optax state's node types), given each trainable parameter's path in the trainable tree and
+        its name (`trainable`): an array is named by its path in the state with the parameter it
+        belongs to, whose path ends the array's (``[0].mu:dense_1/kernel``)."""
+        owners = dict(trainable)
+        names = []
+        for path, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+            key = jax.tree_util.keystr(path)
+            owner = max((k for k in owners if k and key.endswith(k)), key=len, default=None)
+            names.append(key if owner is None else f"{key[:-len(owner)].lstrip('.')}:{owners[owner]}")
+        return names, _node_types(opt_state)
 
 
-def keras_state_variables(optimizer: Any) -> list[Any]:
-    """A Keras optimizer's variables as `from_keras` keeps them in its state: the learning rate apart."""
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    variables = list(optimizer.variables)
-    lr_at = _learning_rate_index(optimizer)
-    if lr_at is not None:
-        variables.pop(lr_at)
-    return variables
+def _node_types(tree: Any) -> str:
+    """The optax state's named nodes, in order (``ScaleByAdamState, EmptyState``)."""
+    out: list[str] = []
 
-
-def is_keras_optimizer(optimizer: Any) -> bool:
-    """Whether `optimizer` is a Keras 3 optimizer object."""
-    return is_keras(optimizer) and hasattr(optimizer, "stateless_apply")
-
-
-def _learning_rate_index(optimizer: Any) -> int | None:
-    return next((i for i, v in enumerate(optimizer.variables) if v.path.rsplit("/", 1)[-1] == "learning_rate"),
-                None)
-
-
-def to_keras(optimizer: Any, opt_state: Any) -> None:
-    """Writes the Keras optimizer state inside `opt_state` (host arrays) into `optimizer`'s own
-    variables (iterations, moments, learning rate), so the Keras model holds what was trained:
-    `model.save` and a later `fit` continue from it, as after Keras' own `fit`. Nothing to do
-    for `optimizer` None (an optax one) or no state yet."""
-    if optimizer is None or opt_state is None:
-        return
-    _loss_scale_to_keras(optimizer, opt_state)
-    optimizer = getattr(optimizer, "inner_optimizer", optimizer)
-    stack = [opt_state]
-    while stack:
-        node = stack.pop()
-        if isinstance(node, KerasOptimizerState):
-            values = list(node.variables)
-            lr_at = _learning_rate_index(optimizer)
-            if lr_at is not None:
-                values.insert(lr_at, node.hyperparams["learning_rate"])
-            for v, value in zip(optimizer.variables, values):
-                v.assign(held(value))
-            return
-        if isinstance(node, (tuple, list)):
-            stack.extend(node)
-
-
-def _loss_scale_to_keras(optimizer: Any, opt_state: Any) -> None:
-    """A Keras `LossScaleOptimizer`'s scale and its count of finite steps since the scale last
-    changed, from lockstep's loss-scaling state (built first if Keras never ran it)."""
-    if not (hasattr(optimizer, "inner_optimizer") and hasattr(optimizer, "dynamic_growth_steps")):
-        return
-    scale, good = getattr(opt_state, "scale", None), getattr(opt_state, "good_steps", None)
-    if scale is None or good is None:
-        return
-    if not optimizer.built:
-        optimizer.build(list(optimizer.inner_optimizer._trainable_variables))  # the inner one is built: kept
-    optimizer.dynamic_scale.assign(np.asarray(scale, np.float32))
-    optimizer.step_counter.assign(np.asarray(good).astype(optimizer.step_counter.dtype))
+    def walk(t: Any) -> None:
+        if isinstance(t, tuple) and hasattr(t, "_fields"):
+            out.append(type(t).__name__)
+        if isinstance(t, (list, tuple)):
+            for c in t:
+                walk(c)
+        elif isinstance(t, dict):
+            for c in t.values():
+                walk(c)
+    walk(tree)
+    return ", ".join(out) or type(tree).__name__
 
 
 def find_hyperparams(opt_state: Any) -> dict[str, Any] | None:

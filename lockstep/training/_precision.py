@@ -31,38 +31,32 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from .._keras_kind import is_keras
-
 POLICIES = ("float32", "mixed_bfloat16", "mixed_float16")
 _COMPUTE = {"float32": jnp.float32, "mixed_bfloat16": jnp.bfloat16, "mixed_float16": jnp.float16}
 
 
-def resolve_policy(model: Any, dtype_policy: str | None) -> str:
-    """The policy the steps use: `dtype_policy` for a `FunctionalModel` (default ``"float32"``); a
-    Keras model's own (`model.dtype_policy`, from `keras.config.set_dtype_policy` or per model).
+def resolve_policy(dtype_policy: str | None, model_policy: str | None) -> str:
+    """The policy the steps use: `dtype_policy` (default ``"float32"``) for a model without one of
+    its own (`model_policy` None: a `FunctionalModel`); else the model's own (a Keras model's,
+    from `keras.config.set_dtype_policy` or per model).
 
     Raises:
-      ValueError: an unknown policy name, or `dtype_policy` that differs from the Keras model's own
+      ValueError: an unknown policy name, or `dtype_policy` that differs from the model's own
         (Keras layers fix their compute dtype when they are built).
     """
     if dtype_policy is not None and dtype_policy not in POLICIES:
         raise ValueError(f"`dtype_policy` must be one of {POLICIES} (or None), got dtype_policy={dtype_policy!r}.")
-    keras_policy = getattr(getattr(model, "dtype_policy", None), "name", None)
-    if keras_policy is None or not is_keras(model):
+    if model_policy is None:
         return dtype_policy or "float32"
-    layers = {getattr(getattr(layer, "dtype_policy", None), "name", None) for layer in getattr(model, "layers", [])}
-    mixed = [p for p in ("mixed_float16", "mixed_bfloat16") if p in layers]
-    if keras_policy == "float32" and mixed:  # a loaded mixed model: its layers keep the policy, the model says float32
-        keras_policy = mixed[0]
-    if dtype_policy is not None and dtype_policy != keras_policy:
+    if dtype_policy is not None and dtype_policy != model_policy:
         raise ValueError(
-            f"`dtype_policy={dtype_policy!r}` but the Keras model was built with the dtype policy {keras_policy!r}: "
+            f"`dtype_policy={dtype_policy!r}` but the Keras model was built with the dtype policy {model_policy!r}: "
             f"Keras layers take their policy when they are created. Call keras.config.set_dtype_policy("
             f"{dtype_policy!r}) before building the model (or pass `dtype=` to it), and leave `dtype_policy` unset.")
-    if keras_policy not in POLICIES:
-        raise ValueError(f"the Keras model's dtype policy {keras_policy!r} is not one lockstep trains with: "
+    if model_policy not in POLICIES:
+        raise ValueError(f"the Keras model's dtype policy {model_policy!r} is not one lockstep trains with: "
                          f"use one of {POLICIES}.")
-    return keras_policy
+    return model_policy
 
 
 def compute_dtype(policy: str) -> Any:

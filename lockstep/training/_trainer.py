@@ -48,9 +48,7 @@ from ._input_shapes import InputCheck
 from ._labels import LabelCheck, checked
 from ._model import FunctionalModel, adapt, checked_batch_statistics, output_shape
 from ._outputs import shapes_of
-from ._optimizers import get_optimizer, is_keras_optimizer, loss_scale_settings
-from ._precision import in_precision, resolve_policy, skipped_steps, with_loss_scaling
-from ._model_layout import layout_of
+from ._precision import in_precision, resolve_policy, skipped_steps
 from ._settings import ModelSettings, checked_steps_per_execution, given_settings
 from ._restore import fit_start, initial_state, placed, snapshot, take_up
 from ._logs import LazyLogs, read_logs
@@ -197,20 +195,19 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         self._adapter = self.model_adapter(model, seed, batch_statistics)
         settings = self.model_settings(model, optimizer, loss, metrics, steps_per_execution)
         optimizer, loss, metrics, self.steps_per_execution = settings[:4]
-        self._optimizer = get_optimizer(optimizer, getattr(model, "trainable_variables", None))
-        self._keras_optimizer = optimizer if is_keras_optimizer(optimizer) else None  # given its state back
-        self._names = functools.partial(state_names, model, optimizer)  # what backups call each array
-        self.dtype_policy = resolve_policy(model, dtype_policy)
-        # dynamic loss scaling (a Keras LossScaleOptimizer's settings), unless Keras' compile left it out
-        if self.dtype_policy == "mixed_float16" and settings.loss_scaling:
-            self._optimizer = with_loss_scaling(self._optimizer, *loss_scale_settings(optimizer))
+        self._optimizer = self._adapter.optimizer(optimizer)
+        self.dtype_policy = resolve_policy(dtype_policy, self._adapter.dtype_policy())
+        if self.dtype_policy == "mixed_float16" and settings.loss_scaling:  # unless Keras' compile left it out
+            self._optimizer = self._optimizer.scaled()
+        # what backups call each array
+        self._names = functools.partial(state_names, self._adapter.variable_names, self._optimizer)
         self._loss_fn = _losses.get(loss)
         self._labels = LabelCheck(loss)  # labels checked on the host against a named loss
         self._inputs = InputCheck(lambda p, x: self._layout.on_stored(self._adapter.apply)(p, x, False)[0],
                                   self._adapter.check_input)
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._runner: StepRunner | None = None  # the compiled steps, once the model is built
-        self._layout: Replicated = Replicated(self._engine, self._optimizer)  # where the state lies, once built
+        self._layout: Replicated = Replicated(self._engine, self._optimizer.transformation)  # where the state lies, once built
         self.layouts: Any = None  # a sharded strategy's `ShardingPlan` of the variables, once built
         self.stop_training, self.history = False, None  # history: the last fit's `History`
         self.stop_evaluating = self.stop_predicting = False  # a callback's, in a batch of evaluate / predict
@@ -240,7 +237,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             if self._labels.kind is not None and labels is not None:  # arrays: alike on every worker
                 self._labels.check(labels, labels_arg or arg)
             self._all.build(shapes_of(y), pred_shape)
-            getattr(self._adapter, "build_compiled", lambda *_: None)(x, y, self._keras_optimizer is not None)
+            getattr(self._adapter, "build_compiled", lambda *_: None)(x, y, self._optimizer)
         if losses and not self._losses_checked:  # fit / evaluate, which add the model's own losses
             getattr(self._adapter, "check_batch_losses", lambda *_: None)(x, self.strategy.num_replicas_in_sync)
             self._losses_checked = True
@@ -264,8 +261,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
 
     def _initial_state(self, params: Any) -> None:
         """The state a new model starts from, laid out as the strategy says."""
-        self._layout = layout_of(self._engine, self._optimizer, self._keras_optimizer, self.model, params,
-                                 self._adapter.paths(params))
+        self._layout = self._optimizer.layout(self._engine, params, self._adapter.paths(params))
         self._state = initial_state(self._layout, params, self._names)
         self.layouts = self._layout.plan  # a sharded strategy's `ShardingPlan` (`.report()`); None: replicated
 

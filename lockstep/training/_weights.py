@@ -14,7 +14,7 @@ import jax
 import numpy as np
 
 from ..engine import held
-from ._optimizers import learning_rate_of, set_learning_rate, to_keras
+from ._optimizers import learning_rate_of, set_learning_rate
 
 
 def host_tree(tree: Any) -> Any:
@@ -29,7 +29,7 @@ class TrainerWeights:
     _adapter: Any
     _layout: Any
     _engine: Any
-    _keras_optimizer: Any
+    _optimizer: Any
 
     def _initial_state(self, params: Any) -> None:
         raise NotImplementedError
@@ -43,7 +43,7 @@ class TrainerWeights:
         """Writes the trained weights (and a Keras optimizer's state) into the model object, as
         Keras' `fit` leaves it; `fit` does it on every exit."""
         self._adapter.sync_to_model(host_tree(self._layout.unpadded_params(self._state.params)))
-        to_keras(self._keras_optimizer, self._layout.unpadded_state(self._state.opt_state))
+        self._optimizer.write_back(self._layout.unpadded_state(self._state.opt_state))
 
     @contextlib.contextmanager
     def keras_variables_current(self) -> Iterator[None]:
