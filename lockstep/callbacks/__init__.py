@@ -2,6 +2,7 @@
 
 from .._exit_codes import PREEMPTED_EXIT_CODE as PREEMPTED_EXIT_CODE
 from ._backup_and_restore import BackupAndRestore as BackupAndRestore
+from ._callback import HOOKS as HOOKS
 from ._callback import Callback as Callback
 from ._callback import is_chief as is_chief
 from ._callback_list import CallbackList as CallbackList
@@ -18,6 +19,7 @@ from ._progbar import format_logs as format_logs
 from ._reduce_lr_on_plateau import ReduceLROnPlateau as ReduceLROnPlateau
 from ._tensorboard import TensorBoard as TensorBoard
 from ._terminate_on_nan import TerminateOnNaN as TerminateOnNaN
+from ._trainer_view import TrainerView as TrainerView
 
 __all__ = [
     "PREEMPTED_EXIT_CODE",

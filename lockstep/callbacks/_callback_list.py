@@ -1,4 +1,4 @@
-"""`CallbackList`: every callback's hooks called in order, Keras callbacks wrapped."""
+"""`CallbackList`: every callback's hooks called in order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ from typing import Any
 
 from ..cluster import any_worker
 from ._callback import HOOKS, Callback
-from ._keras_callback import as_lockstep, is_keras_callback, overrides
 from ._progbar import ProgbarLogger
 from ._trainer_view import TrainerView
 
@@ -27,6 +26,10 @@ class CallbackList:
 
     def __init__(self, callbacks: Iterable[Callback], trainer: TrainerView, params: dict[str, Any] | None = None):
         callbacks = list(callbacks)
+        for cb in callbacks:
+            if not isinstance(cb, Callback):
+                raise TypeError(f"`callbacks` must hold lockstep callback objects (lockstep.Trainer takes Keras "
+                                f"callbacks too), got {type(cb).__name__}.")
         # the progress bar is worker 0's alone: `verbose` stands for it on every worker
         given = [cb for cb in callbacks if not isinstance(cb, ProgbarLogger)]
         agreed = any_worker("the callbacks' reading of the batch logs", {  # a progress bar on worker 0 alone
@@ -38,15 +41,13 @@ class CallbackList:
         #: whether a callback runs at the start or in the batches of `evaluate` ("testing") / `predict`
         #: ("predicting"), where it may set `stop_evaluating` / `stop_predicting` (on every worker alike)
         self.in_batches = {loop: agreed[loop] for loop in ("testing", "predicting")}
-        self.callbacks = [as_lockstep(cb) if is_keras_callback(cb) else cb for cb in callbacks]
+        self.callbacks = list(callbacks)
         # those that back up the training state last, so the backup holds what the others did at that step
         self.callbacks.sort(key=lambda cb: bool(getattr(cb, "runs_last", False)))
         self.seconds: dict[int, float] = {}  # each callback's time in the training hooks (`TIMED`), by id
         self.checkpointers = {id(cb) for cb in self.callbacks if type(getattr(cb, "keras_callback", cb)).__name__
                               in CHECKPOINTERS}
         for cb in self.callbacks:
-            if not isinstance(cb, Callback):
-                raise TypeError(f"`callbacks` must hold lockstep or Keras callback objects, got {type(cb).__name__}.")
             cb.set_trainer(trainer)
             if params is not None:
                 cb.set_params(params)
@@ -74,9 +75,18 @@ class CallbackList:
         return call
 
 
+def overrides(callback: Callback, hook: str) -> bool:
+    """Whether `callback` overrides `hook`: in its class, or on the object itself.
+
+    >>> import lockstep as ls
+    >>> overrides(ls.callbacks.EarlyStopping(), "on_epoch_end"), overrides(ls.callbacks.EarlyStopping(), "on_train_batch_end")
+    (True, False)
+    """
+    return hook in getattr(callback, "__dict__", {}) or getattr(type(callback), hook, None) is not getattr(Callback, hook)
+
+
 def reads_batch_logs(callbacks: Iterable[Any], hook: str, verbose: Any = 0) -> bool:
-    """Whether a progress bar (`verbose` 1) or any of `callbacks`, as given (the same on every
-    worker, before those that write files are left to worker 0), reads the logs at `hook`.
+    """Whether a progress bar (`verbose` 1) or any of `callbacks` reads the logs at `hook`.
 
     >>> import lockstep as ls
     >>> reads_batch_logs([ls.callbacks.EarlyStopping()], "on_train_batch_end"), reads_batch_logs([], "on_train_batch_end", 1)

@@ -2,7 +2,8 @@
 `stateless_call`; its layers made exact inside a replica, `_layers`: random draws as one
 device's, BatchNorm's global moments, activity regularisers and `add_loss` terms, and refusals
 of what a replica cannot do as one device; `memory_estimate`), what `model.compile` gave it
-(`_compiled`), a Keras optimizer object as that Trainer runs it (`_optimizer`), the `Trainer` that drives Keras models (`_trainer`: `lockstep.Trainer`), and
+(`_compiled`), a Keras optimizer object and Keras callbacks as that Trainer runs them (`_optimizer`,
+`_callbacks`), the `Trainer` that drives Keras models (`_trainer`: `lockstep.Trainer`), and
 Keras' own face: Keras' distribution in a strategy's scope (`_distribution`), Keras' `model.fit`
 / `evaluate` / `predict` run by that Trainer (`_fit`), and Keras metrics updated exactly inside
 `strategy.run` (`_metrics_in_run`).
@@ -11,9 +12,9 @@ Those last three patch Keras once a process: `install` does all three, and `lock
 when a strategy or the Trainer is first asked for (before any scope can be entered); `_layers`
 wraps Keras' random functions when a replica's step is first traced. This is the part
 above every other: it imports the Trainer, the scopes and the metrics, and nothing imports it but
-the public faces `lockstep` and `lockstep.experimental`. How the other parts below read Keras
-objects (a Keras metric, a callback, a `PyDataset`) stays with each part's adapter, where that
-part tells the kinds of its inputs apart.
+the public faces `lockstep` and `lockstep.experimental`. How the parts below read a Keras metric
+(`lockstep.metrics`) or a `PyDataset` (`lockstep.data`) stays with each part's adapter, where
+that part tells the kinds of its inputs apart: their own public faces take them without a Trainer.
 """
 
 from __future__ import annotations

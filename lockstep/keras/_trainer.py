@@ -1,6 +1,6 @@
 """`lockstep.Trainer`: lockstep's `Trainer` for Keras 3 models as well as `FunctionalModel`s (a
 Keras model is driven through `KerasModel`, `_model`; what it trains with may come from its
-`compile`, `_compiled`; it is saved to a `.keras` path as a Keras file, `_model_files`)."""
+`compile`, `_compiled`; Keras callbacks run through `_callbacks`; it is saved to a `.keras` path as a Keras file, `_model_files`)."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Any
 
 from .. import training
 from ..checkpoint import BackgroundWriter
+from ._callbacks import adapt_callback
 from ._compiled import compiled_settings
 from ._model import KerasModel
 from ._model_files import save_model_file
@@ -28,6 +29,7 @@ class Trainer(training.Trainer):
     __doc__ = training.Trainer.__doc__
     model_adapter = staticmethod(_adapt)
     model_settings = staticmethod(compiled_settings)
+    callback_adapter = staticmethod(adapt_callback)
 
     def save(self, path: str, epoch: int | None = None, writer: BackgroundWriter | None = None) -> None:
         """Writes the training state atomically: a Keras model to a `.keras` path as Keras' own

@@ -56,7 +56,7 @@ def _loop_params(verbose: int | str, data: Any, steps: int | None = None) -> dic
 
 class TrainerEvaluation:
     """Mixed into `Trainer` (it reads `_runner`, `_state`, `_engine`, `_all`, `_labels`, `strategy`,
-    `steps_per_execution`, and builds the model on the first batch with `_build_on`)."""
+    `steps_per_execution`, `callback_adapter`, and builds the model on the first batch with `_build_on`)."""
 
     _runner: Any
     _state: Any
@@ -66,6 +66,7 @@ class TrainerEvaluation:
     _metrics: Any
     strategy: Any
     steps_per_execution: int
+    callback_adapter: Any
     stop_evaluating: bool
     stop_predicting: bool
     last_logs: dict[str, Any] | None
@@ -110,7 +111,7 @@ class TrainerEvaluation:
         agree_on("the settings of evaluate", lambda: fit_settings(self, dict(batch_size=batch_size, steps=steps)))
         data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
         note_weighted_metrics(sample_weight, self._metrics)
-        cblist = CallbackList(list(callbacks or []), self, _loop_params(verbose, data, checked_steps(steps)))
+        cblist = CallbackList(map(self.callback_adapter, callbacks or []), self, _loop_params(verbose, data, checked_steps(steps)))
         logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x", checked_steps(steps))
         if verbose and is_chief():
             print(format_logs(logs))
@@ -124,7 +125,7 @@ class TrainerEvaluation:
         agree_on("the settings of predict", lambda: fit_settings(self, dict(batch_size=batch_size, steps=steps)))
         data = to_batches(self.strategy, x, None, None, batch_size, False, 0)
         data = checked(data, LabelCheck(None), None, "x", inputs=self._build_on(data, "x", metrics=False))
-        cblist = CallbackList(list(callbacks or []), self, _loop_params(verbose, data, steps))
+        cblist = CallbackList(map(self.callback_adapter, callbacks or []), self, _loop_params(verbose, data, steps))
         self.stop_predicting = False
         cblist.on_predict_begin()
         outputs = []

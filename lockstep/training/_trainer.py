@@ -177,6 +177,9 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
     #: steps_per_execution)``, a `ModelSettings` (`lockstep.training._settings`: those given, else
     #: lockstep's defaults; a compiled Keras model's own in `lockstep.keras`'s subclass)
     model_settings: Callable[..., ModelSettings] = staticmethod(given_settings)
+    #: each callback given to `fit` / `evaluate` / `predict` as the `Callback` that runs (as given
+    #: here; `lockstep.keras`'s subclass wraps Keras callbacks)
+    callback_adapter: Callable[[Any], Callback] = staticmethod(lambda callback: callback)
 
     def __init__(self, model: Any, optimizer: str | optax.GradientTransformation | None = None,
                  loss: str | Callable[..., Any] | None = None, metrics: Iterable[Metric | str | Callable[..., Any]] | None = None,
@@ -347,7 +350,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         inputs = self._build_on(train, "x", y, "y" if y is not None else "x")
         if val is not None:  # its inputs checked now, not after an epoch has trained
             self._build_on(val.batches, "validation_data", validation_labels(validation_data))
-        cbs, params = _fit_callbacks(list(callbacks or []), verbose, train, epochs, steps_per_epoch, self._accumulation)
+        cbs, params = _fit_callbacks(list(map(self.callback_adapter, callbacks or [])), verbose, train, epochs, steps_per_epoch, self._accumulation)
         train = checked(train, self._labels, y, "y" if y is not None else "x", inputs)
         checked(IterableBatches(()), self._labels, validation_labels(validation_data), "validation_data")  # arrays: now, not after an epoch
         history = self.history = History()

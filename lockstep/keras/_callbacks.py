@@ -1,5 +1,5 @@
-"""`KerasCallback`: a `keras.callbacks.Callback` (built-in or a user's subclass) run by lockstep's
-`fit` / `evaluate` / `predict`, seeing a model that behaves as the Keras model does in Keras' own
+"""`KerasCallback`: a `keras.callbacks.Callback` (built-in or a user's subclass) run by
+`lockstep.Trainer`'s `fit` / `evaluate` / `predict` (`adapt_callback`), seeing a model that behaves as the Keras model does in Keras' own
 `fit`.
 
 The callback's `self.model` is a view of the Keras model whose training-time state is the
@@ -21,9 +21,8 @@ import numpy as np
 
 from .._errors import UsageError
 from .._keras_kind import defined_in_keras
+from ..callbacks import HOOKS, BackupAndRestore, Callback, TrainerView, is_chief
 from ..engine import spread
-from ._callback import HOOKS, Callback, is_chief
-from ._trainer_view import TrainerView
 
 _STOPS = ("stop_training", "stop_evaluating", "stop_predicting")  # the trainer's: Keras' fit, evaluate, predict
 _WRITERS = ("CSVLogger", "TensorBoard", "ProgbarLogger", "RemoteMonitor")
@@ -47,6 +46,12 @@ def overrides(callback: Any, hook: str) -> bool:
 def is_keras_callback(obj: Any) -> bool:
     """Whether `obj` is a Keras 3 callback, a user's subclass included (Keras need not be imported)."""
     return any(c.__name__ == "Callback" for c in _keras_classes(obj)) and hasattr(obj, "set_model")
+
+
+def adapt_callback(callback: Any) -> Any:
+    """A callback given to `lockstep.Trainer`'s `fit` / `evaluate` / `predict` as a lockstep one: a
+    Keras callback by `as_lockstep`, any other as given."""
+    return as_lockstep(callback) if is_keras_callback(callback) else callback
 
 
 class LiveValue:
@@ -216,8 +221,6 @@ def as_lockstep(callback: Any) -> Callback:
         return KerasCallback(callback)
     ours = callback.__dict__.get("_lockstep_backup")
     if ours is None:
-        from ._backup_and_restore import BackupAndRestore
-
         ours = BackupAndRestore(callback.backup_dir, save_freq=callback.save_freq or "epoch",  # False: Keras' on interrupt
                                 delete_checkpoint=callback.delete_checkpoint)
         callback.__dict__["_lockstep_backup"] = ours
@@ -228,7 +231,7 @@ class KerasCallback(Callback):
     """A Keras callback object as a lockstep callback: the hooks it overrides are forwarded, its
     `model` is a view of the Keras model whose state is the trainer's (see the module docstring).
 
-    `fit`, `evaluate` and `predict` wrap Keras callbacks with it.
+    `lockstep.Trainer`'s `fit`, `evaluate` and `predict` wrap Keras callbacks with it.
 
     A `keras.callbacks.BackupAndRestore` is not wrapped: `as_lockstep` gives lockstep's
     (`lockstep.callbacks.BackupAndRestore`, same arguments), which backs up the whole state.
