@@ -12,6 +12,8 @@ import lockstep as ls
 from keras_reference import assert_logs_close, assert_weights_close
 from launching import WORKERS, launch_workers, output_of, rank_results
 from sharded_cases import sharded_strategy
+from test_keras_layers import REFUSED_DRAWS
+from test_keras_settings import X as SX, Y as SY, _Subclassed, _batches_of
 
 FULL = pytest.mark.full_suite  # variants `make test-full` adds (CI time)
 N, B = 203, 16  # 13 batches, the last of 11 rows: on 4 replicas 3, 3, 3, 2; on 3 replicas 4, 4, 3
@@ -282,8 +284,12 @@ def test_the_loss_scale_of_mixed_float16_round_trips_through_the_keras_optimizer
     assert_weights_close(resumed.get_weights(), model.get_weights(), atol=0)
 
 
+@pytest.mark.filterwarnings("ignore:Your input ran out of data")  # Keras' own, at a generator's end
 @pytest.mark.xdist_group("processes")  # a 2-worker launch (about 16 s)
 def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_fit(tmp_path):
+    """Also, on the same two workers: a subclassed model made in the scope and first used on a
+    generator equals Keras' own fit / evaluate / predict, and MixUp and a JaxLayer drawing with its
+    rng are refused on both workers alike."""
     script = WORKERS / "keras_custom_metrics_job.py"
     proc = launch_workers(script, devices=2)
     assert proc.returncode == 0, output_of(proc)
@@ -305,6 +311,22 @@ def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_f
         assert_weights_close([np.asarray(v) for v in got["optimizer"]],
                              [np.asarray(v) for v in keras_model.optimizer.variables], atol=1e-5)
         assert_weights_close([np.asarray(w) for w in got["weights"]], keras_model.get_weights(), atol=1e-5)
+    # a subclassed model made in the scope, first used on a generator: built on its first batch as Keras builds it
+    keras.utils.set_random_seed(0)
+    sub = _Subclassed()
+    sub.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"])
+    want_generated = {"fit": sub.fit(_batches_of(SX, SY), epochs=1, shuffle=False, verbose=0).history,
+                      "evaluate": sub.evaluate(_batches_of(SX, SY), verbose=0, return_dict=True),
+                      "predict": sub.predict(_batches_of(SX), verbose=0)}
+    for got in results:
+        assert_logs_close(got["generated"]["fit"], want_generated["fit"])
+        assert_logs_close(got["generated"]["evaluate"], want_generated["evaluate"])
+        np.testing.assert_allclose(got["generated"]["predict"], want_generated["predict"], rtol=1e-5, atol=1e-6)
+        assert_weights_close([np.asarray(w) for w in got["generated"]["weights"]], sub.get_weights())
+        # draws a replica cannot make as one device: refused on both workers alike (neither hangs)
+        for name, message in got["refused"].items():
+            assert message is not None and REFUSED_DRAWS[name][1] in message, (name, message)
 
 
 class StopAfter(keras.callbacks.Callback):

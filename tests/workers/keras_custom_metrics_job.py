@@ -1,4 +1,6 @@
-"""Two workers fit a Keras regressor with a user's metrics (test_keras_as_written's data and model); each prints its result."""
+"""Two workers fit a Keras regressor with a user's metrics (test_keras_as_written's data and model),
+fit / evaluate / predict a subclassed model first used on a generator (test_keras_settings'), and
+try draws no replica can make as one device (test_keras_layers' MixUp and JaxLayer); each prints its result."""
 import json, os
 os.environ["KERAS_BACKEND"] = "jax"
 import lockstep as ls
@@ -20,6 +22,31 @@ class StopOnWorker0(keras.callbacks.Callback):  # worker 0 alone asks to end eva
 
 
 stopped = model.evaluate(X[:n], Y_VALUE[:n], batch_size=16, verbose=0, return_dict=True, callbacks=[StopOnWorker0()])
-print("RESULT", json.dumps({"history": history, "evaluate": evaluated, "stopped": stopped, "iterations": int(model.optimizer.iterations),
+from test_keras_settings import X as SX, Y as SY, _Subclassed, _batches_of
+
+with strategy.scope():  # made in the scope, no variables until its first batch (of a generator)
+    keras.utils.set_random_seed(0)
+    sub = _Subclassed()
+    sub.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                metrics=["accuracy"])
+generated = {"fit": sub.fit(_batches_of(SX, SY), epochs=1, shuffle=False, verbose=0).history,
+             "evaluate": sub.evaluate(_batches_of(SX, SY), verbose=0, return_dict=True),
+             "predict": sub.predict(_batches_of(SX), verbose=0).tolist(),
+             "weights": [w.tolist() for w in sub.get_weights()]}
+
+from test_keras_layers import REFUSED_DRAWS, _labels, _seq
+
+refused = {}
+for name in ("MixUp", "JaxLayer drawing with its rng"):  # refused alike on both workers: neither hangs
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        drawer = keras.Sequential([keras.Input((6, 3)), *REFUSED_DRAWS[name][0](), keras.layers.Dense(3)])
+        drawer.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    try:
+        drawer.fit(_seq(n=13), _labels(_seq(n=13)), batch_size=4, epochs=1, shuffle=False, verbose=0)
+        refused[name] = None
+    except ValueError as e:
+        refused[name] = str(e)
+print("RESULT", json.dumps({"generated": generated, "refused": refused, "history": history, "evaluate": evaluated, "stopped": stopped, "iterations": int(model.optimizer.iterations),
                             "optimizer": [np.asarray(v).tolist() for v in model.optimizer.variables],
                             "weights": [w.tolist() for w in model.get_weights()]}), flush=True)
