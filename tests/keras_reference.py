@@ -1,8 +1,52 @@
-"""Comparisons with an independent one-device run (Keras' own `fit`, a hand-written loop), shared
-by the tests of Keras code as written and of the engine."""
+"""Keras' own runs as the tests' references, and comparisons with an independent one-device run
+(Keras' own `fit`, a hand-written loop), shared by the tests of Keras code as written, of the
+engine and of sharded models.
+
+A reference is Keras code as written: `keras_fit` builds, compiles and fits a model with Keras
+alone (one device) or in a lockstep strategy's scope (lockstep runs it); `in_keras_and_lockstep`
+runs any such code both ways.
+"""
+
+import contextlib
 
 import jax
+import keras
 import numpy as np
+
+
+def built(build, strategy=None, seed=None):
+    """`build()`'s model, made in `strategy`'s scope (None: Keras alone), after
+    `keras.utils.set_random_seed(seed)` where `seed` is given."""
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        if seed is not None:
+            keras.utils.set_random_seed(seed)
+        return build()
+
+
+def keras_fit(build, x, y, strategy=None, seed=None, compile=None, **fit_kwargs):
+    """Keras' `fit` of `build()`'s model (`built`), compiled in the same scope with `compile` (the
+    keyword arguments of `model.compile`, or a function that gives them, called there: a Keras
+    optimizer made in the scope, as Keras code as written makes it; None: as `build` left it), in
+    order and silently: (its weights, its history). With no `strategy`, Keras' own one-device fit:
+    the reference."""
+    with strategy.scope() if strategy is not None else contextlib.nullcontext():
+        model = built(build, seed=seed)
+        if compile is not None:
+            model.compile(**(compile() if callable(compile) else compile))
+    history = model.fit(x, y, shuffle=False, verbose=0, **fit_kwargs)
+    return model.get_weights(), history.history
+
+
+def in_keras_and_lockstep(build, run, strategy):
+    """`run(model)` of a model made (and compiled) by `build()` with Keras alone, then in
+    `strategy`'s scope: (Keras' result and weights, lockstep's result and weights). `run` may take
+    a second argument: whether lockstep runs the model."""
+    out = []
+    for where in (None, strategy):
+        model = built(build, where)
+        result = run(model, where is not None) if run.__code__.co_argcount == 2 else run(model)
+        out.append((result, [np.asarray(w) for w in model.get_weights()]))
+    return out
 
 
 def assert_logs_close(got, want, rtol=1e-5, atol=1e-6):

@@ -10,6 +10,7 @@ import keras  # noqa: E402
 import numpy as np  # noqa: E402
 from keras import layers as L  # noqa: E402
 
+import keras_reference  # noqa: E402
 import lockstep as ls  # noqa: E402
 
 MESHES = [(1, 8), (2, 4), (4, 2), (8, 1)]
@@ -104,11 +105,8 @@ def sharded_strategy(shape, stage, rules=RULES, **kw):
 
 
 def keras_fit(factory, x, y, epochs=2):
-    keras.utils.set_random_seed(1)
-    model = factory()
-    model.compile(**COMPILE)
-    history = model.fit(x, y, batch_size=8, epochs=epochs, shuffle=False, verbose=0)
-    return model.get_weights(), history.history
+    """Keras' own one-device fit of `factory()` as the sharded tests train it: (weights, history)."""
+    return keras_reference.keras_fit(factory, x, y, seed=1, compile=COMPILE, batch_size=8, epochs=epochs)
 
 
 def sharded_fit(factory, strategy, x, y, epochs=2):

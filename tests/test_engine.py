@@ -7,7 +7,6 @@ same reductions, bit for bit) and an independent one-device run's (float32 toler
 Keras' own `model.fit`, a hand-written JAX + optax loop.
 """
 
-import contextlib
 
 import jax
 import jax.numpy as jnp
@@ -22,7 +21,7 @@ from lockstep.engine import Engine
 
 from common import data, keras_mlp  # noqa: E402
 from common import model as mlp  # noqa: E402
-from keras_reference import assert_equals_one_device  # noqa: E402
+from keras_reference import assert_equals_one_device, keras_fit  # noqa: E402
 from suite import variants  # noqa: E402
 
 MESHES = {"batch x model": ((4, 2), ("batch", "model")), "model x batch": ((2, 4), ("model", "batch"))}
@@ -73,12 +72,9 @@ def test_run_reduce_and_gather_equal_four_mirrored_replicas(mesh, n):
 def _keras_fit(strategy, x, y):
     """Keras code as written: a BatchNorm MLP compiled and fitted with validation data, in
     `strategy`'s scope (lockstep runs it), or with no strategy (Keras' own one-device fit)."""
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        model = keras_mlp(batch_norm=True)
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
-                      metrics=["accuracy"])
-    history = model.fit(x, y, batch_size=16, epochs=2, validation_split=0.25, shuffle=False, verbose=0)
-    return model.get_weights(), history.history
+    return keras_fit(lambda: keras_mlp(batch_norm=True), x, y, strategy, batch_size=16, epochs=2, validation_split=0.25,
+                     compile=lambda: dict(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                                          metrics=["accuracy"]))
 
 
 @pytest.mark.parametrize("mesh", variants(list(MESHES), {"model x batch"}))

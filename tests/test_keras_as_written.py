@@ -9,7 +9,7 @@ import pytest
 from keras import ops
 
 import lockstep as ls
-from keras_reference import assert_logs_close, assert_weights_close
+from keras_reference import assert_logs_close, assert_weights_close, in_keras_and_lockstep
 from launching import WORKERS, launch_workers, output_of, rank_results
 from sharded_cases import sharded_strategy
 from test_keras_layers import REFUSED_DRAWS
@@ -649,17 +649,11 @@ def test_callbacks_read_and_assign_the_optimizer_as_in_keras():
             self.seen.append(round(float(lr.numpy()), 7))
             lr.assign(lr * 0.5)
 
-    runs = []
-    for strategy in (None, ls.MirroredStrategy(4)):
-        if strategy is None:
-            model = classifier()
-        else:
-            with strategy.scope():
-                model = classifier()
+    def run(model):
         halve = Halve()
-        history = model.fit(X, Y_CLASS, batch_size=B, epochs=3, shuffle=False, verbose=0, callbacks=[halve]).history
-        runs.append((history, halve.seen, model.get_weights()))
-    (want_h, want_seen, want_w), (got_h, got_seen, got_w) = runs
+        return model.fit(X, Y_CLASS, batch_size=B, epochs=3, shuffle=False, verbose=0, callbacks=[halve]).history, halve.seen
+    ((want_h, want_seen), want_w), ((got_h, got_seen), got_w) = in_keras_and_lockstep(classifier, run,
+                                                                                      ls.MirroredStrategy(4))
     assert got_seen == want_seen and want_seen[:2] == [1, 2] and want_seen[13] == 0.001
     assert_logs_close(got_h, want_h, rtol=2e-5)
     assert_weights_close(got_w, want_w, atol=5e-6)

@@ -10,6 +10,7 @@ import pytest
 
 import lockstep as ls
 from lockstep.keras import KerasModel
+from keras_reference import keras_fit
 from suite import variants
 
 L = keras.layers
@@ -142,25 +143,25 @@ def _build(factory, seed=0):
     return factory()
 
 
+def _compile_kw():
+    """How the Keras-reference tests compile: SGD(0.05), a cross-entropy on logits."""
+    return dict(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+
+
 def _compiled(model):
-    """`model` compiled as the Keras-reference tests train it: SGD(0.05), a cross-entropy on logits."""
-    model.compile(optimizer=keras.optimizers.SGD(0.05), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    """`model` compiled as the Keras-reference tests train it (`_compile_kw`)."""
+    model.compile(**_compile_kw())
     return model
 
 
-def _keras_fit_weights(model, x, y, batch_size):
-    """Keras' own `fit` of `model` (in the active scope, if any): 2 epochs in order; its weights."""
-    _compiled(model).fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
-    return model.get_weights()
-
-
 def _assert_fits_as_keras_on_one_device(factory, x, y, batch_size, strategies, name):
-    """Keras' `fit` of `factory()` in each strategy's scope gives Keras' own one-device weights."""
-    want = _keras_fit_weights(_build(factory), x, y, batch_size)
+    """Keras' `fit` of `factory()` in each strategy's scope (2 epochs in order) gives Keras' own
+    one-device weights."""
+    def weights(strategy):
+        return keras_fit(factory, x, y, strategy, seed=0, compile=_compile_kw, batch_size=batch_size, epochs=2)[0]
+    want = weights(None)
     for strategy in strategies:
-        with strategy.scope():
-            got = _keras_fit_weights(_build(factory), x, y, batch_size)
-        for a, b in zip(want, got):
+        for a, b in zip(want, weights(strategy)):
             np.testing.assert_allclose(b, a, rtol=2e-5, atol=2e-6, err_msg=f"{name} on {strategy}")
 
 

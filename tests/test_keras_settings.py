@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import lockstep as ls
-from keras_reference import assert_logs_close, assert_weights_close
+from keras_reference import assert_logs_close, assert_weights_close, in_keras_and_lockstep
 
 RNG = np.random.default_rng(0)
 X = RNG.normal(size=(13, 3)).astype("float32")
@@ -38,19 +38,8 @@ def _sgd_model(**compile_kw):
 
 
 def _both(build, run):
-    """`run(model)` of a model built and compiled by `build()` with Keras alone, then in a lockstep
-    scope: (Keras' result and weights, lockstep's result and weights). `run` may take a second
-    argument: whether lockstep runs the model."""
-    out = []
-    for strategy in (None, ls.MirroredStrategy(4)):
-        if strategy is None:
-            model = build()
-        else:
-            with strategy.scope():
-                model = build()
-        result = run(model, strategy is not None) if run.__code__.co_argcount == 2 else run(model)
-        out.append((result, [np.asarray(w) for w in model.get_weights()]))
-    return out
+    """`in_keras_and_lockstep` on 4 replicas."""
+    return in_keras_and_lockstep(build, run, ls.MirroredStrategy(4))
 
 
 def _fit(model, **kw):

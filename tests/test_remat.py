@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 import lockstep as ls
-from keras_reference import assert_equals_one_device
+from keras_reference import assert_equals_one_device, keras_fit
 
 N, BATCH = 13, 8  # the last batch of 5 rows on 4 replicas: replica 3 holds none of them
 
@@ -31,10 +31,8 @@ def _block():
 def _keras_fit(build=_block, batch_size=BATCH):
     """Keras' own one-device `fit` of `build()`'s model: the reference."""
     x, y = _data()
-    model = build()
-    model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
-    history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0)
-    return model.get_weights(), history.history
+    return keras_fit(build, x, y, batch_size=batch_size, epochs=2,
+                     compile=dict(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True)))
 
 
 @pytest.mark.parametrize("remat,strategy", [

@@ -16,7 +16,7 @@ import lockstep as ls
 
 from common import data, keras_mlp  # noqa: E402
 from common import model as mlp  # noqa: E402
-from keras_reference import assert_equals_one_device, assert_logs_close, assert_weights_close  # noqa: E402
+from keras_reference import assert_equals_one_device, assert_logs_close, assert_weights_close, keras_fit  # noqa: E402
 from launching import StopAt, Stopped  # noqa: E402
 from suite import FULL, variants  # noqa: E402
 
@@ -100,14 +100,10 @@ def test_batches_of_an_iterable_with_a_short_last_one_run_k_a_call(k):
 def _keras_fit(strategy, x, y, k, dropout=0.0):
     """Keras code as written, compiled with `steps_per_execution` (lockstep runs it in `strategy`'s
     scope; with no strategy, Keras' own one-device fit)."""
-    import contextlib
-
-    with strategy.scope() if strategy is not None else contextlib.nullcontext():
-        model = keras_mlp(batch_norm=True, dropout=dropout)
-        model.compile(optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
-                      metrics=["accuracy"], steps_per_execution=k)
-    history = model.fit(x, y, batch_size=16, epochs=2, validation_split=0.25, shuffle=False, verbose=0)
-    return model.get_weights(), history.history
+    return keras_fit(lambda: keras_mlp(batch_norm=True, dropout=dropout), x, y, strategy, batch_size=16, epochs=2,
+                     validation_split=0.25, compile=lambda: dict(
+                         optimizer=keras.optimizers.Adam(0.01), loss="sparse_categorical_crossentropy",
+                         metrics=["accuracy"], steps_per_execution=k))
 
 
 @pytest.mark.parametrize("k", variants([1, 4], {4}))
