@@ -2,6 +2,7 @@
 device (Keras' own `fit`, or lockstep on one device where Keras has no such setting), with the
 memory each device holds measured from the arrays' shards, and state that moves between meshes."""
 
+import gc
 import os
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
@@ -284,6 +285,40 @@ def test_step_memory_of_data_is_known_before_any_step_and_is_the_step_fit_runs(m
            {k: ahead[k] for k in ("arguments", "outputs", "temporaries", "peak")}
     # (``keras_variables``: what the Keras objects hold when asked; fit's end gives the Keras optimizer its state)
     assert ahead["device_peak"] == ahead["peak"] + ahead["keras_variables"]
+
+
+@pytest.mark.parametrize("strategy", [lambda: ls.MirroredStrategy(8), lambda: sharded_strategy(
+    (2, 4), 3, {}, min_shard_size=1, max_replicated_fraction=1.0)], ids=["replicated", "zero3"])
+def test_step_memory_before_any_step_places_no_state(strategy):
+    """Before the state exists, `step_memory(x, y, batch_size)` compiles the step from the state's
+    shapes where they would lie: no parameter copy or optimizer state is placed (the arrays shaped
+    like the (384, 384) kernel on the devices stay the Keras kernel and its two Adam slots; placing
+    the state then adds its copy and its two moments), and XLA's figures are those of the step once
+    the state is placed."""
+    def kernels():  # global arrays (on all 8 devices) shaped like the middle kernel
+        gc.collect()
+        return sum(a.shape == (384, 384) and len(a.sharding.device_set) == 8 for a in jax.live_arrays())
+    earlier = kernels()  # other tests' models still alive
+    with strategy().scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(384, activation="relu"),
+                                  keras.layers.Dense(384, activation="relu"), keras.layers.Dense(3)])
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    trainer = ls.Trainer(model)
+    x, y = np.ones((13, 4), np.float32), np.arange(13) % 3
+    before = kernels()
+    assert before == earlier + 3  # the Keras variable and Keras Adam's two slots
+    ahead = trainer.step_memory(x, y, batch_size=8)
+    assert kernels() == before
+    with pytest.raises(ValueError, match="no weights yet"):
+        trainer.train_state  # no state was made
+    trainer.get_weights()  # places the state
+    assert kernels() == before + 3
+    after = trainer.step_memory(x, y, batch_size=8)
+    xla = ("arguments", "outputs", "temporaries", "peak")
+    assert {k: after[k] for k in xla} == {k: ahead[k] for k in xla}
+    # before, every Keras variable counts beside the step: placing may take some in place (CPU devices do)
+    assert ahead["keras_variables"] >= after["keras_variables"]
 
 
 def test_step_memory_of_an_iterator_is_refused_before_it_reads_a_batch():

@@ -103,6 +103,25 @@ class Replicated:
     def opt_state(self, opt_state: Any) -> Any:
         return self._engine.put_replicated(opt_state)
 
+    def abstract_state(self, params: Any) -> tuple[Any, Any]:
+        """The stored parameters and a fresh optimizer state for `params` (arrays or shapes in
+        their variables' shapes) as `jax.ShapeDtypeStruct`s laid out where they would lie: what a
+        program compiled ahead of time takes, before any of them exists on a device."""
+        stored, opt_state = jax.eval_shape(
+            lambda p: (self._stored_params(p), self._stored_state(self._optimizer.init(p["trainable"]))), params)
+
+        def laid_out(tree: Any, shardings: Any) -> Any:
+            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+        return laid_out(stored, self.param_shardings(stored)), laid_out(opt_state, self.state_shardings(opt_state))
+
+    def _stored_params(self, params: Any) -> Any:
+        """Parameters in their variables' shapes as stored (in a program; nothing is padded here)."""
+        return params
+
+    def _stored_state(self, opt_state: Any) -> Any:
+        """An optimizer state in its variables' shapes as stored (in a program; nothing is padded here)."""
+        return opt_state
+
     def init_opt_state(self, params: Any) -> Any:
         """A fresh optimizer state for the (placed) trainable parameters of `params`."""
         return self._engine.put_replicated(self._optimizer.init(params["trainable"]))
@@ -215,6 +234,10 @@ class Sharded(Replicated):
     def _stored(self, params: Any, kind: str = "trainable") -> Any:
         """The `kind` part of the parameters padded as stored (in a program)."""
         return jax.tree.map(lambda x, v: fit_to(x, v.stored_shape(v.param_spec)), params, self._layouts[kind])
+
+    def _stored_params(self, params: Any) -> Any:
+        return {"trainable": self._stored(params["trainable"]), "non_trainable": self._stored(params["non_trainable"],
+                                                                                           "non_trainable")}
 
     def _stored_state(self, opt_state: Any) -> Any:
         """An optimizer state in its variables' shapes padded as stored (in a program)."""

@@ -45,9 +45,11 @@ class TrainerMeasures:
         dataset that can be read again), the figures of the first program `fit` would run on it,
         compiled and not run (an ahead-of-time compile, as MaxText's `train_compile`), so whether a
         step fits a device is known before one runs (try batch sizes until one fits). The model is
-        built and its state laid out on the devices as `fit` does (`memory_estimate` gives the
-        state's bytes before that); with several workers, every worker calls it. Without data:
-        None before any step.
+        built as `fit` builds it; a state it has not yet is compiled from its shapes where they would
+        lie, and none of it is placed (a model whose optimizer state would not fit is found out
+        without placing it; ``keras_variables`` then counts every Keras variable, some of whose
+        buffers placing may take in place: an upper bound); with several workers, every worker
+        calls it. Without data: None before any step.
 
         >>> import lockstep as ls, numpy as np, keras
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -75,13 +77,18 @@ class TrainerMeasures:
         if getattr(train, "one_shot", False):
             raise ValueError(f"step_memory(x=...) reads x's first batches, which `fit` would then miss: x is an "
                              f"iterator ({type(x).__name__}); give arrays or a dataset that can be read again.")
-        self._build(first_batch(train), "x")
-        stream = DataStream(self._engine, train, None, self._accumulation, epochs=1)
+        abstract = self._state is None  # a model without a state yet: none is placed for this
         try:
-            _, updates = next(executions(stream.epoch(0), self._accumulation, self.steps_per_execution))
-            return self._runner.prepare(self._state.replace(metric_state=self._fresh_state()), updates)
+            self._build(first_batch(train), "x", place=not abstract)
+            stream = DataStream(self._engine, train, None, self._accumulation, epochs=1)
+            try:
+                _, updates = next(executions(stream.epoch(0), self._accumulation, self.steps_per_execution))
+                return self._runner.prepare(self._state.replace(metric_state=self._fresh_state()), updates)
+            finally:
+                stream.close()
         finally:
-            stream.close()
+            if abstract:
+                self._state = None
 
     def _keras_variable_bytes(self) -> int:
         """Bytes of the Keras model's and Keras optimizer's variables on this process's first device
@@ -91,7 +98,8 @@ class TrainerMeasures:
         variables = [*getattr(self.model, "variables", ()), *self._optimizer.variables]
         arrays = [a for a in (getattr(v, "_value", None) for v in variables) if isinstance(a, jax.Array)]
         state = self._state  # as the step holds it (`train_state` would cut padded arrays: a collective)
-        counted = {s.data.unsafe_buffer_pointer() for a in jax.tree.leaves((state.params, state.opt_state))
+        held = () if state is None else jax.tree.leaves((state.params, state.opt_state))  # None: none placed yet
+        counted = {s.data.unsafe_buffer_pointer() for a in held
                    if isinstance(a, jax.Array) for s in a.addressable_shards if s.device == device}
         total = 0
         for s in (s for a in arrays for s in a.addressable_shards if s.device == device):

@@ -211,6 +211,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         self._loss_tracker, self._metrics, self._all = _metric_collections(metrics)
         self._runner: StepRunner | None = None  # the compiled steps, once the model is built
         self._layout: Replicated = Replicated(self._engine, self._optimizer.transformation)  # where the state lies, once built
+        self._laid_out = False  # whether `_layout` is the model's (laid out once, from its variables)
         self.layouts: Any = None  # a sharded strategy's `ShardingPlan` of the variables, once built
         self.stop_training, self.history = False, None  # history: the last fit's `History`
         self.stop_evaluating = self.stop_predicting = False  # a callback's, in a batch of evaluate / predict
@@ -223,16 +224,17 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         self._cblist: CallbackList | None = None  # the last fit's, for `fit_counters`
 
     # --- building ------------------------------------------------------------------------
-    def _build(self, batch: Any, arg: str, labels: Any = None, labels_arg: str | None = None, losses: bool = True
-               ) -> Callable[[Any, str], None]:
+    def _build(self, batch: Any, arg: str, labels: Any = None, labels_arg: str | None = None, losses: bool = True,
+               place: bool = True) -> Callable[[Any, str], None]:
         """Builds the model on `batch` (the first of `arg`), checks that it takes it, and returns
         the check of `arg`'s later batches. The metrics are built from its labels once all of
-        `labels` (`labels_arg`'s arrays, where given) are checked: labels a fit refuses build nothing."""
+        `labels` (`labels_arg`'s arrays, where given) are checked: labels a fit refuses build nothing.
+        Without `place`, a new state is left abstract (`_initial_state`)."""
         x, y, _ = unpack(batch)
         x = jax.tree.map(np.asarray, x)
         self._adapter.check_unchanged()
         if self._state is None:
-            self._initial_state(self._adapter.build(x))
+            self._initial_state(self._adapter.build(x), place)
         self._inputs.check(self._state.params, x, arg)
         if y is not None and (not self._all.built or self._labels.needs_classes):
             pred_shape = output_shape(self._adapter, self._state.params, x, self._layout.on_stored(self._adapter.apply))
@@ -256,17 +258,25 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         """`_build` on `data`'s first batch; once the model (and, with `metrics`, its metrics) is
         built, data whose reads run the user's code (`user_reads`: a `PyDataset`) is not read
         ahead, as Keras' loops do not read it: its batches are checked as they pass."""
-        if getattr(data, "user_reads", False) and self._runner is not None and (
+        if getattr(data, "user_reads", False) and self._state is not None and self._runner is not None and (
                 not metrics or (self._all.built and not self._labels.needs_classes)):
             self._adapter.check_unchanged()
             return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
         return self._build(first_batch(data), arg, labels, labels_arg, losses=metrics)
 
-    def _initial_state(self, params: Any) -> None:
-        """The state a new model starts from, laid out as the strategy says."""
-        self._layout = self._optimizer.layout(self._engine, params, self._adapter.paths(params))
-        self._state = initial_state(self._layout, params, self._names)
-        self.layouts = self._layout.plan  # a sharded strategy's `ShardingPlan` (`.report()`); None: replicated
+    def _initial_state(self, params: Any, place: bool = True) -> None:
+        """The state a new model starts from, laid out as the strategy says (once); without `place`,
+        its shapes where they would lie (`abstract_state`: nothing placed), for a program compiled
+        ahead of time."""
+        if not self._laid_out:
+            self._layout = self._optimizer.layout(self._engine, params, self._adapter.paths(params))
+            self.layouts = self._layout.plan  # a sharded strategy's `ShardingPlan` (`.report()`); None: replicated
+            self._laid_out = True
+        if place:
+            self._state = initial_state(self._layout, params, self._names)
+        else:
+            self._state = TrainState(*self._layout.abstract_state(params), metric_state=None, epoch=0, step=0,
+                                     global_step=0, seed=0, callbacks={})
 
     def get_metric(self, name: str) -> Metric | None:
         """The metric logged under `name` (``"loss"`` included), or None."""
