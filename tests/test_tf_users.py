@@ -97,6 +97,11 @@ def test_two_workers_at_keras_defaults_start_from_worker_0_and_equal_keras_own_f
         assert_weights_close(res["shuffled"]["weights"], reference.get_weights(), atol=5e-6)
     worker_0 = next(res["shuffled"] for res in results if res["shuffled"]["rank"] == 0)  # (lines come in any order)
     assert worker_0["after"] == float(np.random.uniform())  # its NumPy state moved on as in Keras
+    reference = classifier(seed=0)  # each epoch's last batch, 1 row of the 3 by the order drawn: worker 1's replica holds none
+    few_rows = reference.fit(X[:3], Y[:3], batch_size=2, epochs=3, verbose=0).history
+    for res in results:
+        assert_logs_close(res["few_rows"]["history"], few_rows, rtol=2e-5)
+        assert_weights_close(res["few_rows"]["weights"], reference.get_weights(), atol=5e-6)
     # dropout on two workers seeded apart: worker 0's weights and seed state, and the masks Keras' own fit
     # draws on one device from them
     assert results[0]["dropout_init"] == results[1]["dropout_init"]

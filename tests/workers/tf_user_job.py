@@ -1,7 +1,7 @@
 """A TF user's multi-worker Keras job as written: KERAS_BACKEND unset, no seed, Keras' default
 `verbose`; then the same model fit on `experimental_distribute_dataset(tf.data)` and on
-`distribute_datasets_from_function` with TF's per-replica batches; a model with dropout. Each
-worker prints its result."""
+`distribute_datasets_from_function` with TF's per-replica batches; Keras' default shuffle, on
+all rows and on batches with fewer rows than replicas; a model with dropout. Each worker prints its result."""
 import json
 import os
 import sys
@@ -66,6 +66,12 @@ shuffled = build()
 h = shuffled.fit(x, y, batch_size=B, epochs=2)  # Keras' defaults: shuffle=True, verbose=1
 result["shuffled"] = {"history": h.history, "weights": [w.tolist() for w in shuffled.get_weights()],
                       "after": float(np.random.uniform()), "rank": strategy.worker_index}
+# 3 rows in batches of 2, shuffled from worker 0's NumPy state as Keras' fit shuffles: each epoch's
+# last batch has fewer rows than replicas (worker 1's holds none), and which row it is follows the order
+keras.utils.set_random_seed(strategy.worker_index)
+few_rows = build()
+h = few_rows.fit(x[:3], y[:3], batch_size=2, epochs=3)
+result["few_rows"] = {"history": h.history, "weights": [w.tolist() for w in few_rows.get_weights()]}
 # a model with dropout, each worker seeded apart (its weights and seed state are worker 0's), at Keras'
 # default verbose: each worker's replica draws its rows of the global batch's masks
 keras.utils.set_random_seed(100 + strategy.worker_index)
