@@ -1,6 +1,8 @@
 """Keras models as users bring them: every layer family trains on 1, 2 and 4 replicas and a step
 equals the single-device step (deterministic layers); stochastic layers draw per replica."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import keras
@@ -157,8 +159,9 @@ def _compiled(model):
 def _assert_fits_as_keras_on_one_device(factory, x, y, batch_size, strategies, name):
     """Keras' `fit` of `factory()` in each strategy's scope (2 epochs in order) gives Keras' own
     one-device weights."""
-    def weights(strategy):
-        return keras_fit(factory, x, y, strategy, seed=0, compile=_compile_kw, batch_size=batch_size, epochs=2)[0]
+    def weights(strategy):  # built, compiled and fitted in the scope
+        with strategy.scope() if strategy is not None else contextlib.nullcontext():
+            return keras_fit(factory, x, y, seed=0, compile=_compile_kw, batch_size=batch_size, epochs=2)[0]
     want = weights(None)
     for strategy in strategies:
         for a, b in zip(want, weights(strategy)):

@@ -679,6 +679,24 @@ def test_a_py_dataset_is_read_shuffled_and_reshuffles_itself_as_in_keras_fit():
     assert_weights_close(got_w, want_w)
 
 
+def test_a_py_dataset_after_step_memory_is_read_as_after_any_first_use():
+    """`step_memory(x, y, batch_size)` compiles fit's step without placing the state; a fit on a
+    PyDataset after it places the state and reads each batch as it passes (no first batch read
+    ahead), as after an `evaluate` that made the state."""
+    x, y = RNG.normal(size=(21, 3)).astype("float32"), np.arange(21) % 3
+    seen = {}
+    for first_use in ("step_memory", "evaluate"):
+        with ls.MirroredStrategy(4).scope():
+            model = _sgd_model(metrics=["accuracy"])
+        trainer = ls.Trainer(model)
+        getattr(trainer, first_use)(X, Y, batch_size=4)
+        data = _Reshuffled(x, y)
+        trainer.fit(data, epochs=2, verbose=0)
+        seen[first_use] = data.seen
+    assert seen["step_memory"] == seen["evaluate"]
+    assert seen["evaluate"][0] == "begin"  # no batch read before the first pass begins
+
+
 def test_predict_on_a_py_dataset_after_a_fit_refused_before_its_first_step():
     """A fit refused before its first step (labels of another shape) builds no metric and trains
     nothing; `predict` on a PyDataset then predicts Keras' outputs (lockstep failed: the refused fit

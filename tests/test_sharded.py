@@ -292,9 +292,9 @@ def test_step_memory_of_data_is_known_before_any_step_and_is_the_step_fit_runs(m
 def test_step_memory_before_any_step_places_no_state(strategy):
     """Before the state exists, `step_memory(x, y, batch_size)` compiles the step from the state's
     shapes where they would lie: no parameter copy or optimizer state is placed (the arrays shaped
-    like the (384, 384) kernel on the devices stay the Keras kernel and its two Adam slots; placing
-    the state then adds its copy and its two moments), and XLA's figures are those of the step once
-    the state is placed."""
+    like the (384, 384) kernel on the devices stay the Keras kernel and its two Adam slots; the
+    state's first use, reading the learning rate, places it: its copy and its two moments), and
+    XLA's figures are those of the step once the state is placed."""
     def kernels():  # global arrays (on all 8 devices) shaped like the middle kernel
         gc.collect()
         return sum(a.shape == (384, 384) and len(a.sharding.device_set) == 8 for a in jax.live_arrays())
@@ -310,9 +310,7 @@ def test_step_memory_before_any_step_places_no_state(strategy):
     assert before == earlier + 3  # the Keras variable and Keras Adam's two slots
     ahead = trainer.step_memory(x, y, batch_size=8)
     assert kernels() == before
-    with pytest.raises(ValueError, match="no weights yet"):
-        trainer.train_state  # no state was made
-    trainer.get_weights()  # places the state
+    assert trainer.learning_rate == pytest.approx(0.001)  # the state's first use places it
     assert kernels() == before + 3
     after = trainer.step_memory(x, y, batch_size=8)
     xla = ("arguments", "outputs", "temporaries", "peak")

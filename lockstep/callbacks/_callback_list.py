@@ -26,10 +26,6 @@ class CallbackList:
 
     def __init__(self, callbacks: Iterable[Callback], trainer: TrainerView, params: dict[str, Any] | None = None):
         callbacks = list(callbacks)
-        for cb in callbacks:
-            if not isinstance(cb, Callback):
-                raise TypeError(f"`callbacks` must hold lockstep callback objects (lockstep.Trainer takes Keras "
-                                f"callbacks too), got {type(cb).__name__}.")
         # the progress bar is worker 0's alone: `verbose` stands for it on every worker
         given = [cb for cb in callbacks if not isinstance(cb, ProgbarLogger)]
         agreed = any_worker("the callbacks' reading of the batch logs", {  # a progress bar on worker 0 alone
@@ -47,7 +43,10 @@ class CallbackList:
         self.seconds: dict[int, float] = {}  # each callback's time in the training hooks (`TIMED`), by id
         self.checkpointers = {id(cb) for cb in self.callbacks if type(getattr(cb, "keras_callback", cb)).__name__
                               in CHECKPOINTERS}
-        for cb in self.callbacks:
+        for cb in self.callbacks:  # checked after the agreement, which every worker joins
+            if not isinstance(cb, Callback):
+                raise TypeError(f"`callbacks` must hold lockstep callback objects (lockstep.Trainer takes Keras "
+                                f"callbacks too), got {type(cb).__name__}.")
             cb.set_trainer(trainer)
             if params is not None:
                 cb.set_params(params)

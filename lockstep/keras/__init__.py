@@ -3,7 +3,8 @@
 device's, BatchNorm's global moments, activity regularisers and `add_loss` terms, and refusals
 of what a replica cannot do as one device; `memory_estimate`), what `model.compile` gave it
 (`_compiled`), a Keras optimizer object and Keras callbacks as that Trainer runs them (`_optimizer`,
-`_callbacks`), the `Trainer` that drives Keras models (`_trainer`: `lockstep.Trainer`), and
+`_callbacks`), the `Trainer` that drives Keras models (`_trainer`: `lockstep.Trainer`; its `.keras`
+files, `_model_files`), and
 Keras' own face: Keras' distribution in a strategy's scope (`_distribution`), Keras' `model.fit`
 / `evaluate` / `predict` run by that Trainer (`_fit`), and Keras metrics updated exactly inside
 `strategy.run` (`_metrics_in_run`).

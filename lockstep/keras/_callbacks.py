@@ -35,7 +35,7 @@ def _keras_classes(obj: Any) -> list[type]:
 
 
 def overrides(callback: Any, hook: str) -> bool:
-    """Whether `callback` (lockstep's or Keras', as given) overrides `hook` (or Keras' alias of it)."""
+    """Whether the Keras `callback` overrides `hook` (or Keras' alias of it)."""
     classes = _keras_classes(callback)
     base = next((c for c in classes if c.__name__ == "Callback"), None) if classes else Callback
     own = [hook] + ([_ALIASES[hook]] if hook in _ALIASES else [])

@@ -111,7 +111,8 @@ class Replicated:
             lambda p: (self._stored_params(p), self._stored_state(self._optimizer.init(p["trainable"]))), params)
 
         def laid_out(tree: Any, shardings: Any) -> Any:
-            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), tree, shardings)
+            return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s, weak_type=a.weak_type),
+                                tree, shardings)
         return laid_out(stored, self.param_shardings(stored)), laid_out(opt_state, self.state_shardings(opt_state))
 
     def _stored_params(self, params: Any) -> Any:

@@ -46,10 +46,11 @@ class TrainerMeasures:
         compiled and not run (an ahead-of-time compile, as MaxText's `train_compile`), so whether a
         step fits a device is known before one runs (try batch sizes until one fits). The model is
         built as `fit` builds it; a state it has not yet is compiled from its shapes where they would
-        lie, and none of it is placed (a model whose optimizer state would not fit is found out
-        without placing it; ``keras_variables`` then counts every Keras variable, some of whose
-        buffers placing may take in place: an upper bound); with several workers, every worker
-        calls it. Without data: None before any step.
+        lie, and none of it is placed until the state is first used (a step too large is found out
+        without the trainer's copy of the parameters and its optimizer state; a Keras optimizer
+        object's own slots exist already, made when the trainer took it; ``keras_variables`` then
+        counts every Keras variable, some of whose buffers placing may take in place: an upper
+        bound); with several workers, every worker calls it. Without data: None before any step.
 
         >>> import lockstep as ls, numpy as np, keras
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])

@@ -258,9 +258,10 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         """`_build` on `data`'s first batch; once the model (and, with `metrics`, its metrics) is
         built, data whose reads run the user's code (`user_reads`: a `PyDataset`) is not read
         ahead, as Keras' loops do not read it: its batches are checked as they pass."""
-        if getattr(data, "user_reads", False) and self._state is not None and self._runner is not None and (
+        if getattr(data, "user_reads", False) and self._runner is not None and (
                 not metrics or (self._all.built and not self._labels.needs_classes)):
             self._adapter.check_unchanged()
+            self._require_built()  # (a state compiled ahead of time, `step_memory`, is placed now)
             return lambda x, where: self._inputs.check(self._state.params, x, arg, where)
         return self._build(first_batch(data), arg, labels, labels_arg, losses=metrics)
 

@@ -26,6 +26,7 @@ class TrainerWeights:
     """The weights' methods of `Trainer` (which sets the attributes below)."""
 
     _state: Any
+    _runner: Any
     _adapter: Any
     _layout: Any
     _engine: Any
@@ -35,6 +36,10 @@ class TrainerWeights:
         raise NotImplementedError
 
     def _require_built(self) -> None:
+        """Raises unless the trainer holds a state; one that `step_memory` compiled ahead of time
+        without placing it is placed now, at its first use."""
+        if self._state is None and self._runner is not None:
+            self._initial_state(self._adapter.build(None))
         if self._state is None:
             raise ValueError("the model has no weights yet: call `fit`, `evaluate` or `predict` first, or build "
                              "the Keras model.")
@@ -42,6 +47,7 @@ class TrainerWeights:
     def sync_model(self) -> None:
         """Writes the trained weights (and a Keras optimizer's state) into the model object, as
         Keras' `fit` leaves it; `fit` does it on every exit."""
+        self._require_built()
         self._adapter.sync_to_model(host_tree(self._layout.unpadded_params(self._state.params)))
         self._optimizer.write_back(self._layout.unpadded_state(self._state.opt_state))
 
