@@ -48,9 +48,8 @@ class TrainerMeasures:
         built as `fit` builds it; a state it has not yet is compiled from its shapes where they would
         lie, and none of it is placed until the state is first used (a step too large is found out
         without the trainer's copy of the parameters and its optimizer state; a Keras optimizer
-        object's own slots exist already, made when the trainer took it; ``keras_variables`` then
-        counts every Keras variable, some of whose buffers placing may take in place: an upper
-        bound); with several workers, every worker calls it. Without data: None before any step.
+        object's own slots exist already, made when the trainer took it); with several workers,
+        every worker calls it. Without data: None before any step.
 
         >>> import lockstep as ls, numpy as np, keras
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
@@ -93,15 +92,13 @@ class TrainerMeasures:
 
     def _keras_variable_bytes(self) -> int:
         """Bytes of the Keras model's and Keras optimizer's variables on this process's first device
-        of the strategy, each buffer once and none the training state holds (Keras variables may
-        be lent the state's arrays)."""
+        of the strategy, each buffer once. A device holds them beside a step: their own buffers, or
+        those of a state `fit` left them (`sync_model`), which the next step's state no longer is
+        (an upper bound where a user's Keras callback lends them the state at every batch)."""
         device = next((d for d in self.strategy.devices if d.process_index == jax.process_index()), None)
         variables = [*getattr(self.model, "variables", ()), *self._optimizer.variables]
         arrays = [a for a in (getattr(v, "_value", None) for v in variables) if isinstance(a, jax.Array)]
-        state = self._state  # as the step holds it (`train_state` would cut padded arrays: a collective)
-        held = () if state is None else jax.tree.leaves((state.params, state.opt_state))  # None: none placed yet
-        counted = {s.data.unsafe_buffer_pointer() for a in held
-                   if isinstance(a, jax.Array) for s in a.addressable_shards if s.device == device}
+        counted: set[int] = set()
         total = 0
         for s in (s for a in arrays for s in a.addressable_shards if s.device == device):
             if s.data.unsafe_buffer_pointer() not in counted:
