@@ -39,7 +39,8 @@ class TrainerMeasures:
         (activations, gradients) and their peak sum (``peak``); the Keras model's and Keras
         optimizer's own variables, which the device holds beside the step (``keras_variables``);
         and both together (``device_peak``: 0.98-1.01 of the measured peak on CPU in
-        benchmarks/MEMORY_PEAK.md, 0.92-0.94 on an H100 in benchmarks/GPU.md).
+        benchmarks/MEMORY_PEAK.md; 0.92-0.94 on an H100 in benchmarks/GPU.md, measured when
+        ``keras_variables`` left out the buffers the state held: not re-run since).
 
         Given data as `fit` takes it (`x`, `y`, `batch_size`, `sample_weight`; arrays, or a
         dataset that can be read again), the figures of the first program `fit` would run on it,
@@ -49,7 +50,8 @@ class TrainerMeasures:
         lie, and none of it is placed until the state is first used (a step too large is found out
         without the trainer's copy of the parameters and its optimizer state; a Keras optimizer
         object's own slots exist already, made when the trainer took it); with several workers,
-        every worker calls it. Without data: None before any step.
+        every worker calls it, and the state's first use after it (`learning_rate`, `train_state`,
+        `restore`, `get_weights`) places it: a collective too. Without data: None before any step.
 
         >>> import lockstep as ls, numpy as np, keras
         >>> model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])

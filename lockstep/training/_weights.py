@@ -39,6 +39,7 @@ class TrainerWeights:
         """Raises unless the trainer holds a state; one that `step_memory` compiled ahead of time
         without placing it is placed now, at its first use."""
         if self._state is None and self._runner is not None:
+            self._adapter.check_unchanged()
             self._initial_state(self._adapter.build(None))
         if self._state is None:
             raise ValueError("the model has no weights yet: call `fit`, `evaluate` or `predict` first, or build "
@@ -46,8 +47,10 @@ class TrainerWeights:
 
     def sync_model(self) -> None:
         """Writes the trained weights (and a Keras optimizer's state) into the model object, as
-        Keras' `fit` leaves it; `fit` does it on every exit."""
-        self._require_built()
+        Keras' `fit` leaves it; `fit` does it on every exit. Without a state (never built, or a
+        state `step_memory` compiled and nothing placed since), the model holds its weights already."""
+        if self._state is None:
+            return
         self._adapter.sync_to_model(host_tree(self._layout.unpadded_params(self._state.params)))
         self._optimizer.write_back(self._layout.unpadded_state(self._state.opt_state))
 
@@ -63,6 +66,7 @@ class TrainerWeights:
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
         if self._state is None and self._adapter.ready():
+            self._adapter.check_unchanged()
             self._initial_state(self._adapter.build(None))
         self._require_built()
         return self._adapter.get_weights(host_tree(self._layout.unpadded_params(self._state.params)))
