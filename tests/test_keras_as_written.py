@@ -13,7 +13,7 @@ from keras_reference import assert_logs_close, assert_weights_close, in_keras_an
 from launching import WORKERS, launch_workers, output_of, rank_results
 from sharded_cases import sharded_strategy
 from test_keras_layers import REFUSED_DRAWS
-from test_keras_settings import X as SX, Y as SY, _Subclassed, _batches_of
+from test_keras_settings import on_a_generator, subclassed_compiled
 
 FULL = pytest.mark.full_suite  # variants `make test-full` adds (CI time)
 N, B = 203, 16  # 13 batches, the last of 11 rows: on 4 replicas 3, 3, 3, 2; on 3 replicas 4, 4, 3
@@ -312,13 +312,8 @@ def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_f
                              [np.asarray(v) for v in keras_model.optimizer.variables], atol=1e-5)
         assert_weights_close([np.asarray(w) for w in got["weights"]], keras_model.get_weights(), atol=1e-5)
     # a subclassed model made in the scope, first used on a generator: built on its first batch as Keras builds it
-    keras.utils.set_random_seed(0)
-    sub = _Subclassed()
-    sub.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=["accuracy"])
-    want_generated = {"fit": sub.fit(_batches_of(SX, SY), epochs=1, shuffle=False, verbose=0).history,
-                      "evaluate": sub.evaluate(_batches_of(SX, SY), verbose=0, return_dict=True),
-                      "predict": sub.predict(_batches_of(SX), verbose=0)}
+    sub = subclassed_compiled()  # Keras alone, one device
+    want_generated = {call: on_a_generator(sub, call) for call in ("fit", "evaluate", "predict")}
     for got in results:
         assert_logs_close(got["generated"]["fit"], want_generated["fit"])
         assert_logs_close(got["generated"]["evaluate"], want_generated["evaluate"])

@@ -916,6 +916,26 @@ def _batches_of(x, y=None, size=8):
         yield (x[i:i + size],) if y is None else (x[i:i + size], y[i:i + size])
 
 
+def subclassed_compiled():
+    """`_Subclassed`, seeded and compiled as the generator tests train it (also on two workers,
+    `tests/workers/keras_custom_metrics_job.py`)."""
+    keras.utils.set_random_seed(0)
+    model = _Subclassed()
+    model.compile(optimizer=keras.optimizers.Adam(0.01),
+                  loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+    return model
+
+
+def on_a_generator(model, call):
+    """`model`'s `call` ("fit": one epoch, "evaluate", "predict") on a generator of X's (and Y's)
+    batches of 8: the History's dict, the logs or the outputs."""
+    if call == "fit":
+        return model.fit(_batches_of(X, Y), epochs=1, shuffle=False, verbose=0).history
+    if call == "evaluate":
+        return model.evaluate(_batches_of(X, Y), verbose=0, return_dict=True)
+    return model.predict(_batches_of(X), verbose=0)
+
+
 @pytest.mark.filterwarnings("ignore:Your input ran out of data")  # Keras' own, at a generator's end
 @pytest.mark.parametrize("call", ["fit", "evaluate", "predict"])
 def test_a_subclassed_model_made_in_the_scope_is_built_on_a_generators_first_batch_as_keras_does(call):
@@ -923,20 +943,7 @@ def test_a_subclassed_model_made_in_the_scope_is_built_on_a_generators_first_bat
     batches of 8 on 4 replicas): its first batch builds it, as Keras' loop builds it, and is then
     trained on (or evaluated, predicted) all the same. Before, the Trainer was made first and
     refused the Keras optimizer of a model without variables."""
-    def build():
-        keras.utils.set_random_seed(0)
-        model = _Subclassed()
-        model.compile(optimizer=keras.optimizers.Adam(0.01),
-                      loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-        return model
-
-    def run(model):
-        if call == "fit":
-            return model.fit(_batches_of(X, Y), epochs=1, shuffle=False, verbose=0).history
-        if call == "evaluate":
-            return model.evaluate(_batches_of(X, Y), verbose=0, return_dict=True)
-        return model.predict(_batches_of(X), verbose=0)
-    (want, want_w), (got, got_w) = _both(build, run)
+    (want, want_w), (got, got_w) = _both(subclassed_compiled, lambda model: on_a_generator(model, call))
     if call == "predict":
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
     else:

@@ -22,17 +22,13 @@ class StopOnWorker0(keras.callbacks.Callback):  # worker 0 alone asks to end eva
 
 
 stopped = model.evaluate(X[:n], Y_VALUE[:n], batch_size=16, verbose=0, return_dict=True, callbacks=[StopOnWorker0()])
-from test_keras_settings import X as SX, Y as SY, _Subclassed, _batches_of
+from test_keras_settings import on_a_generator, subclassed_compiled
 
 with strategy.scope():  # made in the scope, no variables until its first batch (of a generator)
-    keras.utils.set_random_seed(0)
-    sub = _Subclassed()
-    sub.compile(optimizer=keras.optimizers.Adam(0.01), loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-                metrics=["accuracy"])
-generated = {"fit": sub.fit(_batches_of(SX, SY), epochs=1, shuffle=False, verbose=0).history,
-             "evaluate": sub.evaluate(_batches_of(SX, SY), verbose=0, return_dict=True),
-             "predict": sub.predict(_batches_of(SX), verbose=0).tolist(),
-             "weights": [w.tolist() for w in sub.get_weights()]}
+    sub = subclassed_compiled()
+generated = {call: on_a_generator(sub, call) for call in ("fit", "evaluate", "predict")}
+generated["predict"] = generated["predict"].tolist()
+generated["weights"] = [w.tolist() for w in sub.get_weights()]
 
 from test_keras_layers import REFUSED_DRAWS, _labels, _seq
 
