@@ -35,10 +35,11 @@ class TrainerWeights:
     def _initial_state(self, params: Any) -> None:
         raise NotImplementedError
 
-    def _require_built(self) -> None:
+    def _require_built(self, built_model: bool = False) -> None:
         """Raises unless the trainer holds a state; one that `step_memory` compiled ahead of time
-        without placing it is placed now, at its first use."""
-        if self._state is None and self._runner is not None:
+        without placing it is placed now, at its first use, and with `built_model` that of a model
+        that has its variables already (a built Keras model)."""
+        if self._state is None and (self._runner is not None or (built_model and self._adapter.ready())):
             self._adapter.check_unchanged()
             self._initial_state(self._adapter.build(None))
         if self._state is None:
@@ -65,10 +66,7 @@ class TrainerWeights:
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
-        if self._state is None and self._adapter.ready():
-            self._adapter.check_unchanged()
-            self._initial_state(self._adapter.build(None))
-        self._require_built()
+        self._require_built(built_model=True)
         return self._adapter.get_weights(host_tree(self._layout.unpadded_params(self._state.params)))
 
     def set_weights(self, weights: Any) -> None:
