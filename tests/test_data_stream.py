@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 import lockstep as ls
 from lockstep.data import IterableBatches, batches
-from lockstep.engine import Engine, ResidentBatch
+from lockstep.engine import Engine, ResidentBatch, take_step
 from lockstep.training import DataPosition
 from lockstep.data import DataStream
 
@@ -195,6 +195,28 @@ def test_resident_and_placed_batches_are_alike():
             np.testing.assert_array_equal(np.asarray(r.placed().data), np.asarray(p.data))
             np.testing.assert_array_equal(np.asarray(r.placed().mask), np.asarray(p.mask))
         assert r.digest() == p.digest()
+
+
+@pytest.mark.parametrize("replicas", [1, 3, 8])
+def test_a_compiled_step_takes_each_resident_batch_as_placing_it_gives_it(replicas):
+    """Inside the replicas' program `take_step` gives a resident batch's rows, mask and count as
+    placing the batch from the host does: one replica indexes the data placed once (the pass's
+    `table`), several each hold their rows of the pass (13 rows in batches of 5, shuffled: the last
+    batch of 3 leaves replicas without rows)."""
+    engine = Engine(jax.devices()[:replicas])
+    x = _data(13)
+    one_pass = list(batches(x, 5, shuffle=True, seed=3).resident_pass(engine, 1))
+    whole = one_pass[0].pass_
+    assert (whole.table is not None) == (replicas == 1)
+    taken = jax.jit(engine.mapped(
+        lambda source, i: take_step(whole.treedef, *source, i, whole.per_replica, engine.batch_axis),
+        (("rows", "replicated", "replicated"), "replicated"), ("per_replica", "per_replica", "replicated"), with_batch=False))
+    for batch in one_pass:
+        rows, mask, count = taken((whole.leaves, whole.counts, whole.table), np.int32(batch.index))
+        placed = batch.placed()
+        np.testing.assert_array_equal(np.asarray(rows).reshape(-1, 2), np.asarray(placed.data))
+        np.testing.assert_array_equal(np.asarray(mask).reshape(-1), np.asarray(placed.mask))
+        assert float(count) == batch.num_real
 
 
 @pytest.mark.parametrize("shuffle", [True, False])

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
-from ..engine import BatchRows, ResidentBatch, ResidentPass, fits_on_devices, padded_per_replica, place_ahead
+from ..engine import (BatchRows, ResidentBatch, ResidentPass, fits_on_devices, padded_per_replica, place_ahead,
+                      place_whole)
 from ._adapter import DataAdapter
 from ._global_orders import GlobalOrders
 
@@ -48,6 +49,7 @@ class Batches(DataAdapter):
         self._global = self._keras_draws if self._shuffled else None
         # (engine, pass, start, placing, the order it is placed in where drawn from NumPy's global state)
         self._next_pass: tuple[Any, int, int, Future[ResidentPass], Any] | None = None
+        self._whole: tuple[Any, tuple[jax.Array, ...] | None] | None = None  # (engine, `place_whole`'s arrays)
 
     @property
     def num_samples(self) -> int:
@@ -154,7 +156,7 @@ class Batches(DataAdapter):
     def release(self) -> None:
         """Lets go of the pass placed ahead, if any (its device memory): `fit` calls it as it ends,
         so that a later `fit` reads the arrays again."""
-        waiting, self._next_pass = self._next_pass, None
+        waiting, self._next_pass, self._whole = self._next_pass, None, None
         if waiting is not None:
             waiting[3].cancel()
 
@@ -165,9 +167,11 @@ class Batches(DataAdapter):
     def _place_pass(self, engine: "Engine", epoch: int, start: int, order: np.ndarray | None = None) -> ResidentPass:
         order, b = self.order(epoch) if order is None else order, self.batch_size
         padded = padded_per_replica(b, engine.num_replicas) * engine.num_replicas
+        if self._whole is None or self._whole[0] is not engine:
+            self._whole = (engine, place_whole(engine.distributor, self._leaves))
         return ResidentPass(engine.distributor, self._leaves, self._treedef,
                             [order[i * b:(i + 1) * b] for i in range(start, len(self))], padded,
-                            lambda i: self._batch_rows(order, start + i))
+                            lambda i: self._batch_rows(order, start + i), self._whole[1])
 
 
 def batches(arrays: Any, batch_size: int, shuffle: bool | str = False, seed: int | None = 0,

@@ -47,6 +47,7 @@ from ._resident import fits_on_devices as fits_on_devices
 from ._resident import ResidentBatch as ResidentBatch
 from ._resident import ResidentPass as ResidentPass
 from ._resident import place_ahead as place_ahead
+from ._resident import place_whole as place_whole
 from ._resident import take_step as take_step
 from ._engine import BATCH_AXIS as BATCH_AXIS
 from ._engine import Engine as Engine
@@ -87,6 +88,7 @@ __all__ = [
     "ResidentPass",
     "take_step",
     "place_ahead",
+    "place_whole",
     "split_rows",
     "spread",
     "StepInfo",

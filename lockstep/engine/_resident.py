@@ -10,7 +10,9 @@ count, which gives exactly the rows, padding and mask that placing the batch fro
 (`BatchDistributor.global_batch`). A device holds its replica's share of the pass, not the data.
 Each replica's block is gathered on the host straight into a buffer its devices use as is (on the
 CPU, no second copy), and `fit` places the next pass in the background (`place_ahead`) while the
-current one trains.
+current one trains. Where one replica takes every row, its share is the data itself: the arrays are
+placed once (`place_whole`) and a pass is the order of its rows on the devices (`table`), which each
+step gathers from, so that no pass is gathered on the host.
 
 >>> import jax, numpy as np
 >>> from lockstep.engine import Engine
@@ -57,6 +59,15 @@ def place_ahead(make: Callable[[], "ResidentPass"]) -> "Future[ResidentPass]":
     return _PLACER.submit(make)
 
 
+def place_whole(distributor: Any, leaves: Sequence[np.ndarray]) -> tuple[jax.Array, ...] | None:
+    """The arrays placed once, whole, where one replica (of one process) takes every row, for its
+    passes to index (`ResidentPass`'s `whole`); None with several replicas, whose passes are
+    gathered on the host, each replica's rows on its devices."""
+    if distributor.num_replicas != 1 or jax.process_count() != 1:
+        return None
+    return tuple(distributor.place_split([np.asarray(x) for x in leaves], int(np.shape(leaves[0])[0])))
+
+
 def fits_on_devices(leaves: Sequence[Any]) -> bool:
     """Whether a pass over arrays of these sizes is placed at once (see `RESIDENT_LIMIT_MB`)."""
     return sum(np.asarray(x).nbytes for x in leaves) <= RESIDENT_LIMIT_MB * 2**20
@@ -67,10 +78,12 @@ class ResidentPass:
     indices of batch `i` are `indices[i]`, padded to `padded` rows (padding repeats the batch's
     first sample, as `_layout.pad_and_mask` does); each replica's rows of every batch are placed
     on its devices (`leaves`, split over the batch axis: this worker reads only its replicas'
-    rows); `rows_of(i)` reads batch `i` on the host (for its checksum, or to place it as a whole)."""
+    rows); `rows_of(i)` reads batch `i` on the host (for its checksum, or to place it as a whole).
+    `whole`: the arrays as `place_whole` placed them, which the pass then indexes (its `table`, the
+    rows of every step in order) instead of holding its rows."""
 
     def __init__(self, distributor: Any, leaves: Sequence[np.ndarray], treedef: Any, indices: Sequence[np.ndarray],
-                 padded: int, rows_of: Callable[[int], BatchRows]):
+                 padded: int, rows_of: Callable[[int], BatchRows], whole: Sequence[jax.Array] | None = None):
         r = distributor.num_replicas
         if padded % r:
             raise ValueError(f"a resident pass needs `padded` divisible by the {r} replicas, got padded={padded}.")
@@ -89,7 +102,11 @@ class ResidentPass:
             counts[i] = len(idx)
         # replica-major: replica j's rows of batch 0, batch 1, ...; this worker's replicas only
         mine = table.reshape(len(indices), r, self.per_replica)[:, ids[0]:ids[-1] + 1].transpose(1, 0, 2).reshape(-1)
-        self.leaves = tuple(distributor.place_taken([np.asarray(x) for x in leaves], mine, table.size))
+        if whole is None:
+            self.leaves = tuple(distributor.place_taken([np.asarray(x) for x in leaves], mine, table.size))
+            self.table = None
+        else:
+            self.leaves, self.table = tuple(whole), distributor.put_copies(mine.astype(np.int32))
         self.counts = distributor.put_copies(counts)
         self._num_real = counts.astype(np.int64)
         self._steps: dict[int, StepInfo] = {}
@@ -142,13 +159,17 @@ class ResidentBatch:
         return self.pass_.placed(self.index)
 
 
-def take_step(treedef: Any, leaves: Sequence[jax.Array], counts: jax.Array, i: jax.Array, per_replica: int,
-              axis_name: str | tuple[str, ...]) -> tuple[Any, jax.Array, jax.Array]:
-    """Inside a replica: its rows of batch `i` of a pass (its block of the pass's `leaves`, the
-    real counts `counts`) in the data's structure (`treedef`), its mask (1.0 real, 0.0 padding)
-    and the batch's real count."""
+def take_step(treedef: Any, leaves: Sequence[jax.Array], counts: jax.Array, table: jax.Array | None, i: jax.Array,
+              per_replica: int, axis_name: str | tuple[str, ...]) -> tuple[Any, jax.Array, jax.Array]:
+    """Inside a replica: its rows of batch `i` of a pass (its block of the pass's `leaves`, or the
+    rows `table` names of them; the real counts `counts`) in the data's structure (`treedef`), its
+    mask (1.0 real, 0.0 padding) and the batch's real count."""
     r = jax.lax.axis_index(axis_name)
     count = jax.lax.dynamic_index_in_dim(counts, i, keepdims=False)
     mask = (r * per_replica + jnp.arange(per_replica) < count).astype(jnp.float32)
-    rows = [jax.lax.dynamic_slice_in_dim(x, i * per_replica, per_replica) for x in leaves]
+    if table is None:
+        rows = [jax.lax.dynamic_slice_in_dim(x, i * per_replica, per_replica) for x in leaves]
+    else:
+        taken = jax.lax.dynamic_slice_in_dim(table, i * per_replica, per_replica)
+        rows = [x[taken] for x in leaves]
     return jax.tree.unflatten(treedef, rows), mask, count

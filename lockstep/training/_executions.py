@@ -114,7 +114,7 @@ def feed_of(run: Sequence[AccumulationGroup], key: tuple[Any, ...] | None, start
     is not a resident one)."""
     if key is not None and key[0] == "resident":
         whole = run[0].batches[0].pass_
-        feed = (whole.leaves, whole.counts, start(run[0].batches[0].index))
+        feed = (whole.leaves, whole.counts, whole.table, start(run[0].batches[0].index))
         return feed, ("resident", whole.treedef, whole.per_replica, len(run), key[2])
     batches = [b.placed() if isinstance(b, ResidentBatch) else b for u in run for b in u.batches]
     feed = (tuple(b.data for b in batches), tuple(b.mask for b in batches), tuple(b.count for b in batches))
@@ -131,7 +131,7 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
     axis = engine.batch_axis
     if kind == "resident":
         treedef, per_replica = rest[:2]
-        source_kinds, xs_kinds = ("rows", "replicated"), "replicated"
+        source_kinds, xs_kinds = ("rows", "replicated", "replicated"), "replicated"
 
         def fetch(source: Any, i: jax.Array) -> tuple[Any, Any, Any]:
             return take_step(treedef, *source, i, per_replica, axis)
