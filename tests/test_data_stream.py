@@ -295,9 +295,11 @@ def test_a_later_fit_on_the_same_batches_draws_its_passes_from_numpys_global_sta
             np.testing.assert_array_equal(a, b)
 
 
-def test_fit_lets_go_of_a_pass_placed_ahead_and_a_later_fit_reads_the_arrays_again():
-    """With `steps_per_epoch` a pass is always placed ahead; when `fit` ends it is dropped, so data
-    changed between two fits is what the second trains on."""
+@pytest.mark.parametrize("replicas", [1, 2])
+def test_fit_lets_go_of_a_pass_placed_ahead_and_a_later_fit_reads_the_arrays_again(replicas):
+    """With `steps_per_epoch` a pass is always placed ahead; when `fit` ends it is dropped (and, with
+    one replica, the arrays placed whole that passes index), so data changed between two fits is
+    what the second trains on."""
     import lockstep as ls
 
     x = np.ones((16, 2), np.float32)
@@ -305,9 +307,9 @@ def test_fit_lets_go_of_a_pass_placed_ahead_and_a_later_fit_reads_the_arrays_aga
     data = batches((x, y), 4)
     trainer = ls.Trainer(ls.FunctionalModel(lambda rng, x: {"w": np.zeros((2, 1), np.float32)},
                                             lambda p, x, training=False: x @ p["w"]),
-                         optimizer="sgd", loss="mse", strategy=ls.MirroredStrategy(2))
+                         optimizer="sgd", loss="mse", strategy=ls.MirroredStrategy(replicas))
     trainer.fit(data, epochs=1, steps_per_epoch=2, verbose=0)
-    assert data._next_pass is None
+    assert data._next_pass is None and data._whole is None
     before = np.asarray(trainer.get_weights()["w"])
     x[:] = 2.0  # the caller's arrays, changed between fits
     seen = []

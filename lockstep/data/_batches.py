@@ -129,6 +129,9 @@ class Batches(DataAdapter):
         if not fits_on_devices(self._leaves):
             return None
         pass_of = (lambda e: e) if self._shuffled else (lambda e: 0)
+        if self._whole is None or self._whole[0] is not engine:  # on this thread: `release` lets it go
+            self._whole = (engine, place_whole(engine.distributor, self._leaves))
+        whole_data = self._whole[1]
         waiting, self._next_pass = self._next_pass, None
         drawn = None if self._global is None else self._global.order(epoch)  # drawn as the pass begins
         whole = None
@@ -141,7 +144,7 @@ class Batches(DataAdapter):
         elif waiting is not None:
             waiting[3].cancel()
         if whole is None:
-            whole = self._place_pass(engine, epoch, start)
+            whole = self._place_pass(engine, epoch, start, whole_data)
         if ahead and (pass_of(epoch + 1), 0) == (pass_of(epoch), start):
             done: Future[ResidentPass] = Future()
             done.set_result(whole)
@@ -150,7 +153,7 @@ class Batches(DataAdapter):
             # nothing else draws from that state meanwhile (else placed again when it begins)
             order = None if self._global is None else self._global.peek()
             self._next_pass = (engine, pass_of(epoch + 1), 0,
-                               place_ahead(lambda: self._place_pass(engine, epoch + 1, 0, order)), order)
+                               place_ahead(lambda: self._place_pass(engine, epoch + 1, 0, whole_data, order)), order)
         return (whole.batch(i) for i in range(len(whole)))
 
     def release(self) -> None:
@@ -164,14 +167,13 @@ class Batches(DataAdapter):
         if self._keras_draws is not None:
             self._keras_draws.forget()
 
-    def _place_pass(self, engine: "Engine", epoch: int, start: int, order: np.ndarray | None = None) -> ResidentPass:
+    def _place_pass(self, engine: "Engine", epoch: int, start: int, whole: Any,
+                    order: np.ndarray | None = None) -> ResidentPass:
         order, b = self.order(epoch) if order is None else order, self.batch_size
         padded = padded_per_replica(b, engine.num_replicas) * engine.num_replicas
-        if self._whole is None or self._whole[0] is not engine:
-            self._whole = (engine, place_whole(engine.distributor, self._leaves))
         return ResidentPass(engine.distributor, self._leaves, self._treedef,
                             [order[i * b:(i + 1) * b] for i in range(start, len(self))], padded,
-                            lambda i: self._batch_rows(order, start + i), self._whole[1])
+                            lambda i: self._batch_rows(order, start + i), whole)
 
 
 def batches(arrays: Any, batch_size: int, shuffle: bool | str = False, seed: int | None = 0,
