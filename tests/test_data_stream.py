@@ -295,6 +295,25 @@ def test_a_later_fit_on_the_same_batches_draws_its_passes_from_numpys_global_sta
             np.testing.assert_array_equal(a, b)
 
 
+def test_arrays_changed_during_fit_give_one_replica_the_rows_they_give_several():
+    """A callback that changes the arrays in place during `fit` (which `Batches` asks users not to
+    do) changes nothing that one replica trains on, as with several replicas: one replica's pass
+    indexes a copy of the arrays (the CPU's devices would read the caller's own memory)."""
+    import lockstep as ls
+
+    def losses(replicas):
+        x, y = np.ones((64, 32), np.float32), np.zeros((64, 1), np.float32)
+
+        class Change(ls.callbacks.Callback):
+            def on_epoch_end(self, epoch, logs=None):
+                x[:] = 3.0
+        trainer = ls.Trainer(ls.FunctionalModel(lambda rng, x: {"w": np.full((32, 1), 0.01, np.float32)},
+                                                lambda p, x, training=False: x @ p["w"]),
+                             optimizer="sgd", loss="mse", strategy=ls.MirroredStrategy(replicas))
+        return trainer.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[Change()]).history["loss"]
+    np.testing.assert_allclose(losses(1), losses(2), rtol=1e-6)
+
+
 @pytest.mark.parametrize("replicas", [1, 2])
 def test_fit_lets_go_of_a_pass_placed_ahead_and_a_later_fit_reads_the_arrays_again(replicas):
     """With `steps_per_epoch` a pass is always placed ahead; when `fit` ends it is dropped (and, with

@@ -122,8 +122,9 @@ class Batches(DataAdapter):
     def resident_pass(self, engine: "Engine", epoch: int, start: int = 0,
                       ahead: bool = False) -> Iterator[ResidentBatch] | None:
         """Pass `epoch` from batch `start` as batches whose rows lie on `engine`'s devices (the
-        pass is placed at once, each replica's rows on its devices), every batch padded to the
-        full batch's shape; None when the arrays are too large to place a pass of at once.
+        pass is placed at once, each replica's rows on its devices; one replica's indexes a copy of
+        the arrays placed once a fit), every batch padded to the full batch's shape; None when the
+        arrays are too large to place a pass of at once.
         `ahead`: the next pass (`epoch + 1` from its start) is placed in the background meanwhile,
         and a later call for it takes it (without shuffling every pass is the same: it is kept)."""
         if not fits_on_devices(self._leaves):

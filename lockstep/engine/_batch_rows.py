@@ -77,20 +77,22 @@ def pad_and_mask(leaves: list[np.ndarray], num_real: int, start: int, stop: int
     return rows, (np.arange(start, stop) < num_real).astype(np.float32)
 
 
-def aligned_take(x: np.ndarray, rows: np.ndarray) -> np.ndarray:
-    """`np.take(x, rows, axis=0)` into a buffer aligned to 64 bytes, which XLA's CPU devices use
-    in place (`jax.device_put` makes no copy of it).
+def aligned_take(x: np.ndarray, rows: np.ndarray | None) -> np.ndarray:
+    """`np.take(x, rows, axis=0)` (None: a copy of `x`) into a buffer aligned to 64 bytes, which
+    XLA's CPU devices use in place (`jax.device_put` makes no copy of it).
 
     >>> a = aligned_take(np.arange(6.0).reshape(3, 2), np.array([2, 0]))
     >>> a.tolist(), a.ctypes.data % 64
     ([[4.0, 5.0], [0.0, 1.0]], 0)
     """
-    shape = (len(rows), *x.shape[1:])
+    shape = (len(x) if rows is None else len(rows), *x.shape[1:])
     size = int(np.prod(shape)) * x.dtype.itemsize
     raw = np.empty(size + 64, np.uint8)
     start = -raw.ctypes.data % 64
     out = raw[start:start + size].view(x.dtype).reshape(shape)
-    if len(rows):
+    if rows is None:
+        out[...] = x
+    elif len(rows):
         np.take(x, rows, axis=0, out=out, mode="clip")  # "clip": not buffered ("raise" copies through a buffer)
     return out
 

@@ -7,7 +7,8 @@ batch `i` are its slice of the batch padded as `_batch_rows` pads a global batch
 batch axis, and each batch's real count. Step `i` of the pass reads its rows inside the compiled
 program (`take_step`): each replica slices its block of step `i` and builds its mask from the real
 count, which gives exactly the rows, padding and mask that placing the batch from the host gives
-(`BatchDistributor.global_batch`). A device holds its replica's share of the pass, not the data.
+(`BatchDistributor.global_batch`). A device holds its replica's share of the pass, not the data
+(but with one replica, below).
 Each replica's block is gathered on the host straight into a buffer its devices use as is (on the
 CPU, no second copy), and `fit` places the next pass in the background (`place_ahead`) while the
 current one trains. Where one replica takes every row, its share is the data itself: the arrays are
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._batch_rows import BatchRows, StepInfo, rows_digest, to_numpy
+from ._batch_rows import BatchRows, StepInfo, aligned_take, rows_digest, to_numpy
 
 #: Largest in-memory training data (all arrays together, in MiB) that `fit` places a pass of at
 #: once (each device its replica's share); larger data is placed batch by batch. 0 turns it off.
@@ -60,12 +61,15 @@ def place_ahead(make: Callable[[], "ResidentPass"]) -> "Future[ResidentPass]":
 
 
 def place_whole(distributor: Any, leaves: Sequence[np.ndarray]) -> tuple[jax.Array, ...] | None:
-    """The arrays placed once, whole, where one replica (of one process) takes every row, for its
-    passes to index (`ResidentPass`'s `whole`); None with several replicas, whose passes are
-    gathered on the host, each replica's rows on its devices."""
-    if distributor.num_replicas != 1 or jax.process_count() != 1:
+    """A copy of the arrays placed once, whole, where one replica (of one process) takes every
+    row, for its passes to index (`ResidentPass`'s `whole`); None with several replicas, whose
+    passes are gathered on the host, each replica's rows on its devices (or rows past an int32
+    index). A copy: the CPU's devices would otherwise read the caller's arrays, and a change made
+    to them during `fit` would reach one replica's steps and not several replicas'."""
+    n = int(np.shape(leaves[0])[0])
+    if distributor.num_replicas != 1 or jax.process_count() != 1 or n >= 2**31:
         return None
-    return tuple(distributor.place_split([np.asarray(x) for x in leaves], int(np.shape(leaves[0])[0])))
+    return tuple(distributor.place_split([aligned_take(np.asarray(x), None) for x in leaves], n))
 
 
 def fits_on_devices(leaves: Sequence[Any]) -> bool:
