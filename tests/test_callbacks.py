@@ -114,6 +114,12 @@ def test_bad_mode_and_undirected_monitor():
         t.fit(x, y, epochs=1, verbose=0, validation_split=0.25, callbacks=[ls.callbacks.EarlyStopping("val_gap")])
 
 
+def test_an_object_that_is_not_a_callback_is_named():
+    x, y = data()
+    with pytest.raises(TypeError, match="must hold lockstep callback objects .*, got str"):
+        trainer().fit(x, y, epochs=1, verbose=0, callbacks=["early_stopping"])
+
+
 def test_auto_mode_reads_the_metric_direction():
     x, y = data()
     t = trainer()

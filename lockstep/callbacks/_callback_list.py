@@ -28,11 +28,17 @@ class CallbackList:
         callbacks = list(callbacks)
         # the progress bar is worker 0's alone: `verbose` stands for it on every worker
         given = [cb for cb in callbacks if not isinstance(cb, ProgbarLogger)]
+        wrong = next((cb for cb in callbacks if not isinstance(cb, Callback)), None)
         agreed = any_worker("the callbacks' reading of the batch logs", {  # a progress bar on worker 0 alone
             **{hook: reads_batch_logs(given, hook, (params or {}).get("verbose", 0))
                for hook in ("on_train_batch_end", "on_test_batch_end")},
             **{f"{loop}ing": any(overrides(cb, f"on_{loop}_{at}") for cb in given
-                                 for at in ("begin", "batch_begin", "batch_end")) for loop in ("test", "predict")}})
+                                 for at in ("begin", "batch_begin", "batch_end")) for loop in ("test", "predict")},
+            "wrong": wrong is not None})
+        if agreed["wrong"]:  # raised on every worker, none left waiting at the next collective
+            raise TypeError("`callbacks` must hold lockstep callback objects (lockstep.Trainer takes Keras callbacks "
+                            "too), got " + (type(wrong).__name__ if wrong is not None else
+                                            "one that is not on another worker of the job (it names it)") + ".")
         self.reads = {hook: agreed[hook] for hook in ("on_train_batch_end", "on_test_batch_end")}
         #: whether a callback runs at the start or in the batches of `evaluate` ("testing") / `predict`
         #: ("predicting"), where it may set `stop_evaluating` / `stop_predicting` (on every worker alike)
@@ -43,10 +49,7 @@ class CallbackList:
         self.seconds: dict[int, float] = {}  # each callback's time in the training hooks (`TIMED`), by id
         self.checkpointers = {id(cb) for cb in self.callbacks if type(getattr(cb, "keras_callback", cb)).__name__
                               in CHECKPOINTERS}
-        for cb in self.callbacks:  # checked after the agreement, which every worker joins
-            if not isinstance(cb, Callback):
-                raise TypeError(f"`callbacks` must hold lockstep callback objects (lockstep.Trainer takes Keras "
-                                f"callbacks too), got {type(cb).__name__}.")
+        for cb in self.callbacks:
             cb.set_trainer(trainer)
             if params is not None:
                 cb.set_params(params)

@@ -1,6 +1,7 @@
 """Two workers fit a Keras regressor with a user's metrics (test_keras_as_written's data and model),
 fit / evaluate / predict a subclassed model first used on a generator (test_keras_settings'), and
-try draws no replica can make as one device (test_keras_layers' MixUp and JaxLayer); each prints its result."""
+try draws no replica can make as one device (test_keras_layers' MixUp and JaxLayer), and a fit given a non-callback
+on worker 1 alone; each prints its result."""
 import json, os
 os.environ["KERAS_BACKEND"] = "jax"
 import lockstep as ls
@@ -43,6 +44,12 @@ for name in ("MixUp", "JaxLayer drawing with its rng"):  # refused alike on both
         refused[name] = None
     except ValueError as e:
         refused[name] = str(e)
+try:  # worker 1 alone gives fit something that is not a callback: both raise, neither waits for the other
+    model.fit(X[:n], Y_VALUE[:n], batch_size=16, epochs=1, verbose=0,
+              callbacks=[{"monitor": "loss"}] if jax.process_index() == 1 else [])
+    refused["not a callback"] = None
+except TypeError as e:
+    refused["not a callback"] = str(e)
 print("RESULT", json.dumps({"generated": generated, "refused": refused, "history": history, "evaluate": evaluated, "stopped": stopped, "iterations": int(model.optimizer.iterations),
                             "optimizer": [np.asarray(v).tolist() for v in model.optimizer.variables],
                             "weights": [w.tolist() for w in model.get_weights()]}), flush=True)
