@@ -10,6 +10,7 @@ import sys
 import time
 
 import jax
+import keras
 import numpy as np
 import pytest
 from sklearn.metrics import accuracy_score, f1_score
@@ -387,13 +388,19 @@ DIFFERS = {"epochs": "the settings of fit: epochs is 2 on worker 0 and 3 on work
            "ZeRO stage": "the settings of fit: the sharding .*zero_stage=1.* on worker 0 and .*zero_stage=3.* on worker 1",
            "layout rule": "the settings of fit: the sharding .*'.\\*out/kernel', \\(None, None\\).* on worker 0 and "
                           ".*'.\\*out/kernel', \\('model', None\\).* on worker 1",
-           "batches": "the batches of a pass .*: the checksum of batches 2-257 is \\d+ on worker 0 and \\d+ on worker 1"}
+           "batches": "the batches of a pass .*: the checksum of batches 2-257 is \\d+ on worker 0 and \\d+ on worker 1",
+           "EarlyStopping": "the callbacks that decide .*: EarlyStopping 1 is .*\"restore_best_weights\": false.* on "
+                            "worker 0 and .*\"restore_best_weights\": true.* on worker 1"}
 
 
 def test_workers_whose_settings_or_batches_differ_are_named_before_a_step_mixes_them():
     """Before: different epochs ended in a gloo time-out (the launcher exiting 0); one worker
     shuffling, another Trainer(seed=) or batches that differ after the first trained a mix; a
-    learning rate, ZeRO stage or layout rule of its own: JAX's AssertionError or gloo's SIGABRT."""
+    learning rate, ZeRO stage or layout rule of its own: JAX's AssertionError or gloo's SIGABRT; an
+    EarlyStopping restoring the best weights on worker 1 alone: gloo's time-out. A stop asked by a
+    callback of worker 1's alone was dropped at an epoch's end (worker 0's decided) and left worker 0
+    in a collective in a batch; a fit TerminateOnNaN stopped ended in JAX's AssertionError (NaN
+    weights compared across workers). Both now stop where Keras' own fit does."""
     proc = launch(WORKERS / "differ_job.py", nproc=2, devices=2, failure_timeout=20)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     results = rank_results(proc, 2)
@@ -403,6 +410,18 @@ def test_workers_whose_settings_or_batches_differ_are_named_before_a_step_mixes_
             assert re.search(message, result["caught"][case]), (case, result["caught"][case])
     # a progress bar on worker 0 alone (verbose=1 there, 0 on worker 1) trains, both alike
     assert results[0]["loss"] == results[1]["loss"] and "Epoch 2/2" in proc.stdout + proc.stderr
+    # 40 rows in batches of 8: stopped after batch 1 (2 steps), after epoch 0 (5 steps), and by
+    # TerminateOnNaN where Keras' own fit of the same model stops (SGD at 1.0 diverges)
+    keras.utils.set_random_seed(0)
+    alone = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.Dense(1)])
+    alone.compile(keras.optimizers.SGD(1.0), "mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(40, 4)).astype("float32"), rng.normal(size=(40, 1)).astype("float32")
+    nan = alone.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False, callbacks=[keras.callbacks.TerminateOnNaN()])
+    want_nan = [len(nan.history["loss"]), int(alone.optimizer.iterations), True]
+    assert want_nan[:2] == [2, 6]
+    for result in results:
+        assert result["stopped"] == {"batch": [1, 2], "epoch": [1, 5], "nan": want_nan}
 
 
 @pytest.mark.parametrize("target, sig", [("worker", signal.SIGTERM), ("launcher", signal.SIGINT),

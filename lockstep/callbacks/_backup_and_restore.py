@@ -53,6 +53,8 @@ class BackupAndRestore(Callback):
         committed.
     """
 
+    stops_in_batches = False
+
     #: `fit` calls its hooks after every other callback's (see `CallbackList`)
     runs_last = True
 

@@ -27,6 +27,11 @@ class Callback:
     ...         print(epoch, sorted(logs))
     """
 
+    #: whether a hook other than `on_epoch_end` / `on_train_end` may set `trainer.stop_training`
+    #: (a user's may: then, where it overrides one, every worker agrees after each call of steps,
+    #: and stops where any worker's callback asked); lockstep's own say where theirs do
+    stops_in_batches = True
+
     def __init__(self) -> None:
         self.trainer: TrainerView | None = None
         #: what `fit` gives every callback, as Keras does: ``{"verbose": ..., "epochs": ..., "steps": ...}``

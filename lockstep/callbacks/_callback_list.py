@@ -6,7 +6,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from ..cluster import any_worker
+import numpy as np
+
+from ..cluster import agree_on, any_worker
 from ._callback import HOOKS, Callback
 from ._progbar import ProgbarLogger
 from ._trainer_view import TrainerView
@@ -34,6 +36,8 @@ class CallbackList:
                for hook in ("on_train_batch_end", "on_test_batch_end")},
             **{f"{loop}ing": any(overrides(cb, f"on_{loop}_{at}") for cb in given
                                  for at in ("begin", "batch_begin", "batch_end")) for loop in ("test", "predict")},
+            "stops": any(getattr(cb, "stops_in_batches", True) and overrides(cb, hook) for cb in given
+                         for hook in ("on_train_begin", "on_epoch_begin", "on_train_batch_begin", "on_train_batch_end")),
             "wrong": wrong is not None})
         if agreed["wrong"]:  # raised on every worker, none left waiting at the next collective
             raise TypeError("`callbacks` must hold lockstep callback objects (lockstep.Trainer takes Keras callbacks "
@@ -43,6 +47,11 @@ class CallbackList:
         #: whether a callback runs at the start or in the batches of `evaluate` ("testing") / `predict`
         #: ("predicting"), where it may set `stop_evaluating` / `stop_predicting` (on every worker alike)
         self.in_batches = {loop: agreed[loop] for loop in ("testing", "predicting")}
+        #: whether a callback on some worker may set `stop_training` before an epoch's end (see
+        #: `Callback.stops_in_batches`): `fit` then agrees on it after every call of steps
+        self.stops_in_batches = agreed["stops"]
+        agree_on("the callbacks that decide (stop, restore the best weights, set the learning rate)",
+                 lambda: decision_settings(given))
         self.callbacks = list(callbacks)
         # those that back up the training state last, so the backup holds what the others did at that step
         self.callbacks.sort(key=lambda cb: bool(getattr(cb, "runs_last", False)))
@@ -75,6 +84,33 @@ class CallbackList:
             call = timed
         setattr(self, name, call)  # later lookups find the attribute and skip __getattr__
         return call
+
+
+#: callbacks (Keras' or lockstep's, by name) whose settings decide for the training: every worker gives the same
+DECIDERS = ("EarlyStopping", "ReduceLROnPlateau", "TerminateOnNaN", "LearningRateScheduler")
+_SETTINGS = ("monitor", "min_delta", "patience", "mode", "baseline", "restore_best_weights", "start_from_epoch",
+             "factor", "cooldown", "min_lr", "check_every_batch")
+
+
+def decision_settings(callbacks: Iterable[Any]) -> dict[str, dict[str, Any]]:
+    """The settings of the callbacks among `callbacks` that decide for the training (`DECIDERS`),
+    by name and number: what every worker of a job must give alike (a callback that restores the
+    best weights on one worker alone would leave the others waiting in a collective).
+
+    >>> import lockstep as ls
+    >>> decision_settings([ls.callbacks.EarlyStopping(patience=2), ls.callbacks.History()])["EarlyStopping 1"]["patience"]
+    2
+    """
+    out: dict[str, dict[str, Any]] = {}
+    for cb in callbacks:
+        inner = getattr(cb, "keras_callback", cb)
+        name = type(inner).__name__
+        if name in DECIDERS:
+            settings = {a: getattr(inner, a) for a in _SETTINGS if hasattr(inner, a)}
+            out[f"{name} {sum(k.split()[0] == name for k in out) + 1}"] = {
+                a: v.item() if isinstance(v, np.generic) else v for a, v in settings.items()
+                if isinstance(v, (str, int, float, bool, np.generic))}
+    return out
 
 
 def overrides(callback: Callback, hook: str) -> bool:

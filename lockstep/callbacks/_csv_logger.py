@@ -20,6 +20,8 @@ class CSVLogger(Callback):
       append: add to an existing file instead of overwriting it.
     """
 
+    stops_in_batches = False
+
     def __init__(self, filename: str | os.PathLike[str], separator: str = ",", append: bool = False):
         super().__init__()
         self.filename = os.fspath(filename)

@@ -39,6 +39,8 @@ class EarlyStopping(MonitorCallback):
       start_from_epoch: epochs to wait before watching at all.
     """
 
+    stops_in_batches = False
+
     def __init__(self, monitor: str = "val_loss", min_delta: float = 0.0, patience: int = 0, verbose: int = 0,
                  mode: str = "auto", baseline: float | None = None, restore_best_weights: bool = False,
                  start_from_epoch: int = 0):

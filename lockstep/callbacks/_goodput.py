@@ -65,6 +65,8 @@ class Goodput(Callback):
     `epochs` keeps them too. `peak_flops`: the device's peak FLOP/s, for a device lockstep does
     not know (or to count another precision's peak)."""
 
+    stops_in_batches = False
+
     def __init__(self, peak_flops: float | None = None):
         super().__init__()
         self.peak = peak_flops

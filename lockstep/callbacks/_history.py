@@ -17,6 +17,8 @@ class History(Callback):
     one per epoch; `history.epoch` lists the epochs run.
     """
 
+    stops_in_batches = False
+
     def __init__(self) -> None:
         super().__init__()
         self.history: dict[str, list[Any]] = {}

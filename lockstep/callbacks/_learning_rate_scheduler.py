@@ -15,6 +15,8 @@ class LearningRateScheduler(Callback):
     optax transformation, build it with `optax.inject_hyperparams`.
     """
 
+    stops_in_batches = False
+
     def __init__(self, schedule: Callable[[int, float], float], verbose: int = 0):
         super().__init__()
         if not callable(schedule):

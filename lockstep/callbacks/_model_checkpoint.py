@@ -37,6 +37,8 @@ class ModelCheckpoint(MonitorCallback):
       async_save: write `.npz` files in the background (False: each save returns once written).
     """
 
+    stops_in_batches = False
+
     def __init__(self, filepath: str | os.PathLike[str], monitor: str = "val_loss", verbose: int = 0,
                  save_best_only: bool = False, save_weights_only: bool = False, mode: str = "auto",
                  save_freq: str | int = "epoch", initial_value_threshold: float | None = None,

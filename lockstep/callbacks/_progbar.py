@@ -34,6 +34,8 @@ class ProgbarLogger(Callback):
     average of per-replica values.
     """
 
+    stops_in_batches = False
+
     def __init__(self, verbose: int = 1, refresh_seconds: float = 0.25, file: Any = None):
         super().__init__()
         self.verbose = verbose

@@ -14,6 +14,8 @@ class ReduceLROnPlateau(MonitorCallback):
     every worker.
     """
 
+    stops_in_batches = False
+
     def __init__(self, monitor: str = "val_loss", factor: float = 0.1, patience: int = 10, verbose: int = 0,
                  mode: str = "auto", min_delta: float = 1e-4, cooldown: int = 0, min_lr: float = 0.0):
         super().__init__(monitor, mode, min_delta)

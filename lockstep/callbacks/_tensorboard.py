@@ -18,6 +18,8 @@ class TensorBoard(Callback):
       update_freq: ``"epoch"``, or a number of steps between writes of the running training values.
     """
 
+    stops_in_batches = False
+
     def __init__(self, log_dir: str | os.PathLike[str] = "logs", update_freq: str | int = "epoch"):
         super().__init__()
         if update_freq != "epoch" and (not isinstance(update_freq, int) or update_freq < 1):

@@ -26,6 +26,9 @@ from ..engine import spread
 
 _STOPS = ("stop_training", "stop_evaluating", "stop_predicting")  # the trainer's: Keras' fit, evaluate, predict
 _WRITERS = ("CSVLogger", "TensorBoard", "ProgbarLogger", "RemoteMonitor")
+#: Keras' own callbacks that never set `model.stop_training` in a batch's hooks (EarlyStopping: at an epoch's end)
+_NOT_STOPPING_IN_BATCHES = (*_WRITERS, "EarlyStopping", "History", "LearningRateScheduler", "ModelCheckpoint",
+                            "ReduceLROnPlateau", "SwapEMAWeights")
 _HOOKS = [name for name in HOOKS if name != "on_train_exit"]
 _ALIASES = {"on_train_batch_begin": "on_batch_begin", "on_train_batch_end": "on_batch_end"}  # Keras' own
 
@@ -244,9 +247,11 @@ class KerasCallback(Callback):
         self.keras_callback = callback
         self._first: dict[str, int] = {}  # the first batch number of each loop's running call
         self.state_name = f"keras.{type(callback).__name__}"  # its bookkeeping's name in backups
+        keras_own = all(defined_in_keras(c) for c in type(callback).__mro__[:-1])
+        self.stops_in_batches = not (keras_own and type(callback).__name__ in _NOT_STOPPING_IN_BATCHES)
         if any(n in _WRITERS for n in names) and not is_chief():
             return  # a callback that only writes files or prints: worker 0's job
-        users = ((not all(defined_in_keras(c) for c in type(callback).__mro__[:-1]) or "LambdaCallback" in names)
+        users = ((not keras_own or "LambdaCallback" in names)
                  and not any(n in _WRITERS for n in names))  # a writer runs on worker 0 alone: no collective
         for hook in _HOOKS:  # only the hooks it overrides: the others would cost a read of the logs a step
             if overrides(callback, hook):

@@ -139,14 +139,18 @@ def _values_from_worker_0(keras: Any) -> None:
     def distribute_tensor(tensor: Any, layout: Any) -> Any:
         sharding = getattr(layout, "backend_layout", layout)
         if _spans_workers(sharding) and _host_value(tensor):
+            import jax
             import numpy as np
 
             from ..engine import broadcast_from_chief
 
             value = np.asarray(tensor)
             making, _MAKING[:] = list(_MAKING), []  # only the value it is made with; later assigns are broadcast
-            tensor = (_same_on_every_worker(value, making[0]) if value.ndim == 0 and making
-                      else broadcast_from_chief(value))
+            value = np.asarray(_same_on_every_worker(value, making[0]) if value.ndim == 0 and making
+                               else broadcast_from_chief(value))
+            # the same on every worker now: placed without `jax.device_put`'s comparison across workers (a
+            # second collective over the whole value, which takes NaN, as a diverged training's weights, for a difference)
+            return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
         return original(tensor, layout)
     distribution_lib.distribute_tensor = distribute_tensor
 

@@ -16,7 +16,7 @@ import numpy as np
 from ..callbacks import Callback, CallbackList, format_logs, is_chief
 from ..cluster import agree_on
 from ..data import DataAdapter
-from ..engine import broadcast_from_chief
+from ..engine import allgather_ints
 from ._executions import calls, whole_calls
 from ._inputs import checked_steps, to_batches
 from ._labels import LabelCheck, checked
@@ -25,8 +25,13 @@ from ._worker_settings import fit_settings
 
 
 def agreed(flag: bool) -> bool:
-    """Worker 0's `flag` on every worker (a collective with several workers): where one stops, all do."""
-    return bool(broadcast_from_chief(np.asarray(flag)))
+    """True on every worker where `flag` is true on any (a collective with several workers): where
+    one stops, all do.
+
+    >>> agreed(False), agreed(True)  # one worker
+    (False, True)
+    """
+    return bool(np.any(allgather_ints([int(bool(flag))])))
 
 
 def batches_in(data: Any) -> int | None:

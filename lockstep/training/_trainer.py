@@ -404,6 +404,8 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             self._state = self._runner.run(self._state, execution)
             logs = LazyLogs(self._engine, self._all, self._state.metric_state, cblist.reads["on_train_batch_end"])
             cblist.on_train_batch_end(step + len(execution) - 1, logs)
+            if cblist.stops_in_batches:  # a callback that may stop mid-epoch: all workers stop where any asks
+                self.stop_training = agreed(self.stop_training)
             if self.stop_training:
                 break
         else:

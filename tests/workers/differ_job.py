@@ -1,7 +1,9 @@
 """Two workers whose settings differ in one thing at a time (worker 1 the odd one), each case in
 turn in the same processes: every case must end in WorkersDisagreeError on both workers, naming
 what differs, before a step mixes two trainings; then a fit where only worker 0 shows a progress
-bar (verbose=1, a TF habit) trains. Each worker prints one RESULT: case -> the error's text."""
+bar (verbose=1, a TF habit) trains, fits that a callback of worker 1's alone stops (in a batch, at
+an epoch's end), and a diverging fit that Keras' TerminateOnNaN stops. Each worker prints one
+RESULT: case -> the error's text, and the stopped fits' epochs and steps."""
 import json
 import os
 
@@ -48,6 +50,8 @@ cases = {
     "layout rule": lambda: model(on=sharded(1, {**hidden, ".*out/kernel": ("model", None) if odd else (None, None)})
                                  ).fit(x, y, batch_size=8, verbose=0),
     "batches": lambda: model().fit(other if odd else batches, epochs=2, verbose=0),
+    "EarlyStopping": lambda: model().fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x[:8], y[:8]),
+                                         callbacks=[keras.callbacks.EarlyStopping(patience=1, restore_best_weights=odd)]),
 }
 caught = {}
 for name, case in cases.items():
@@ -57,4 +61,30 @@ for name, case in cases.items():
     except ls.WorkersDisagreeError as e:
         caught[name] = str(e)
 history = model().fit(x, y, batch_size=8, epochs=2, verbose=0 if odd else 1).history  # worker 0's bar alone
-print("RESULT", json.dumps({"caught": caught, "loss": history["loss"]}), flush=True)
+
+
+class StopsOnWorker1(keras.callbacks.Callback):
+    """Asks to stop at the end of batch 1, or of epoch 0, on worker 1 alone (a callback of its own)."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if self.at == "batch" and odd and batch == 1:
+            self.model.stop_training = True
+
+    def on_epoch_end(self, epoch, logs=None):
+        if self.at == "epoch" and odd and epoch == 0:
+            self.model.stop_training = True
+
+
+stopped = {}
+for at in ("batch", "epoch"):  # every worker stops where worker 1 asked
+    m = model()
+    h = m.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False, callbacks=[StopsOnWorker1(at)] if odd else [])
+    stopped[at] = [len(h.history["loss"]), int(m.optimizer.iterations)]
+m = model(lr=1.0)  # diverges: Keras' TerminateOnNaN stops both at the same batch, and the NaN weights are kept
+h = m.fit(x, y, batch_size=8, epochs=3, verbose=0, shuffle=False, callbacks=[keras.callbacks.TerminateOnNaN()])
+stopped["nan"] = [len(h.history["loss"]), int(m.optimizer.iterations), bool(np.isnan(m.get_weights()[0]).any())]
+print("RESULT", json.dumps({"caught": caught, "loss": history["loss"], "stopped": stopped}), flush=True)
