@@ -116,7 +116,7 @@ def _summed_update(metric: Any, update_state: Any, args: tuple[Any, ...], kwargs
                     f"Keras metric `{metric.name}` was updated inside `strategy.run`, but its variables {kept} keep "
                     "a maximum or minimum, which lockstep's sum over the replicas would not give. Update it in "
                     "`fit` / `evaluate`, or write it as a lockstep.metrics.Metric (add_state(..., reduction='max')).")
-            state = wrapper.batch_state(*args, sample_weight=weight)
+            state = wrapper.batch_state(*args, sample_weight=sample_weight, real=_row_weight(metric, ctx, args, None))
             deltas = [state[k] for k in wrapper._names]
         else:
             zeros = [jnp.zeros(v.shape, v.dtype) for v in metric.variables]

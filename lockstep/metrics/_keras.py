@@ -19,7 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ._base import Metric, State
+from ..engine import get_replica_context
+from ._base import Metric, State, _effective_weight
 
 
 class _OwnUpdate(threading.local):
@@ -169,9 +170,14 @@ class KerasMetric(Metric):
     def update(self, state: State, *args: Any, sample_weight: Any = None, mask: Any = None) -> State:
         if not self.built:
             self.build(*(jnp.shape(a) for a in args[:2]))
-        if self._ignores_weight:  # so would Keras: only the padding mask counts
-            sample_weight = None
-        return super().update(state, *args, sample_weight=sample_weight, mask=mask)
+        if not self._ignores_weight:
+            return super().update(state, *args, sample_weight=sample_weight, mask=mask)
+        if mask is None:  # a variable counts rows whatever their weight: the mask apart from the user's weight
+            ctx = get_replica_context()
+            mask = None if ctx is None else ctx.mask
+        real = _effective_weight(args, None, mask)
+        return self.merge(state, self.batch_state(*args, sample_weight=_effective_weight(args, sample_weight, None),
+                                                  real=jnp.ones(jnp.shape(args[0])[:1]) if real is None else real))
 
     def _declare(self) -> None:
         if self._names:
@@ -187,7 +193,13 @@ class KerasMetric(Metric):
             self._names.append(name)
             self._inits.append(np.asarray(init, dtype=np.dtype(v.dtype)))  # NumPy: no tracer when made in a trace
 
-    def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None) -> State:
+    def batch_state(self, y_true: Any, y_pred: Any, sample_weight: Any = None, real: Any = None) -> State:
+        """One batch's part of the state. `real` (1 for the rows that count, 0 for padding), apart
+        from the user's `sample_weight`: where a variable counts rows whatever their weight (Keras
+        counts a row of weight 0 there), each real row is updated with its own weight; without it,
+        `sample_weight` stands for both."""
+        if real is not None and not self._ignores_weight:
+            sample_weight, real = _effective_weight((y_true, y_pred), sample_weight, real), None
         if not self._per_row:
             zeros = [jnp.zeros(self._specs[k].shape, self._specs[k].dtype) for k in self._names]
             return dict(zip(self._names, self._update(zeros, y_true, y_pred, sample_weight)))
@@ -198,13 +210,16 @@ class KerasMetric(Metric):
                     for name, init in zip(self._names, self._inits)}
         weight = jnp.ones((n,), jnp.float32) if sample_weight is None else jnp.asarray(sample_weight, jnp.float32)
         weight = jnp.broadcast_to(weight, (n,)) if weight.ndim == 0 else weight
-        row_weight = weight if self._ignores_weight else None
+        own = sample_weight is not None and (real is not None or not self._ignores_weight)  # each row's own weight
+        row_weight = None if not self._ignores_weight else weight if real is None else jnp.broadcast_to(
+            jnp.asarray(real, jnp.float32), (n,))
 
         def one(t: Any, p: Any, w: Any) -> list[Any]:
-            return self._update(self._inits, t[None], p[None], None if self._ignores_weight else w[None])
+            return self._update(self._inits, t[None], p[None], w[None] if own else None)
 
         rows = jax.vmap(one)(y_true, y_pred, weight)
-        real = jnp.any(weight.reshape(n, -1) != 0, axis=1)  # padding rows: weight 0
+        counted = weight if row_weight is None else row_weight
+        real = jnp.any(counted.reshape(n, -1) != 0, axis=1)  # padding rows: weight 0
         out = {}
         for name, r in zip(self._names, rows):
             spec = self._specs[name]
