@@ -44,6 +44,7 @@ from ._trainer import Trainer
 
 _ORIGINAL: dict[str, Any] = {}
 _HELD = "_lockstep_trainer"  # the model's attribute holding (key, Trainer): they live and die together
+_FITTING = "_lockstep_fitting"  # (strategy, trainer) while the model's `fit` runs
 
 
 def _fingerprint(model: Any) -> tuple[int, ...]:
@@ -140,6 +141,9 @@ def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:
     may predict, as in Keras)."""
     if compiled:
         _compiled(model)
+    running = model.__dict__.get(_FITTING)
+    if running is not None and running[0] is strategy:  # a callback's evaluate / predict during fit: the
+        return running[1]  # trainer that fits (the weights lent to the model are its state's)
     key = _key(model, strategy)
     held = model.__dict__.get(_HELD)
     if held is None or held[0] != key:  # a new compile, or weights set from elsewhere: a Trainer that reads them
@@ -190,6 +194,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     validation_data = _validated_as_keras(validation_data)
     callbacks = [*(callbacks or []), _KerasModelHistory(self)]
     epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
+    object.__setattr__(self, _FITTING, (strategy, trainer))
     try:
         self.history = trainer.fit(
             x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
@@ -200,6 +205,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
         self.history.set_trainer(self)  # `history.model` is the Keras model, as in Keras
         return self.history  # Keras keeps the last fit's History on the model
     finally:
+        self.__dict__.pop(_FITTING, None)
         self.stop_training = trainer.stop_training  # as Keras leaves it: True after a callback stopped the fit
         _ran(self)
 
