@@ -378,6 +378,33 @@ def test_monitors_in_auto_mode_and_get_metrics_result_read_keras_compiled_metric
         np.testing.assert_allclose([float(v) for v in g.values()], [float(v) for v in w.values()], rtol=1e-5)
 
 
+def test_monitors_in_auto_mode_find_a_metric_lockstep_builds_without_the_datas_shapes(tmp_path):
+    """`EarlyStopping` / `ModelCheckpoint(save_best_only=True)` on "val_mae" (mode "auto"): lockstep
+    builds "mae" before any batch, and so left Keras' compiled metrics unbuilt, where the callbacks
+    look for its direction (the ValueError "Keras isn't able to automatically determine")."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(13, 3)).astype(np.float32), rng.normal(size=(13, 1)).astype(np.float32)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(1)])
+        model.compile(optimizer=keras.optimizers.SGD(0.1), loss="mse", metrics=["mae"])
+        return model
+
+    def run(model, in_lockstep):
+        best = str(tmp_path / f"best{int(in_lockstep)}.weights.h5")
+        callbacks = [keras.callbacks.EarlyStopping(monitor="val_mae", patience=1),
+                     keras.callbacks.ModelCheckpoint(best, monitor="val_mae", save_best_only=True,
+                                                     save_weights_only=True)]
+        history = model.fit(x, y, batch_size=8, epochs=6, shuffle=False, verbose=0, validation_split=0.25,
+                            callbacks=callbacks).history
+        model.load_weights(best)
+        return history
+    (want, want_w), (got, got_w) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(4))
+    assert_logs_close(got, want)
+    assert_weights_close(got_w, want_w)
+
+
 def test_model_history_history_model_stop_training_and_logs_as_keras_sets_them():
     """`model.history` is the running fit's History from its start (lockstep set it at the end),
     `history.model` the Keras model (it was the Trainer), `model.stop_training` stays True after a

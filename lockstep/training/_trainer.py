@@ -242,6 +242,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             if self._labels.kind is not None and labels is not None:  # arrays: alike on every worker
                 self._labels.check(labels, labels_arg or arg)
             self._all.build(shapes_of(y), pred_shape)
+        if y is not None:  # (a metric such as "mae" needs no shapes: lockstep's are built before Keras' are)
             getattr(self._adapter, "build_compiled", lambda *_: None)(x, y, self._optimizer)
         if losses and not self._losses_checked:  # fit / evaluate, which add the model's own losses
             getattr(self._adapter, "check_batch_losses", lambda *_: None)(x, self.strategy.num_replicas_in_sync)
