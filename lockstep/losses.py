@@ -120,18 +120,67 @@ def get(identifier: str | Callable[..., jax.Array]) -> Callable[[Any, Any], jax.
     raise ValueError(f"`loss` must be a callable or one of {known}, got loss={identifier!r}.")
 
 
-def _keras_loss(loss: Any) -> Callable[[Any, Any], jax.Array]:
-    """A `keras.losses.Loss` object as a per-sample loss: its `call` (unreduced), with the
-    Trainer's mean over real samples as its reduction (Keras' ``"sum_over_batch_size"``)."""
+def _keras_loss(loss: Any) -> Callable[..., jax.Array]:
+    """A `keras.losses.Loss` object as a per-sample loss (``(y_true, y_pred, sample_weight=None)``),
+    reduced as Keras' ``"sum_over_batch_size"`` reduces it once the Trainer takes the mean over the
+    step's real samples: its `call`'s weighted values averaged over their other axes (Keras divides
+    by every element, a time step's or a pixel's too); with a Keras mask (the outputs', as
+    ``Embedding(mask_zero=True)`` gives it, or the loss's own: ``ignore_class``), summed over the
+    unmasked elements and scaled by the step's real samples over its unmasked elements, as Keras'
+    `apply_mask` weighs a batch's (`_masked_per_sample`)."""
     if loss.reduction not in ("sum_over_batch_size", "auto", None):
         raise ValueError(
             f"`loss` is a Keras {type(loss).__name__} with reduction={loss.reduction!r}: lockstep takes the mean over "
             "the step's real samples (Keras' 'sum_over_batch_size'); build the loss with that reduction.")
-
-    def per_sample(y_true: Any, y_pred: Any) -> jax.Array:
-        return loss.call(y_true, y_pred)
+    def per_sample(y_true: Any, y_pred: Any, sample_weight: Any = None) -> jax.Array:
+        in_mask = keras_mask(y_pred)
+        values = loss.call(y_true, y_pred)
+        out_mask = keras_mask(values)
+        mask = in_mask & out_mask if in_mask is not None and out_mask is not None else (
+            in_mask if in_mask is not None else out_mask)
+        values = times_sample_weight(jnp.asarray(values), sample_weight)
+        return _per_sample(values) if mask is None else _masked_per_sample(values, mask)
     per_sample.name = loss.name  # type: ignore[attr-defined]  # what label checks key on
+    per_sample.takes_sample_weight = True  # type: ignore[attr-defined]
     return per_sample
+
+
+def keras_mask(x: Any) -> Any:
+    """The Keras mask `x` carries (a model's output after ``Embedding(mask_zero=True)`` or
+    ``Masking``, which Keras' losses and metrics leave masked elements out by); None without one,
+    or without Keras.
+
+    >>> keras_mask(jnp.ones(3)) is None
+    True
+    """
+    if "keras" not in sys.modules:
+        return None
+    from keras.src.backend import get_keras_mask
+
+    return get_keras_mask(x)
+
+
+def _masked_per_sample(values: jax.Array, mask: Any) -> jax.Array:
+    """Each row's unmasked (weighted) losses, summed and scaled so that their mean over the step's
+    real rows is their sum over the step's unmasked elements (inside `run`: every replica's real
+    rows; 0 where none is unmasked), Keras' loss of a batch with a mask.
+
+    >>> [round(v, 4) for v in _masked_per_sample(jnp.array([[1.0, 3.0], [5.0, 7.0]]),
+    ...                                          jnp.array([[True, False], [True, True]])).tolist()]
+    [0.6667, 8.0]
+    """
+    m = jnp.asarray(mask, values.dtype)
+    if m.ndim > values.ndim or m.shape != values.shape[:m.ndim]:
+        raise ValueError(f"the Keras mask of shape {m.shape} does not fit the loss's values of shape {values.shape}.")
+    m = m.reshape(m.shape + (1,) * (values.ndim - m.ndim))
+    n = values.shape[0]
+    ctx = get_replica_context()
+    rows, unmasked = jnp.asarray(n, values.dtype), jnp.sum(jnp.broadcast_to(m, values.shape))
+    if ctx is not None and ctx.mask is not None:  # padding rows left out; the step's rows and unmasked elements
+        rows = jnp.asarray(ctx.global_count(), values.dtype)
+        unmasked = ctx.all_reduce("SUM", jnp.sum(jnp.broadcast_to(m * along_rows(ctx.mask, m.ndim), values.shape)))
+    scale = jnp.where(unmasked > 0, rows / jnp.where(unmasked > 0, unmasked, 1), 0)
+    return jnp.sum((values * m).reshape(n, -1), axis=1) * scale
 
 
 def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,

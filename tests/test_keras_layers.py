@@ -12,7 +12,7 @@ import pytest
 
 import lockstep as ls
 from lockstep.keras import KerasModel
-from keras_reference import keras_fit
+from keras_reference import assert_logs_close, assert_weights_close, in_keras_and_lockstep, keras_fit
 from suite import variants
 
 L = keras.layers
@@ -489,3 +489,51 @@ def test_a_jax_layer_that_takes_an_rng_without_drawing_trains_as_keras_own_fit()
 
     x = _seq(n=13)
     _assert_fits_as_keras_on_one_device(factory, x, _labels(x), 4, (ls.MirroredStrategy(3),), "JaxLayer")
+
+
+# --- losses over time steps: Keras loss objects, Keras masks (Embedding(mask_zero=True)), ignore_class ----------
+_T, _V = 6, 10
+_seq_rng = np.random.default_rng(4)
+_TOKENS = _seq_rng.integers(1, _V, size=(13, _T))
+for _i in range(13):  # padded sequences: token 0, which Embedding(mask_zero=True) masks
+    _TOKENS[_i, _seq_rng.integers(2, _T):] = 0
+_TAGS = _seq_rng.integers(0, 3, size=(13, _T))
+
+
+def _tagger(mask_zero, loss, metrics=None):
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((_T,), dtype="int32"), keras.layers.Embedding(_V, 4, mask_zero=mask_zero),
+                                  keras.layers.Dense(3, activation="softmax")])
+        model.compile(optimizer=keras.optimizers.SGD(0.5), loss=loss(), metrics=metrics and metrics())
+        return model
+    return build
+
+
+@pytest.mark.parametrize("case", ["object", "masked", "ignore_class"])
+@pytest.mark.parametrize("replicas, batch_size", [(1, 13), (3, 4), (8, 3)])
+def test_a_loss_over_time_steps_equals_keras_with_its_masks(case, replicas, batch_size):
+    """A Keras loss object on a per-time-step output: lockstep summed the steps' losses where Keras
+    averages them (the gradient 6x Keras' on 6 steps); the mask an Embedding(mask_zero=True) leaves
+    on the output, and the loss's own ignore_class, were not applied (the mean over every step, for
+    Keras' over the unmasked ones, normalised per batch). Now each equals Keras' own evaluate and
+    fit (weights too), with the step's rows and unmasked steps counted over every replica."""
+    build = {"object": _tagger(False, keras.losses.SparseCategoricalCrossentropy),
+             "masked": _tagger(True, keras.losses.SparseCategoricalCrossentropy,
+                               lambda: [keras.metrics.SparseCategoricalAccuracy(name="acc")]),
+             "ignore_class": _tagger(False, lambda: keras.losses.SparseCategoricalCrossentropy(ignore_class=1))}[case]
+
+    def run(model):
+        evaluated = model.evaluate(_TOKENS, _TAGS, batch_size=batch_size, verbose=0, return_dict=True)
+        return evaluated, model.fit(_TOKENS, _TAGS, batch_size=batch_size, epochs=2, shuffle=False, verbose=0).history
+    (want, want_w), (got, got_w) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(replicas))
+    assert_logs_close(got[0], want[0])
+    assert_logs_close(got[1], want[1])
+    assert_weights_close(got_w, want_w, atol=2e-6)
+
+
+def test_a_loss_by_name_on_a_masked_output_is_refused_with_what_to_give():
+    with ls.MirroredStrategy(2).scope():
+        model = _tagger(True, lambda: "sparse_categorical_crossentropy")()
+    with pytest.raises(ValueError, match="carries a Keras mask .* compile with the Keras loss object instead"):
+        model.fit(_TOKENS, _TAGS, batch_size=4, epochs=1, verbose=0)

@@ -137,9 +137,10 @@ def _scaled(fn: Any, weight: Any, loss: Any) -> Any:
     """`fn` (a per-sample loss) times a single output's `loss_weights` entry."""
     weight = loss_weight(weight)
 
-    def scaled(y_true: Any, y_pred: Any) -> Any:
-        return fn(y_true, y_pred) * weight
+    def scaled(y_true: Any, y_pred: Any, *sample_weight: Any) -> Any:  # (the weights where `fn` takes them)
+        return fn(y_true, y_pred, *sample_weight) * weight
     scaled.name = getattr(fn, "name", None) or (loss if isinstance(loss, str) else "loss")  # type: ignore[attr-defined]
+    scaled.takes_sample_weight = getattr(fn, "takes_sample_weight", False)  # type: ignore[attr-defined]
     return scaled
 
 

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..engine import get_replica_context
+from ..losses import keras_mask
 from ._base import Metric, State, _effective_weight
 
 
@@ -203,6 +204,12 @@ class KerasMetric(Metric):
         if not self._per_row:
             zeros = [jnp.zeros(self._specs[k].shape, self._specs[k].dtype) for k in self._names]
             return dict(zip(self._names, self._update(zeros, y_true, y_pred, sample_weight)))
+        if keras_mask(y_pred) is not None:
+            raise ValueError(
+                f"Keras metric `{self.name}` ({type(self.keras_metric).__name__}) is updated row by row (its variables "
+                "keep a maximum or minimum, or count rows whatever their weight), which loses the Keras mask the "
+                "model's output carries (Embedding(mask_zero=True) or Masking): its value would count masked elements. "
+                "Drop the mask before the output, or use a metric that adds up over rows.")
         n = jnp.shape(y_true)[0]
         if n == 0:  # no row: nothing changes
             return {name: jnp.asarray(init, self._specs[name].dtype) if self._specs[name].reduction != "sum"
@@ -232,6 +239,10 @@ class KerasMetric(Metric):
         return out
 
     def _update(self, state: list[Any], y_true: Any, y_pred: Any, sample_weight: Any) -> list[Any]:
+        mask = keras_mask(y_pred)
+        if mask is not None and sample_weight is not None and jnp.ndim(sample_weight) < jnp.ndim(mask):
+            # rows' weights (the padding's among them) beside a mask of their elements, as Keras broadcasts them
+            sample_weight = jnp.reshape(sample_weight, jnp.shape(sample_weight) + (1,) * (jnp.ndim(mask) - jnp.ndim(sample_weight)))
         with warnings.catch_warnings(), own_update():  # the padding mask is a float weight; Keras' int counters warn
             warnings.filterwarnings("ignore", message="You are passing weight as `float`")
             weight = {} if sample_weight is None else {"sample_weight": sample_weight}

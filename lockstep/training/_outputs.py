@@ -140,7 +140,10 @@ class OutputLosses:
                 continue
             if name not in y_true:
                 raise ValueError(f"`y` has no labels for output {name!r}, which has a loss; it has {sorted(y_true)}.")
-            value = _losses.times_sample_weight(jnp.asarray(fn(y_true[name], pred[name]), jnp.float32), weights.get(name))
+            value = (jnp.asarray(fn(y_true[name], pred[name], weights.get(name)), jnp.float32)
+                     if getattr(fn, "takes_sample_weight", False)
+                     else _losses.times_sample_weight(jnp.asarray(fn(y_true[name], pred[name]), jnp.float32),
+                                                      weights.get(name)))
             out[name] = value if value.ndim <= 1 else jnp.mean(value.reshape(value.shape[0], -1), axis=-1)
         return out
 
