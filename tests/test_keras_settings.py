@@ -976,3 +976,37 @@ def test_a_subclassed_model_made_in_the_scope_is_built_on_a_generators_first_bat
     else:
         assert_logs_close(got, want)
     assert_weights_close(got_w, want_w)
+
+
+def test_a_callback_reads_a_schedules_learning_rate_and_cannot_set_it_as_in_keras():
+    """A Keras optimizer made with a `LearningRateSchedule`: a callback reading
+    `model.optimizer.learning_rate` got lockstep's ValueError ("does not expose its learning rate"),
+    where Keras gives the schedule's value at the step; setting it now raises Keras' TypeError."""
+    def build():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(1)])
+        schedule = keras.optimizers.schedules.ExponentialDecay(0.1, decay_steps=3, decay_rate=0.5)
+        model.compile(optimizer=keras.optimizers.Adam(schedule), loss="mse")
+        return model
+
+    class Reads(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.seen.append([float(np.asarray(self.model.optimizer.learning_rate)), int(self.model.optimizer.iterations)])
+
+    def run(model):
+        reads = Reads()
+        history = model.fit(X, Y.astype(np.float32), batch_size=4, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[reads]).history
+        with pytest.raises(TypeError, match="hence its learning rate is not settable"):
+            model.fit(X, Y.astype(np.float32), batch_size=4, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[keras.callbacks.LearningRateScheduler(lambda epoch, lr: lr * 0.5)])
+        return history, reads.seen
+    (want, want_w), (got, got_w) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(4))
+    assert len(want[1]) == 8 and want[1][0][0] != want[1][-1][0]
+    np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
+    assert_logs_close(got[0], want[0])
+    assert_weights_close(got_w, want_w)

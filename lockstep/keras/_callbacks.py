@@ -120,19 +120,32 @@ class _OptimizerView:
 
     def __getattr__(self, name: str) -> Any:
         if name == "learning_rate":
+            schedule = self._schedule()
+            if schedule is not None:  # Keras' value: the schedule at the optimizer's step
+                return LiveValue(lambda: np.asarray(schedule(self._trainer.global_step)), self._set_learning_rate, name)
             return LiveValue(lambda: self._trainer.learning_rate, self._set_learning_rate, name)
         if name == "iterations":  # Keras counts optimizer steps; lockstep's global step is that count
             return LiveValue(lambda: np.int64(self._trainer.global_step), name=name)
         return getattr(getattr(self._trainer.model, "optimizer", None), name)
 
+    def _schedule(self) -> Any:
+        """The Keras optimizer's `LearningRateSchedule`, if it was made with one."""
+        rate = getattr(getattr(self._trainer.model, "optimizer", None), "_learning_rate", None)
+        return rate if any(c.__name__ == "LearningRateSchedule" for c in type(rate).__mro__) else None
+
     def _set_learning_rate(self, value: float) -> None:
+        if self._schedule() is not None:  # Keras' own error and words
+            raise TypeError("This optimizer was created with a `LearningRateSchedule` object as its `learning_rate` "
+                            "constructor argument, hence its learning rate is not settable. If you need the learning "
+                            "rate to be settable, you should instantiate the optimizer with a float `learning_rate` "
+                            "argument.")
         self._trainer.learning_rate = value
 
     def __setattr__(self, name: str, value: Any) -> None:
         if name != "learning_rate":
             raise AttributeError(f"a Keras callback may set the optimizer's learning_rate during lockstep's fit, "
                                  f"not {name!r}.")
-        self._trainer.learning_rate = float(value)
+        self._set_learning_rate(float(value))
 
 
 def _logs_given(call: Any, indexed: bool) -> Any:
