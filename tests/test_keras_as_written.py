@@ -914,7 +914,7 @@ def test_an_optimizer_named_to_the_trainer_steps_as_keras_own_of_that_name(name)
 
 
 class _EvaluatesEachEpoch(keras.callbacks.Callback):
-    """A user's callback that evaluates and predicts with the model at each epoch's end."""
+    """A user's callback that evaluates, predicts and calls the model at each epoch's end."""
 
     def __init__(self):
         super().__init__()
@@ -922,7 +922,8 @@ class _EvaluatesEachEpoch(keras.callbacks.Callback):
 
     def on_epoch_end(self, epoch, logs=None):
         self.seen.append([self.model.evaluate(X[:20], Y_VALUE[:20], batch_size=8, verbose=0),
-                          np.asarray(self.model.predict(X[:5], verbose=0)).ravel().tolist()])
+                          np.asarray(self.model.predict(X[:5], verbose=0)).ravel().tolist(),
+                          np.asarray(self.model(X[:5])).ravel().tolist()])
 
 
 @pytest.mark.parametrize("replicas", [1, 3])
@@ -943,4 +944,5 @@ def test_a_callback_evaluating_during_fit_leaves_the_next_fit_keras_own(replicas
     assert_logs_close(got[2], want[2])
     np.testing.assert_allclose(got[1][-1][0], want[1][-1][0], rtol=1e-5)
     np.testing.assert_allclose(got[1][-1][1], want[1][-1][1], rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got[1][-1][2], want[1][-1][2], rtol=1e-5, atol=1e-6)  # self.model(x): not callable before
     assert_weights_close(got_w, want_w, atol=1e-5)

@@ -184,6 +184,11 @@ class _ModelView:
         # (variables whose shards other workers hold gathered by all first), and all return once written
         getattr(self._trainer.model, how)(*args, **kwargs)
 
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """The Keras model called on `args` (``self.model(x)``), with the weights of this step."""
+        self._trainer.sync_model()
+        return self._trainer.model(*args, **kwargs)
+
     def jax_state_sync(self) -> None:
         """Keras' `Callback.model` calls it on every access: the weights are read only when asked for."""
 
