@@ -249,12 +249,24 @@ def _weighted_loss(per_example_loss: Any, sample_weight: Any, global_batch_size:
 def times_sample_weight(per_example_loss: jax.Array, sample_weight: Any) -> jax.Array:
     """Per-sample losses times their weights (one per sample, or per leading axes such as time steps).
 
+    A weight of shape ``(N, 1)`` weighs losses of shape ``(N,)`` row by row, as Keras squeezes it.
+
     >>> times_sample_weight(jnp.ones((2, 3)), [0.5, 2.0]).tolist()
     [[0.5, 0.5, 0.5], [2.0, 2.0, 2.0]]
+    >>> times_sample_weight(jnp.array([1.0, 3.0]), [[0.5], [2.0]]).tolist()
+    [0.5, 6.0]
     """
     if sample_weight is None:
         return per_example_loss
-    return per_example_loss * along_rows(jnp.asarray(sample_weight, per_example_loss.dtype), per_example_loss.ndim)
+    w = jnp.asarray(sample_weight, per_example_loss.dtype)
+    while w.ndim > per_example_loss.ndim and w.shape[-1] == 1:  # (it broadcast to an (N, N) grid)
+        w = w[..., 0]
+    if w.ndim > per_example_loss.ndim:
+        raise ValueError(
+            f"`sample_weight` of shape {w.shape} has more axes than the losses it weighs, of shape "
+            f"{per_example_loss.shape} (a loss given by name is one value per sample): give one weight per sample, "
+            "or a Keras loss object, whose per-element values a weight per time step weighs.")
+    return per_example_loss * along_rows(w, per_example_loss.ndim)
 
 
 def masked_average_loss(per_example_loss: Any, mask: jax.Array, count: jax.Array, sample_weight: Any = None,

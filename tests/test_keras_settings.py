@@ -1010,3 +1010,59 @@ def test_a_callback_reads_a_schedules_learning_rate_and_cannot_set_it_as_in_kera
     np.testing.assert_allclose(got[1], want[1], rtol=1e-6)
     assert_logs_close(got[0], want[0])
     assert_weights_close(got_w, want_w)
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_sample_weights_of_shape_n_by_1_weigh_each_row_as_keras_does(replicas):
+    """`sample_weight` of shape (N, 1) against per-sample losses of shape (N,): lockstep broadcast them
+    into an (N, N) grid (each row's weight times the batch's mean loss), loss 1.3164 for Keras'
+    1.2234 even on one replica; Keras squeezes the trailing 1. By name and as a loss object."""
+    rng = np.random.default_rng(2)
+    x, y = rng.normal(size=(37, 4)).astype(np.float32), rng.integers(0, 3, 37)
+    w = rng.uniform(0.1, 2.0, size=(37, 1)).astype(np.float32)
+    for loss in ("sparse_categorical_crossentropy", keras.losses.SparseCategoricalCrossentropy()):
+        def build():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, activation="softmax")])
+            model.compile(optimizer=keras.optimizers.SGD(0.1), loss=loss)
+            return model
+
+        def run(model):
+            evaluated = model.evaluate(x, y, sample_weight=w, batch_size=7, verbose=0)
+            history = model.fit(x, y, sample_weight=w, batch_size=7, epochs=2, shuffle=False, verbose=0,
+                                validation_data=(x[:9], y[:9], w[:9])).history
+            return evaluated, history
+        (want, want_w), (got, got_w) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(replicas))
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5)
+        assert_logs_close(got[1], want[1])
+        assert_weights_close(got_w, want_w)
+
+
+def test_y_as_a_one_element_list_and_a_subclassed_model_with_dropout_train_as_in_keras():
+    """`fit(x, [y])` for a model of one output (Keras takes its element): lockstep read the list as
+    one (1, N) array (a wrong label error, or JAX's TracerArrayConversionError). A subclassed model
+    whose Dropout made its seed state in `__init__`: lockstep took it for built and refused its Keras
+    optimizer ("needs a Keras model with its variables")."""
+    class WithDropout(keras.Model):
+        def __init__(self):
+            super().__init__()
+            self.hidden, self.drop, self.out = (keras.layers.Dense(8), keras.layers.Dropout(0.3, seed=1),
+                                                keras.layers.Dense(3))
+
+        def call(self, inputs, training=None):
+            return self.out(self.drop(self.hidden(inputs), training=training))
+
+    def build():
+        keras.utils.set_random_seed(0)
+        model = WithDropout()
+        model.compile(optimizer="adam", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
+                      metrics=["accuracy"])
+        return model
+
+    def run(model):
+        history = model.fit(X, [Y], batch_size=8, epochs=2, shuffle=False, verbose=0).history
+        return history, model.evaluate(X, (Y,), batch_size=8, verbose=0, return_dict=True)
+    (want, want_w), (got, got_w) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(4))
+    assert_logs_close(got[0], want[0])
+    assert_logs_close(got[1], want[1])
+    assert_weights_close(got_w, want_w)

@@ -3,7 +3,8 @@
 `fit`.
 
 The callback's `self.model` is a view of the Keras model whose training-time state is the
-trainer's: `stop_training` is the trainer's (every worker agrees at the end of each epoch),
+trainer's: `stop_training` is the trainer's (every worker stops where any asks: at an epoch's end,
+or after the call of steps where a callback may stop within the epoch),
 `optimizer.learning_rate` reads and sets the trainer's learning rate (no recompilation),
 `get_weights` / `set_weights` are the trainer's weights (Keras' order), and `save` /
 `save_weights` write the trained weights and optimizer state, from worker 0 only (every worker

@@ -114,8 +114,8 @@ def _built_as_keras(model: Any, strategy: Any, x: Any, y: Any, batch_size: Any, 
     compiled loss, metrics and optimizer (`predicting`: its layers alone, by a call on the batch).
     Data other than arrays is read through the adapter the Trainer then takes in its place (a
     generator's first batch is not lost; `shuffle` as `fit` gives it)."""
-    if model.variables or x is None:
-        return x
+    if x is None or (model.variables and all(layer.built for layer in model._flatten_layers())):
+        return x  # (a layer may make variables unbuilt: Dropout's seed state, in a subclassed model's __init__)
     if is_arrays(x):
         first = jax.tree.map(lambda a: np.asarray(a)[:32 if batch_size is None else batch_size],
                              (x,) if y is None else (x, y))
@@ -134,6 +134,18 @@ def _built_as_keras(model: Any, strategy: Any, x: Any, y: Any, batch_size: Any, 
         else:
             model._symbolic_build(data_batch=first)
     return x
+
+
+def _one_output(model: Any, y: Any) -> Any:
+    """`y` given as a one-element list or tuple for a model of one output, as Keras takes it: its element."""
+    if isinstance(y, (list, tuple)) and len(y) == 1:
+        try:
+            outputs = model.outputs
+        except (AttributeError, ValueError):  # a subclassed model: one output unless it says otherwise
+            outputs = None
+        if outputs is None or len(outputs) == 1:
+            return y[0]
+    return y
 
 
 def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:
@@ -188,6 +200,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
                                 validation_batch_size=validation_batch_size, validation_freq=validation_freq)
     _one_validation_of(validation_data, validation_freq, range(initial_epoch, epochs))
     _compiled(self)
+    y = _one_output(self, y)
     x = _as_keras_starts(self, x, y, sample_weight, batch_size, shuffle, validation_split, validation_data)
     x = _built_as_keras(self, strategy, x, y, batch_size, shuffle=shuffle)
     trainer = _trainer(self, strategy)
@@ -284,6 +297,7 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, v
     _, steps = _limited(None, steps)
     try:
         _compiled(self)
+        y = _one_output(self, y)
         x = _as_keras_starts(self, x, y, sample_weight, batch_size, False)
         x = _built_as_keras(self, strategy, x, y, batch_size)
         trainer = _trainer(self, strategy)
