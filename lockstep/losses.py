@@ -133,7 +133,9 @@ def _keras_loss(loss: Any) -> Callable[..., jax.Array]:
             f"`loss` is a Keras {type(loss).__name__} with reduction={loss.reduction!r}: lockstep takes the mean over "
             "the step's real samples (Keras' 'sum_over_batch_size'); build the loss with that reduction.")
     def per_sample(y_true: Any, y_pred: Any, sample_weight: Any = None) -> jax.Array:
-        in_mask = keras_mask(y_pred)
+        in_mask = keras_mask(y_pred)  # (before the cast below, which makes new arrays)
+        if getattr(loss, "dtype", None) is not None:  # as Keras' Loss.__call__: both in the loss's dtype (float32)
+            y_true, y_pred = (jax.tree.map(lambda a: jnp.asarray(a, loss.dtype), t) for t in (y_true, y_pred))
         values = loss.call(y_true, y_pred)
         out_mask = keras_mask(values)
         mask = in_mask & out_mask if in_mask is not None and out_mask is not None else (
@@ -141,6 +143,7 @@ def _keras_loss(loss: Any) -> Callable[..., jax.Array]:
         values = times_sample_weight(jnp.asarray(values), sample_weight)
         return _per_sample(values) if mask is None else _masked_per_sample(values, mask)
     per_sample.name = loss.name  # type: ignore[attr-defined]  # what label checks key on
+    per_sample.ignore_class = (getattr(loss, "_fn_kwargs", None) or {}).get("ignore_class")  # type: ignore[attr-defined]
     per_sample.takes_sample_weight = True  # type: ignore[attr-defined]
     return per_sample
 
@@ -175,12 +178,13 @@ def _masked_per_sample(values: jax.Array, mask: Any) -> jax.Array:
     m = m.reshape(m.shape + (1,) * (values.ndim - m.ndim))
     n = values.shape[0]
     ctx = get_replica_context()
-    rows, unmasked = jnp.asarray(n, values.dtype), jnp.sum(jnp.broadcast_to(m, values.shape))
+    counted = jnp.broadcast_to(m, values.shape).astype(jnp.float32)  # counts in float32 (bfloat16 stops at 256)
+    rows, unmasked = jnp.asarray(n, jnp.float32), jnp.sum(counted)
     if ctx is not None and ctx.mask is not None:  # padding rows left out; the step's rows and unmasked elements
-        rows = jnp.asarray(ctx.global_count(), values.dtype)
-        unmasked = ctx.all_reduce("SUM", jnp.sum(jnp.broadcast_to(m * along_rows(ctx.mask, m.ndim), values.shape)))
+        rows = jnp.asarray(ctx.global_count(), jnp.float32)
+        unmasked = ctx.all_reduce("SUM", jnp.sum(counted * along_rows(ctx.mask.astype(jnp.float32), m.ndim)))
     scale = jnp.where(unmasked > 0, rows / jnp.where(unmasked > 0, unmasked, 1), 0)
-    return jnp.sum((values * m).reshape(n, -1), axis=1) * scale
+    return (jnp.sum((values * m).reshape(n, -1), axis=1) * scale).astype(values.dtype)
 
 
 def compute_average_loss(per_example_loss: Any, sample_weight: Any = None,

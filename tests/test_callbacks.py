@@ -289,3 +289,34 @@ def test_progress_bar_shows_running_global_values(capsys):
     out = capsys.readouterr()
     text = out.out + out.err
     assert "Epoch 1/1" in text and "loss:" in text and "accuracy:" in text
+
+
+def test_workers_agree_on_stops_after_each_call_only_where_a_callback_may_stop_mid_epoch(monkeypatch):
+    """The agreement on `stop_training` (a collective with several workers) runs at each epoch's end,
+    and after every call of steps only where some callback may stop before it: a user's callback
+    with batch hooks (or a subclass of one of lockstep's), not Keras' EarlyStopping nor the History
+    that Keras' `fit` adds (with it, every multi-worker Keras fit agreed after every call)."""
+    import keras
+
+    import lockstep.training._evaluation as evaluation
+
+    calls = []
+    real = evaluation.allgather_ints
+    monkeypatch.setattr(evaluation, "allgather_ints", lambda values: calls.append(values) or real(values))
+    x, y = data()
+
+    class EveryBatch(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+
+    class MyHistory(ls.callbacks.History):
+        def on_train_batch_end(self, batch, logs=None):
+            pass
+    with ls.MirroredStrategy(2).scope():
+        model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(2)])
+        model.compile(optimizer="sgd", loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    for callbacks, per_epoch in (([keras.callbacks.EarlyStopping(monitor="loss", patience=5)], 1),
+                                 ([EveryBatch()], 1 + 4), ([MyHistory()], 1 + 4)):
+        calls.clear()
+        model.fit(x, y, batch_size=len(x) // 4, epochs=2, verbose=0, callbacks=callbacks)
+        assert len(calls) == 2 * per_epoch, (callbacks, len(calls))

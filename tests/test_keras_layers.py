@@ -532,8 +532,26 @@ def test_a_loss_over_time_steps_equals_keras_with_its_masks(case, replicas, batc
     assert_weights_close(got_w, want_w, atol=2e-6)
 
 
-def test_a_loss_by_name_on_a_masked_output_is_refused_with_what_to_give():
+def test_a_loss_or_metric_by_name_on_a_masked_output_is_refused_with_what_to_give():
+    """lockstep's own losses and metrics (given by name) count every element: on a masked output
+    they would differ from Keras' silently, so they are refused, naming the Keras object to give."""
     with ls.MirroredStrategy(2).scope():
-        model = _tagger(True, lambda: "sparse_categorical_crossentropy")()
+        by_name = _tagger(True, lambda: "sparse_categorical_crossentropy")()
+        metric_by_name = _tagger(True, keras.losses.SparseCategoricalCrossentropy, lambda: ["accuracy"])()
     with pytest.raises(ValueError, match="carries a Keras mask .* compile with the Keras loss object instead"):
-        model.fit(_TOKENS, _TAGS, batch_size=4, epochs=1, verbose=0)
+        by_name.fit(_TOKENS, _TAGS, batch_size=4, epochs=1, verbose=0)
+    with pytest.raises(ValueError, match=r"carries a Keras mask .* metrics \['accuracy'\] are lockstep's own"):
+        metric_by_name.evaluate(_TOKENS, _TAGS, batch_size=4, verbose=0)
+
+
+def test_ignore_class_outside_the_classes_trains_as_keras():
+    """`ignore_class=-1` with -1 tags (the usual "void" label): lockstep's label check refused them
+    as outside the classes; Keras trains on the other labels."""
+    tags = np.where(_TOKENS == 0, -1, _TAGS)
+    build = _tagger(False, lambda: keras.losses.SparseCategoricalCrossentropy(ignore_class=-1))
+
+    def run(model):
+        return model.fit(_TOKENS, tags, batch_size=4, epochs=2, shuffle=False, verbose=0).history
+    (want, want_w), (got, got_w) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(3))
+    assert_logs_close(got, want)
+    assert_weights_close(got_w, want_w, atol=2e-6)

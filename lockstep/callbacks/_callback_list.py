@@ -36,7 +36,7 @@ class CallbackList:
                for hook in ("on_train_batch_end", "on_test_batch_end")},
             **{f"{loop}ing": any(overrides(cb, f"on_{loop}_{at}") for cb in given
                                  for at in ("begin", "batch_begin", "batch_end")) for loop in ("test", "predict")},
-            "stops": any(getattr(cb, "stops_in_batches", True) and overrides(cb, hook) for cb in given
+            "stops": any(may_stop_in_batches(cb) and overrides(cb, hook) for cb in given
                          for hook in ("on_train_begin", "on_epoch_begin", "on_train_batch_begin", "on_train_batch_end")),
             "wrong": wrong is not None})
         if agreed["wrong"]:  # raised on every worker, none left waiting at the next collective
@@ -111,6 +111,18 @@ def decision_settings(callbacks: Iterable[Any]) -> dict[str, dict[str, Any]]:
                 a: v.item() if isinstance(v, np.generic) else v for a, v in settings.items()
                 if isinstance(v, (str, int, float, bool, np.generic))}
     return out
+
+
+def may_stop_in_batches(callback: Any) -> bool:
+    """Whether `callback` may set `stop_training` before an epoch's end: any but lockstep's own that
+    say they do not (`Callback.stops_in_batches`; a user's subclass of one may).
+
+    >>> import lockstep as ls
+    >>> TimeLimit = type("TimeLimit", (ls.callbacks.History,), {"__module__": "my_callbacks"})  # a user's
+    >>> may_stop_in_batches(ls.callbacks.History()), may_stop_in_batches(TimeLimit())
+    (False, True)
+    """
+    return getattr(callback, "stops_in_batches", True) or not type(callback).__module__.startswith("lockstep.")
 
 
 def overrides(callback: Callback, hook: str) -> bool:

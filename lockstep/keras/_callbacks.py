@@ -186,8 +186,8 @@ class _ModelView:
         getattr(self._trainer.model, how)(*args, **kwargs)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        """The Keras model called on `args` (``self.model(x)``), with the weights of this step."""
-        self._trainer.sync_model()
+        """The Keras model called on `args` (``self.model(x)``): in a user's hook its variables hold
+        the weights of this step (`_with_variables`)."""
         return self._trainer.model(*args, **kwargs)
 
     def jax_state_sync(self) -> None:

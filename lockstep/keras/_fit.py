@@ -278,6 +278,8 @@ def _one_validation_of(validation_data: Any, validation_freq: Any, epochs: range
 class _KerasModelHistory(Callback):
     """`model.history` as Keras sets it: the running fit's `History`, from the fit's start."""
 
+    stops_in_batches = False
+
     def __init__(self, model: Any):
         super().__init__()
         self._keras_model = model

@@ -238,6 +238,9 @@ class KerasMetric(Metric):
                 out[name] = (jnp.max if spec.reduction == "max" else jnp.min)(kept, axis=0)
         return out
 
+    #: Keras' own update reads the mask a model's output carries (`update_logs` refuses metrics that do not)
+    reads_keras_masks = True
+
     def _update(self, state: list[Any], y_true: Any, y_pred: Any, sample_weight: Any) -> list[Any]:
         mask = keras_mask(y_pred)
         if mask is not None and sample_weight is not None and jnp.ndim(sample_weight) < jnp.ndim(mask):

@@ -23,6 +23,9 @@ def label_kind(loss: Any) -> str | None:
     >>> label_kind("sparse_categorical_crossentropy_from_logits"), label_kind("mse")
     ('sparse', None)
     """
+    if getattr(loss, "ignore_class", None) is not None or (getattr(loss, "_fn_kwargs", None) or {}).get(
+            "ignore_class") is not None:  # a label outside the classes may be the one ignored (-1, 255), as Keras takes it
+        return None
     name = loss if isinstance(loss, str) else getattr(loss, "name", None) or getattr(loss, "__name__", "")
     name = str(name).lower().removesuffix("_from_logits")
     if name.startswith("sparse_categorical") or name.startswith("sparse_top"):

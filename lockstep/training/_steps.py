@@ -141,6 +141,13 @@ def update_logs(loss_tracker: Mean, metrics: MetricCollection, state: dict[str, 
     if penalty is not None:
         logged = logged + penalty.astype(logged.dtype)
     new["loss"] = loss_tracker.update(state["loss"], logged, mask=mask)
+    if keras_mask(y_pred) is not None and (blind := [n for n, m in metrics.metrics.items()
+                                                     if not getattr(m, "reads_keras_masks", False)]):
+        raise ValueError(
+            f"the model's output carries a Keras mask (Embedding(mask_zero=True) or Masking, kept to the output), which "
+            f"Keras' metrics leave masked elements out by, but the metrics {blind} are lockstep's own (given by name), "
+            "which count every element: give Keras metric objects instead (say, "
+            "keras.metrics.SparseCategoricalAccuracy()), which lockstep updates with the mask as Keras does.")
     new.update(metrics.update({k: state[k] for k in metrics.metrics}, y, y_pred, sample_weight=sample_weight,
                               mask=mask))
     return new
