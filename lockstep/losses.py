@@ -163,6 +163,27 @@ def keras_mask(x: Any) -> Any:
     return get_keras_mask(x)
 
 
+def weighted_per_sample(loss_fn: Callable[..., Any], y_true: Any, y_pred: Any, sample_weight: Any,
+                        where: str = "the model's output", dtype: Any = None) -> jax.Array:
+    """`loss_fn`'s per-sample losses times `sample_weight`: a Keras loss object (`takes_sample_weight`)
+    weighs its own elements; a loss given by name (its losses first cast to `dtype`, where given) is
+    refused on an output (`where`) carrying a Keras mask, whose masked elements it would count.
+
+    >>> weighted_per_sample(mean_squared_error, jnp.zeros((2, 1)), jnp.ones((2, 1)), [0.5, 2.0]).tolist()
+    [0.5, 2.0]
+    """
+    if getattr(loss_fn, "takes_sample_weight", False):
+        return loss_fn(y_true, y_pred, sample_weight)
+    if keras_mask(y_pred) is not None:
+        raise ValueError(
+            f"{where} carries a Keras mask (Embedding(mask_zero=True) or Masking, kept to the output), which Keras' "
+            f"loss leaves masked elements out by, but the loss {getattr(loss_fn, '__name__', loss_fn)!r} is given by "
+            "name and lockstep's reduces every element: compile with the Keras loss object instead (say, "
+            "keras.losses.SparseCategoricalCrossentropy()), which lockstep reduces with the mask as Keras does.")
+    values = loss_fn(y_true, y_pred)
+    return times_sample_weight(values if dtype is None else jnp.asarray(values, dtype), sample_weight)
+
+
 def _masked_per_sample(values: jax.Array, mask: Any) -> jax.Array:
     """Each row's unmasked (weighted) losses, summed and scaled so that their mean over the step's
     real rows is their sum over the step's unmasked elements (inside `run`: every replica's real

@@ -140,14 +140,8 @@ class OutputLosses:
                 continue
             if name not in y_true:
                 raise ValueError(f"`y` has no labels for output {name!r}, which has a loss; it has {sorted(y_true)}.")
-            if not getattr(fn, "takes_sample_weight", False) and _losses.keras_mask(pred[name]) is not None:
-                raise ValueError(f"output {name!r} carries a Keras mask (Embedding(mask_zero=True) or Masking), which "
-                                 "Keras' loss leaves masked elements out by, but its loss is given by name and lockstep's "
-                                 "reduces every element: give the Keras loss object instead.")
-            value = (jnp.asarray(fn(y_true[name], pred[name], weights.get(name)), jnp.float32)
-                     if getattr(fn, "takes_sample_weight", False)
-                     else _losses.times_sample_weight(jnp.asarray(fn(y_true[name], pred[name]), jnp.float32),
-                                                      weights.get(name)))
+            value = jnp.asarray(_losses.weighted_per_sample(fn, y_true[name], pred[name], weights.get(name),
+                                                            f"output {name!r}", jnp.float32), jnp.float32)
             out[name] = value if value.ndim <= 1 else jnp.mean(value.reshape(value.shape[0], -1), axis=-1)
         return out
 

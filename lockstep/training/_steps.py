@@ -22,7 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from ..engine import ReduceOp, all_reduce, replicas_axis
-from ..losses import keras_mask, masked_average_loss, times_sample_weight
+from ..losses import keras_mask, masked_average_loss, weighted_per_sample
 from ..metrics import Mean, MetricCollection
 
 Apply = Callable[[Any, Any, bool], tuple[Any, Any, jax.Array | None]]
@@ -113,15 +113,7 @@ def unpack(batch: Any) -> tuple[Any, Any, Any]:
 def weighted_losses(loss_fn: LossFn, y: Any, y_pred: Any, sample_weight: Any) -> jax.Array:
     """Per-sample losses times the sample weights (a loss over several outputs weighs each output's
     losses by its own sample weights itself)."""
-    if getattr(loss_fn, "takes_sample_weight", False):
-        return loss_fn(y, y_pred, sample_weight)  # type: ignore[call-arg]
-    if keras_mask(y_pred) is not None:  # a loss by name, reduced over each sample's elements, all of them
-        raise ValueError(
-            f"the model's output carries a Keras mask (Embedding(mask_zero=True) or Masking, kept to the output), which "
-            f"Keras' loss leaves masked elements out by, but the loss {getattr(loss_fn, '__name__', loss_fn)!r} is "
-            "given by name and lockstep's reduces every element: compile with the Keras loss object instead (say, "
-            "keras.losses.SparseCategoricalCrossentropy()), which lockstep reduces with the mask as Keras does.")
-    return times_sample_weight(loss_fn(y, y_pred), sample_weight)
+    return weighted_per_sample(loss_fn, y, y_pred, sample_weight)
 
 
 def global_penalty(penalty: jax.Array | None, num_replicas: int) -> jax.Array | None:
