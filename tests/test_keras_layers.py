@@ -555,3 +555,51 @@ def test_ignore_class_outside_the_classes_trains_as_keras():
     (want, want_w), (got, got_w) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(3))
     assert_logs_close(got, want)
     assert_weights_close(got_w, want_w, atol=2e-6)
+
+
+class _MonteCarlo(L.Layer):
+    """Monte-Carlo dropout: `Dropout` and `BatchNormalization` called with ``training=True`` inside a
+    layer's `call`, so they draw and update their statistics in `predict` and `evaluate` too."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.drop, self.norm = L.Dropout(0.5), L.BatchNormalization(name="norm")
+
+    def call(self, x, training=None):
+        return self.norm(self.drop(x, training=True), training=True)
+
+
+def _monte_carlo():
+    inp = keras.Input((5,))
+    model = keras.Model(inp, L.Dense(1, name="head")(_MonteCarlo()(L.Dense(6, activation="relu", name="hidden")(inp))))
+    model.compile(optimizer="sgd", loss="mse")
+    return model
+
+
+@pytest.mark.parametrize("strategy", [lambda: ls.MirroredStrategy(1), lambda: ls.MirroredStrategy(3),
+                                      lambda: ls.MirroredStrategy(8),
+                                      lambda: ls.ShardedStrategy(mesh=ls.DeviceMesh((2, 4), ("batch", "model")),
+                                                                 layout_map={".*norm/.*": ("model",)},
+                                                                 batch_dim_name="batch", zero_stage=3)])
+def test_a_model_that_draws_and_updates_its_state_in_inference_keeps_it_as_keras_does(strategy):
+    """Monte-Carlo dropout: Keras' predict and evaluate keep the seed state and moving statistics a
+    call changes, from batch to batch and call to call (repeated predicts are new samples).
+    lockstep's inference steps dropped them: every batch drew the first batch's masks and a second
+    predict repeated the first. 13 rows in batches of 4: a last batch of one row (replicas without
+    rows); on the 2x4 mesh the 6 statistics split over 4 devices are stored padded."""
+    x = np.random.default_rng(0).normal(size=(13, 5)).astype(np.float32)
+    y = np.random.default_rng(1).normal(size=(13, 1)).astype(np.float32)
+
+    def run(model):
+        first, second = (model.predict(x, batch_size=4, verbose=0) for _ in range(2))
+        evaluated = model.evaluate(x, y, batch_size=4, verbose=0)
+        history = model.fit(x, y, batch_size=4, epochs=2, shuffle=False, verbose=0, validation_data=(x, y)).history
+        return first, second, evaluated, history, [np.asarray(v) for v in model.non_trainable_variables]
+    (want, want_w), (got, got_w) = in_keras_and_lockstep(lambda: (keras.utils.set_random_seed(0), _monte_carlo())[1],
+                                                         run, strategy())
+    assert not np.allclose(want[0], want[1])  # the reference draws anew
+    for g, w in zip(got[:3], want[:3]):
+        np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+    assert_logs_close(got[3], want[3])
+    assert_weights_close(got[4], want[4], atol=1e-5)
+    assert_weights_close(got_w, want_w, atol=1e-5)

@@ -271,3 +271,63 @@ def test_a_users_metric_counting_rows_beside_weighted_sums_keeps_the_weights(rep
     for batch in s.experimental_distribute_dataset(ls.data.batches((y, x[:, :1], w), batch_size)):
         s.run(step, args=(batch,))
     np.testing.assert_allclose(float(m.result()), float(reference.result()), rtol=1e-6)
+
+
+def _metric_results(model):
+    """Every Keras metric object of `model` (its loss trackers, its compiled metrics) by the name its
+    logs give it, and its `result()`: what a user's code reads after `fit`, or a callback in it."""
+    out = {}
+    for metric in model.metrics:
+        result = metric.result()
+        for name, value in (result.items() if isinstance(result, dict) else [(metric.name, result)]):
+            out[name] = float(np.asarray(value))
+    return out
+
+
+@pytest.mark.parametrize("replicas", variants([1, 3, 8], {3, 8}))
+def test_the_models_metric_objects_hold_what_keras_leaves_in_them(replicas):
+    """After Keras' `fit` or `evaluate` (and in a callback at an epoch's end) the model's metric
+    objects hold the loop's states: ``acc.result()`` is the value logged. lockstep left them at 0
+    (never updated), and after `reset_metrics` `get_metrics_result` still gave the last logs. Two
+    outputs, metric objects, names and weighted metrics, sample weights; 13 rows in batches of 4:
+    replicas without rows in the last."""
+    from keras_reference import in_keras_and_lockstep
+
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(13, 5)).astype(np.float32)
+    y = {"a": rng.integers(0, 2, 13), "b": rng.normal(size=(13, 1)).astype(np.float32)}
+    w = rng.uniform(0.1, 2, size=13).astype(np.float32)
+    sacc = {}
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((5,))
+        h = keras.layers.Dense(8, activation="relu")(inp)
+        model = keras.Model(inp, {"a": keras.layers.Dense(2, activation="softmax", name="a")(h),
+                                  "b": keras.layers.Dense(1, name="b")(h)})
+        sacc["object"] = keras.metrics.SparseCategoricalAccuracy(name="sacc")
+        model.compile("adam", {"a": "sparse_categorical_crossentropy", "b": "mse"},
+                      metrics={"a": ["accuracy", sacc["object"]], "b": ["mae"]},
+                      weighted_metrics={"b": [keras.metrics.MeanSquaredError(name="wmse")]})
+        return model
+
+    class Reads(keras.callbacks.Callback):
+        def on_epoch_end(self, epoch, logs=None):
+            self.read.append(_metric_results(self.model))
+
+    def run(model):
+        reads = Reads()
+        reads.read = []
+        model.fit(x, y, sample_weight=w, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[reads],
+                  validation_data=(x[:6], {"a": y["a"][:6], "b": y["b"][:6]}))
+        fitted, sacc_fitted = _metric_results(model), float(sacc["object"].result())
+        model.evaluate(x, y, batch_size=5, verbose=0)
+        evaluated = _metric_results(model)
+        model.reset_metrics()
+        return reads.read, fitted, sacc_fitted, evaluated, model.get_metrics_result()
+    (want, _), (got, _) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(replicas))
+    assert len(want[1]) == 7 and want[2] > 0.5 and not any(want[4].values())
+    for g, k in zip([*got[0], got[1], got[3], got[4]], [*want[0], want[1], want[3], want[4]]):
+        assert sorted(g) == sorted(k)
+        np.testing.assert_allclose([g[n] for n in sorted(g)], [k[n] for n in sorted(k)], rtol=2e-5, atol=1e-6)
+    np.testing.assert_allclose(got[2], want[2], rtol=1e-6)

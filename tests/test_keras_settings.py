@@ -1040,7 +1040,8 @@ def test_sample_weights_of_shape_n_by_1_weigh_each_row_as_keras_does(replicas):
 
 def test_y_as_a_one_element_list_and_a_subclassed_model_with_dropout_train_as_in_keras():
     """`fit(x, [y])` for a model of one output (Keras takes its element): lockstep read the list as
-    one (1, N) array (a wrong label error, or JAX's TracerArrayConversionError). A subclassed model
+    one (1, N) array (a wrong label error, or JAX's TracerArrayConversionError); so did
+    `validation_data=(x, [y])`, `train_on_batch` and `test_on_batch`. A subclassed model
     whose Dropout made its seed state in `__init__`: lockstep took it for built and refused its Keras
     optimizer ("needs a Keras model with its variables")."""
     class WithDropout(keras.Model):
@@ -1060,9 +1061,13 @@ def test_y_as_a_one_element_list_and_a_subclassed_model_with_dropout_train_as_in
         return model
 
     def run(model):
-        history = model.fit(X, [Y], batch_size=8, epochs=2, shuffle=False, verbose=0).history
-        return history, model.evaluate(X, (Y,), batch_size=8, verbose=0, return_dict=True)
+        history = model.fit(X, [Y], batch_size=8, epochs=2, shuffle=False, verbose=0, validation_data=(X, [Y])).history
+        on_batch = [model.train_on_batch(X[:8], [Y[:8]], return_dict=True),
+                    model.test_on_batch(X[8:16], (Y[8:16],), return_dict=True)]
+        return history, model.evaluate(X, (Y,), batch_size=8, verbose=0, return_dict=True), on_batch
     (want, want_w), (got, got_w) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(4))
     assert_logs_close(got[0], want[0])
     assert_logs_close(got[1], want[1])
+    for g, w in zip(got[2], want[2]):
+        assert_logs_close(g, w)
     assert_weights_close(got_w, want_w)

@@ -64,7 +64,7 @@ def install(keras: Any) -> None:
     for name, method in (("__init__", _init), ("fit", _fit), ("evaluate", _evaluate), ("predict", _predict),
                          ("predict_on_batch", _predict_on_batch), ("train_on_batch", _train_on_batch),
                          ("test_on_batch", _test_on_batch), ("get_weights", _get_weights),
-                         ("get_metrics_result", _get_metrics_result),
+                         ("get_metrics_result", _get_metrics_result), ("reset_metrics", _reset_metrics),
                          ("save", _written("save")), ("save_weights", _written("save_weights"))):
         _ORIGINAL[name] = getattr(keras.Model, name)
         method.__doc__ = _ORIGINAL[name].__doc__
@@ -204,7 +204,7 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     x = _as_keras_starts(self, x, y, sample_weight, batch_size, shuffle, validation_split, validation_data)
     x = _built_as_keras(self, strategy, x, y, batch_size, shuffle=shuffle)
     trainer = _trainer(self, strategy)
-    validation_data = _validated_as_keras(validation_data)
+    validation_data = _validated_as_keras(self, validation_data)
     callbacks = [*(callbacks or []), _KerasModelHistory(self)]
     epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
     object.__setattr__(self, _FITTING, (strategy, trainer))
@@ -250,9 +250,12 @@ def _as_keras_starts(model: Any, x: Any, y: Any, sample_weight: Any, batch_size:
     return x
 
 
-def _validated_as_keras(validation_data: Any) -> Any:
-    """A `keras.utils.PyDataset` as Keras' fit validates on it: each validation ends the previous
-    pass again first (`PyDatasetBatches.ends_before_each_pass`)."""
+def _validated_as_keras(model: Any, validation_data: Any) -> Any:
+    """`validation_data` as Keras' fit takes it: its `y` a one-element list for a model of one output
+    (`_one_output`); a `keras.utils.PyDataset` that each validation ends the previous pass of again
+    first (`PyDatasetBatches.ends_before_each_pass`)."""
+    if isinstance(validation_data, (tuple, list)) and len(validation_data) in (2, 3):
+        return (validation_data[0], _one_output(model, validation_data[1]), *validation_data[2:])
     if not PyDatasetBatches.accepts(validation_data):
         return validation_data
     data = adapt(validation_data, seed=None, arg="validation_data")
@@ -364,6 +367,15 @@ def _get_metrics_result(self: Any) -> Any:
     return dict(held[1].last_logs)
 
 
+def _reset_metrics(self: Any) -> None:
+    """Keras' `reset_metrics`; `get_metrics_result` then reads the metric objects reset, as in Keras
+    (not the last loop's logs)."""
+    _ORIGINAL["reset_metrics"](self)
+    held = self.__dict__.get(_HELD)
+    if held is not None:
+        held[1].last_logs = None
+
+
 def _in_order(logs: dict[str, Any], return_dict: bool) -> Any:
     """Logs as Keras returns them: the dict (by name), or the values in order (a lone loss as a scalar)."""
     if return_dict:
@@ -380,6 +392,7 @@ def _train_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None,
                                            return_dict=return_dict)
     if class_weight is not None and sample_weight is not None:
         raise ValueError("Arguments `sample_weight` and `class_weight` cannot be specified at the same time.")
+    y = _one_output(self, y)
     try:
         trainer = _trainer(self, strategy)
         trainer.fit(x, y, batch_size=len(jax.tree.leaves(x)[0]), epochs=1, shuffle=False, verbose=0,
@@ -393,6 +406,7 @@ def _test_on_batch(self: Any, x: Any, y: Any = None, sample_weight: Any = None, 
     strategy = strategy_of_model(self, by_devices=False)
     if strategy is None:
         return _ORIGINAL["test_on_batch"](self, x, y, sample_weight=sample_weight, return_dict=return_dict)
+    y = _one_output(self, y)
     try:
         logs = _trainer(self, strategy).evaluate(x, y, batch_size=len(jax.tree.leaves(x)[0]), verbose=0,
                                                  sample_weight=sample_weight, return_dict=True)

@@ -190,6 +190,29 @@ class KerasModel:
     def _variables(self) -> list[Any]:
         return [*self.model.trainable_variables, *self.model.non_trainable_variables]
 
+    def metric_objects(self) -> dict[str, Any]:
+        """The model's Keras metric objects by the names its logs give them (its loss trackers, a
+        compiled metric made from a name, as `output_accuracy` where the model has several outputs),
+        which the trainer gives the states of its metrics of those names when a loop ends, as Keras'
+        loops leave them (``model.metrics[1].result()`` after `fit` is the epoch's value)."""
+        found: dict[str, Any] = {}
+
+        def walk(metric: Any) -> None:
+            lists = getattr(metric, "_flat_metrics", None)
+            if isinstance(lists, list):  # Keras' CompileMetrics: its `result()`'s names
+                for group in [*lists, *getattr(metric, "_flat_weighted_metrics", [])]:
+                    prefix = f"{group.output_name}_" if group is not None and group.output_name else ""
+                    for m in getattr(group, "metrics", None) or []:
+                        found.setdefault(prefix + m.name, m)
+            elif isinstance(getattr(metric, "metrics", None), list):  # Keras' CompileLoss: the outputs' losses
+                for m in metric.metrics:
+                    walk(m)
+            elif getattr(metric, "variables", None):
+                found.setdefault(metric.name, metric)
+        for metric in self.model.metrics:
+            walk(metric)
+        return found
+
     def lend(self, params: Params) -> list[Any]:
         """The Keras variables made to hold `params` as they lie on the devices (no copy), for a
         user's code that reads or assigns them; returns what each holds, for `taken`."""

@@ -256,3 +256,31 @@ class KerasMetric(Metric):
 
     def get_config(self) -> dict[str, Any]:
         return {"name": self.name, "keras_metric": self.keras_metric.get_config()}
+
+
+def write_to_keras(metric: Metric, state: State, keras_metric: Any) -> bool:
+    """Assigns `metric`'s global (reduced) `state` to the variables of `keras_metric`, the Keras
+    object that stands for it: the one it wraps (or a copy), or one whose variables are the state's fields by
+    name and shape (a mean's ``total`` and ``count``), so that ``keras_metric.result()`` is the value
+    lockstep reported, as Keras' loops leave their metric objects. False where they do not
+    correspond (`keras_metric` is left as it is).
+
+    >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+    'jax'
+    >>> import keras, lockstep as ls
+    >>> k = keras.metrics.Mean()
+    >>> write_to_keras(ls.metrics.Mean(), {"total": 6.0, "count": 4.0}, k), float(k.result())
+    (True, 1.5)
+    """
+    variables = list(keras_metric.variables)
+    if isinstance(metric, KerasMetric) and metric.built and type(keras_metric) is type(metric.keras_metric) and [
+            tuple(v.shape) for v in variables] == [tuple(v.shape) for v in metric.keras_metric.variables]:
+        values = [state[name] for name in metric._names]  # the object it wraps, or the one it was copied from
+    elif sorted(state) == sorted(v.name for v in variables) and all(
+            np.shape(state[v.name]) == tuple(v.shape) for v in variables):
+        values = [state[v.name] for v in variables]
+    else:
+        return False
+    for v, value in zip(variables, values):
+        v.assign(np.asarray(value).astype(v.dtype))
+    return True

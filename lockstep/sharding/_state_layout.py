@@ -313,7 +313,9 @@ class Sharded(Replicated):
         def stored_apply(params: Any, x: Any, training: bool) -> Any:
             cut = jax.tree.map(lambda a, v: fit_to(a, v.shape), params, self._layouts)
             y, non_trainable, penalty = apply(cut, x, training)
-            return y, self._stored(non_trainable, "non_trainable"), penalty
+            stored = self._stored(non_trainable, "non_trainable")  # what the call left alone: the very arrays given
+            return y, jax.tree.map(lambda new, given, old, kept: kept if new is given else old, non_trainable,
+                                   cut["non_trainable"], stored, params["non_trainable"]), penalty
         return stored_apply
 
     def update(self, grads: Any, opt_state: Any, trainable: Any) -> tuple[Any, Any]:

@@ -17,10 +17,12 @@ from ..callbacks import Callback, CallbackList, format_logs, is_chief
 from ..cluster import agree_on
 from ..data import DataAdapter
 from ..engine import allgather_ints
+from ..metrics import write_to_keras
 from ._executions import calls, whole_calls
 from ._inputs import checked_steps, to_batches
 from ._labels import LabelCheck, checked
-from ._logs import LazyLogs, read_logs
+from ._logs import LazyLogs, ended_logs
+from ._outputs import OutputMetric
 from ._worker_settings import fit_settings
 
 
@@ -64,6 +66,7 @@ class TrainerEvaluation:
     `steps_per_execution`, `callback_adapter`, and builds the model on the first batch with `_build_on`)."""
 
     _runner: Any
+    _adapter: Any
     _state: Any
     _engine: Any
     _all: Any
@@ -74,6 +77,8 @@ class TrainerEvaluation:
     callback_adapter: Any
     stop_evaluating: bool
     stop_predicting: bool
+    _inference_changed = False
+    sync_model: Any
     last_logs: dict[str, Any] | None
     _build_on: Any
     _fresh_state: Any
@@ -87,6 +92,40 @@ class TrainerEvaluation:
         yield from calls(batches, self.steps_per_execution)
         data.loop_ended()
 
+    def _ended(self, state: Any) -> dict[str, Any]:
+        """The logs of a loop that ended on the per-replica metric `state`; the Keras metric objects
+        (those given, and the model's own: `adapter.metric_objects`) are given their states, as Keras'
+        loops leave them."""
+        logs, states = ended_logs(self._engine, self._all, state)
+        objects = self._adapter.metric_objects()
+        for name, metric_state in states.items():
+            metric = self._all.metrics[name]
+            metric = metric.inner if isinstance(metric, OutputMetric) else metric  # (its state is the inner metric's)
+            target = objects.get(name, getattr(metric, "keras_metric", None))  # (a Keras object given to a Trainer: itself)
+            if target is not None:
+                write_to_keras(metric, metric_state, target)
+        return logs
+
+    def _predicted(self, batch: Any) -> Any:
+        outputs, params = self._runner.predict(self._state.params, batch)
+        self._keep_inference_state(params)
+        return outputs
+
+    def _keep_inference_state(self, params: Any) -> None:
+        """Keeps the non-trainable state an evaluate or predict step changed (Monte-Carlo dropout's
+        seed state, moving statistics of a `BatchNormalization` called with ``training=True``), as
+        Keras' loops keep it; the model object gets it when the loop ends (`_sync_inference_state`)."""
+        if params is not self._state.params:
+            self._state = self._state.replace(params=params)
+            self._inference_changed = True
+
+    def _sync_inference_state(self) -> None:
+        """Writes the state an evaluate or predict changed into the model object, as Keras' loops
+        end (a collective where the layout pads: every worker's loop changed the same)."""
+        if self._inference_changed:
+            self._inference_changed = False
+            self.sync_model()
+
     def _evaluate_batches(self, data: DataAdapter, cblist: CallbackList, y: Any = None,
                           arg: str = "validation_data", steps: int | None = None) -> dict[str, Any]:
         data = checked(data, self._labels, y, arg, inputs=self._build_on(data, "x" if arg in ("x", "y") else arg, y, arg))
@@ -96,12 +135,13 @@ class TrainerEvaluation:
         for step, group in self._calls(data, steps):
             cblist.on_test_batch_begin(step)
             for batch in group:
-                state = self._runner.evaluate(self._state.params, state, batch)
+                state, params = self._runner.evaluate(self._state.params, state, batch)
+                self._keep_inference_state(params)
             cblist.on_test_batch_end(step + len(group) - 1,
                                      LazyLogs(self._engine, self._all, state, cblist.reads["on_test_batch_end"]))
             if cblist.in_batches["testing"] and agreed(self.stop_evaluating):
                 break
-        logs = self.last_logs = read_logs(self._engine, self._all, state)
+        logs = self.last_logs = self._ended(state)
         cblist.on_test_end(dict(sorted(logs.items())))
         return logs
 
@@ -118,6 +158,7 @@ class TrainerEvaluation:
         note_weighted_metrics(sample_weight, self._metrics)
         cblist = CallbackList(map(self.callback_adapter, callbacks or []), self, _loop_params(verbose, data, checked_steps(steps)))
         logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x", checked_steps(steps))
+        self._sync_inference_state()
         if verbose and is_chief():
             print(format_logs(logs))
         return logs if return_dict else list(logs.values())
@@ -136,10 +177,11 @@ class TrainerEvaluation:
         outputs = []
         for step, group in self._calls(data, steps):
             cblist.on_predict_batch_begin(step)
-            outputs.append(_joined([self._runner.predict(self._state.params, batch) for batch in group]))
+            outputs.append(_joined([self._predicted(batch) for batch in group]))
             cblist.on_predict_batch_end(step + len(group) - 1, {"outputs": outputs[-1]})  # the call's, as in Keras
             if cblist.in_batches["predicting"] and agreed(self.stop_predicting):
                 break
+        self._sync_inference_state()
         cblist.on_predict_end()
         return _joined(outputs)
 

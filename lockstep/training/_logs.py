@@ -1,5 +1,5 @@
 """The logs callbacks see: loss and metric values of the per-replica metric state, read as one
-compiled reduction of every state (`read_logs`), and per-batch logs read only when a callback looks
+compiled reduction of every state (`ended_logs`), and per-batch logs read only when a callback looks
 (`LazyLogs`)."""
 
 from __future__ import annotations
@@ -66,6 +66,16 @@ def _reduced(engine: Any, metrics: MetricCollection, state: Any) -> dict[str, An
     return {k: values[k] for k in metrics.metrics}
 
 
-def read_logs(engine: Any, metrics: MetricCollection, state: Any) -> dict[str, Any]:
-    """Loss and metric values of per-replica `state`, on the host."""
-    return {k: _to_python(v) for k, v in _reduced(engine, metrics, state).items()}
+def ended_logs(engine: Any, metrics: MetricCollection, state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """The logs of a loop's per-replica `state` (loss and metric values) and the states of its metrics of a
+    fixed size reduced over the replicas (what a Keras metric object holds; not the rows a "cat"
+    state keeps), on the host, in one program."""
+    values, states = engine.run_to_host(_values_and_states, (metrics, state), ("replicated", "per_replica"))
+    return {k: _to_python(values[k]) for k in metrics.metrics}, states
+
+
+def _values_and_states(metrics: MetricCollection, state: Any) -> tuple[Any, Any]:
+    synced = metrics.sync(state)
+    sized = {name: s for name, s in synced.items()
+             if all(spec.reduction != "cat" for spec in metrics.metrics[name].state_specs.values())}
+    return metrics.result_from(synced), sized

@@ -137,6 +137,10 @@ class _FunctionalAdapter:
     def check_input(self, x: Any) -> None:
         """Nothing to check beyond what `apply` takes (see `lockstep.keras.KerasModel.check_input`)."""
 
+    def metric_objects(self) -> dict[str, Any]:
+        """No metric objects of its own (see `lockstep.keras.KerasModel.metric_objects`)."""
+        return {}
+
     def lend(self, params: Params) -> None:
         """No Keras variables to lend (see `lockstep.keras.KerasModel.lend`)."""
 

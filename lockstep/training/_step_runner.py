@@ -26,7 +26,7 @@ import numpy as np
 
 from ..data import AccumulationGroup
 from ._executions import compiled_program, feed_of, make_program, runs
-from ._steps import CHECK_VMA, EVAL_KINDS, PREDICT_KINDS
+from ._steps import CHECK_VMA, EVAL_KINDS, INFERENCE_OUT_KINDS, PREDICT_KINDS, with_changed
 from ._train_state import TrainState
 
 
@@ -93,15 +93,18 @@ class StepRunner:
             start = self._starts[i] = self._engine.distributor.put_copies(np.int32(i))
         return start
 
-    def evaluate(self, params: Any, state: Any, batch: Any) -> Any:
-        """The running loss and metric states after `batch`."""
-        return self._engine.run_arrays(self._steps["eval"], (params, state, batch.data, batch.mask, batch.count),
-                                       EVAL_KINDS, "per_replica", mask=batch.mask, count=batch.count,
-                                       check_vma=CHECK_VMA)
+    def evaluate(self, params: Any, state: Any, batch: Any) -> tuple[Any, Any]:
+        """(the running loss and metric states after `batch`, `params` with the non-trainable state
+        the model changed)."""
+        state, changed = self._engine.run_arrays(
+            self._steps["eval"], (params, state, batch.data, batch.mask, batch.count), EVAL_KINDS, INFERENCE_OUT_KINDS,
+            mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
+        return state, with_changed(params, changed)
 
-    def predict(self, params: Any, batch: Any) -> Any:
-        """The model's outputs on `batch`'s real rows, on the host."""
-        out = self._engine.run_arrays(self._steps["predict"], (params, batch.data), PREDICT_KINDS, "per_replica",
-                                      mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
-        return jax.tree.map(np.asarray, self._engine.real_rows(out, batch.step))
-
+    def predict(self, params: Any, batch: Any) -> tuple[Any, Any]:
+        """(the model's outputs on `batch`'s real rows, on the host; `params` with the non-trainable
+        state the model changed)."""
+        out, changed = self._engine.run_arrays(
+            self._steps["predict"], (params, batch.data, batch.mask, batch.count), PREDICT_KINDS, INFERENCE_OUT_KINDS,
+            mask=batch.mask, count=batch.count, check_vma=CHECK_VMA)
+        return jax.tree.map(np.asarray, self._engine.real_rows(out, batch.step)), with_changed(params, changed)

@@ -21,7 +21,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from ..engine import ReduceOp, all_reduce, replicas_axis
+from ..engine import ReduceOp, all_reduce, get_replica_context, replicas_axis
 from ..losses import keras_mask, masked_average_loss, weighted_per_sample
 from ..metrics import Mean, MetricCollection
 
@@ -37,7 +37,9 @@ CHECK_VMA = False
 
 #: The kinds of the steps' arguments and results (see `lockstep.engine._compiler`).
 EVAL_KINDS = ("replicated", "per_replica", "rows", "rows", "replicated")
-PREDICT_KINDS = ("replicated", "rows")
+PREDICT_KINDS = ("replicated", "rows", "rows", "replicated")
+#: the eval and predict steps' results: the logs' states or the outputs, and the state the model changed
+INFERENCE_OUT_KINDS = ("per_replica", "replicated")
 
 
 #: `remat` names besides JAX's checkpoint policies (`jax.checkpoint_policies`): "full" saves only the
@@ -207,26 +209,59 @@ def make_gradient_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metric
     return gradient_step
 
 
+def changed_state(before: Any, after: Any, mask: jax.Array) -> dict[int, jax.Array]:
+    """The arrays of the non-trainable state `after` an inference call that the call changed (not
+    those of `before`: Monte-Carlo dropout's seed state, `BatchNormalization` called with
+    ``training=True``), by their place among its leaves, agreed over the replicas as a training
+    step's; none for a model that changes nothing in inference (the usual case: nothing to return).
+
+    >>> import jax.numpy as jnp
+    >>> kept, seed = jnp.zeros(2), jnp.ones(2, jnp.int32)
+    >>> changed_state([kept, seed], [kept, seed + 1], jnp.ones(3))  # one replica: nothing to agree on
+    {1: Array([2, 2], dtype=int32)}
+    """
+    olds, news = jax.tree.leaves(before), jax.tree.leaves(after)
+    changed = {i: new for i, (old, new) in enumerate(zip(olds, news)) if new is not old}
+    return _agree_non_trainable(changed, mask) if changed and get_replica_context() is not None else changed
+
+
+def with_changed(params: dict[str, Any], changed: dict[int, jax.Array]) -> dict[str, Any]:
+    """`params` with the non-trainable arrays an inference step changed (`changed_state`'s), each
+    laid out as the one it replaces."""
+    if not changed:
+        return params
+    leaves, tree = jax.tree.flatten(params["non_trainable"])
+    for i, new in changed.items():
+        old = leaves[i]
+        leaves[i] = new if getattr(old, "sharding", None) in (None, new.sharding) else jax.device_put(new, old.sharding)
+    return {**params, "non_trainable": jax.tree.unflatten(tree, leaves)}
+
+
 def make_eval_step(apply: Apply, loss_fn: LossFn, loss_tracker: Mean, metrics: MetricCollection,
                    num_replicas: int) -> Callable[..., Any]:
-    """Loss and metrics of one replica's rows, accumulated into the running state."""
+    """Loss and metrics of one replica's rows, accumulated into the running state, and the
+    non-trainable state the model changed (`changed_state`; Keras' evaluate keeps it)."""
 
     def eval_step(params: dict[str, Any], state: dict[str, Any], data: Any, mask: jax.Array,
-                  count: jax.Array) -> dict[str, Any]:
+                  count: jax.Array) -> tuple[dict[str, Any], dict[int, jax.Array]]:
         x, y, sw = unpack(data)
-        y_pred, _, penalty = apply(params, x, False)
-        return update_logs(loss_tracker, metrics, state, y, y_pred, weighted_losses(loss_fn, y, y_pred, sw), sw, mask,
+        y_pred, non_trainable, penalty = apply(params, x, False)
+        logs = update_logs(loss_tracker, metrics, state, y, y_pred, weighted_losses(loss_fn, y, y_pred, sw), sw, mask,
                            global_penalty(penalty, num_replicas))
+        return logs, changed_state(params["non_trainable"], non_trainable, mask)
 
     return eval_step
 
 
 def make_predict_step(apply: Apply) -> Callable[..., Any]:
-    """The model's outputs on one replica's rows (padding rows are dropped afterwards)."""
+    """The model's outputs on one replica's rows (padding rows are dropped afterwards), and the
+    non-trainable state it changed (`changed_state`; Keras' predict keeps it)."""
 
-    def predict_step(params: dict[str, Any], data: Any) -> Any:
+    def predict_step(params: dict[str, Any], data: Any, mask: jax.Array, count: jax.Array
+                     ) -> tuple[Any, dict[int, jax.Array]]:
         x, _, _ = unpack(data)
-        return apply(params, x, False)[0]
+        y_pred, non_trainable, _ = apply(params, x, False)
+        return y_pred, changed_state(params["non_trainable"], non_trainable, mask)
 
     return predict_step
 

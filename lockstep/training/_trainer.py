@@ -51,7 +51,7 @@ from ._outputs import shapes_of
 from ._precision import in_precision, resolve_policy, skipped_steps
 from ._settings import ModelSettings, checked_steps_per_execution, given_settings
 from ._restore import fit_start, initial_state, placed, snapshot, take_up
-from ._logs import LazyLogs, read_logs
+from ._logs import LazyLogs
 from ._train_state import TrainState
 from ._state_names import state_names
 from ._measures import TrainerMeasures
@@ -412,7 +412,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         else:
             train.ended()
         self._state = self._state.replace(epoch=epoch + 1, step=0)
-        logs = read_logs(self._engine, self._all, self._state.metric_state)
+        logs = self._ended(self._state.metric_state)
         self.last_logs = dict(logs)
         if (skipped := skipped_steps(self._state.opt_state)) is not None and self.log_skipped_steps:
             logs["skipped_steps"] = skipped  # mixed_float16: steps skipped for non-finite gradients so far
