@@ -388,6 +388,10 @@ def test_functional_model_gets_a_key_per_replica_and_step():
     t.fit(x, y, batch_size=8, epochs=1, verbose=0)
     assert seen and all(k is not None for k in seen)
     assert int(t.train_state.params["non_trainable"]["rng_step"]) == 1  # one training step drew once
+    synced = []
+    t.sync_model = lambda: synced.append(1)
+    t.evaluate(x, y, batch_size=8), t.predict(x, batch_size=8)  # inference leaves the counter as it is: nothing
+    assert int(t.train_state.params["non_trainable"]["rng_step"]) == 1 and not synced  # returned, nothing to sync
 
 
 def test_a_replicas_rows_of_a_draw_are_drawn_from_its_first_counter_as_one_device_draws_them():

@@ -331,3 +331,41 @@ def test_the_models_metric_objects_hold_what_keras_leaves_in_them(replicas):
         assert sorted(g) == sorted(k)
         np.testing.assert_allclose([g[n] for n in sorted(g)], [k[n] for n in sorted(k)], rtol=2e-5, atol=1e-6)
     np.testing.assert_allclose(got[2], want[2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("outputs", [1, 2])
+def test_repeated_and_weighted_twins_are_named_and_held_as_keras_names_them(outputs):
+    """A metric given twice, or in `metrics` and `weighted_metrics` alike, is logged by Keras as
+    ``mae_1`` and ``weighted_mae`` (``a_weighted_mae`` for an output): lockstep logged a second
+    ``a_mae_1`` for the weighted twin of an output's metric, and left the objects of repeated names
+    (and `R2Score`'s, whose state it named otherwise) unwritten. 3 replicas, 13 rows in batches of 4."""
+    from keras_reference import in_keras_and_lockstep
+
+    rng = np.random.default_rng(1)
+    x = rng.normal(size=(13, 4)).astype(np.float32)
+    y = rng.normal(size=(13, 1)).astype(np.float32)
+    w = rng.uniform(0.1, 2, size=13).astype(np.float32)
+
+    def build():
+        keras.utils.set_random_seed(0)
+        inp = keras.Input((4,))
+        if outputs == 1:
+            model = keras.Model(inp, keras.layers.Dense(1)(inp))
+            model.compile("sgd", "mse", metrics=["mae", "mae", keras.metrics.R2Score()],
+                          weighted_metrics=["mae", "mae"])
+        else:
+            model = keras.Model(inp, {"a": keras.layers.Dense(1, name="a")(inp), "b": keras.layers.Dense(1, name="b")(inp)})
+            model.compile("sgd", {"a": "mse", "b": "mse"}, metrics={"a": ["mae", "mae"], "b": ["mse"]},
+                          weighted_metrics={"a": ["mae"], "b": ["mse", "mae"]})
+        return model
+
+    def run(model):
+        ys = y if outputs == 1 else {"a": y, "b": -y}
+        history = model.fit(x, ys, sample_weight=w, batch_size=4, epochs=1, shuffle=False, verbose=0).history
+        return history, _metric_results(model)
+    (want, _), (got, _) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(3))
+    assert any("weighted_mae" in k for k in want[0])
+    for g, k in zip(got, want):
+        assert sorted(g) == sorted(k)
+        np.testing.assert_allclose([np.ravel(g[n])[-1] for n in sorted(g)], [np.ravel(k[n])[-1] for n in sorted(k)],
+                                   rtol=2e-5, atol=1e-6)

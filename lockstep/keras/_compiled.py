@@ -15,7 +15,7 @@ from .. import losses as _losses
 from .._keras_kind import is_keras
 from ..metrics import get as get_metric
 from ..training import (DEFAULT_LOSS, DEFAULT_OPTIMIZER, ModelSettings, Outputs, checked_steps_per_execution,
-                        loss_weight, output_settings)
+                        keras_metric_names, loss_weight, output_settings)
 from ._optimizer import is_loss_scaled
 
 
@@ -93,15 +93,14 @@ def settings(model: Any, optimizer: Any, loss: Any, metrics: Any, compiled: bool
     if loss_weights is not None and loss_weights != 1:
         loss = _scaled(_losses.get(loss), loss_weights, loss)
     if metrics is None and compiled:
-        metrics, taken = [], {"loss"}
+        metrics = []
         for group, weighted in zip(_given_metrics(model), (False, True)):
             for entry in group:
                 metric = get_metric(entry)
                 metric.weighted = weighted  # Keras weighs only `weighted_metrics` by sample_weight
-                if weighted and metric.name in taken:  # Keras' name for the weighted twin of a metric
-                    metric.name = f"weighted_{metric.name}"
-                taken.add(metric.name)
                 metrics.append(metric)
+        for metric, name in zip(metrics, keras_metric_names(("", m.name, m.weighted) for m in metrics)):
+            metric.name = name  # Keras' names of repeated ones (`weighted_mse`, `mae_1`)
     return optimizer, loss, metrics
 
 

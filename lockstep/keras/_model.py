@@ -20,7 +20,7 @@ import numpy as np
 
 from ..distribute import get_strategy
 from ..engine import get_replica_context, held, host_value
-from ..training import Optimizer, checked_batch_statistics
+from ..training import Optimizer, checked_batch_statistics, keras_metric_names
 from ._layers import (activity_penalties_masked, check_activity_regularizers, check_batch_losses, check_supported,
                       draws_following_rows, hook_batch_norm, layer_outputs_named, random_draws_as_one_device)
 from ._optimizer import KerasOptimizer, optimizer_for
@@ -200,10 +200,11 @@ class KerasModel:
         def walk(metric: Any) -> None:
             lists = getattr(metric, "_flat_metrics", None)
             if isinstance(lists, list):  # Keras' CompileMetrics: its `result()`'s names
-                for group in [*lists, *getattr(metric, "_flat_weighted_metrics", [])]:
-                    prefix = f"{group.output_name}_" if group is not None and group.output_name else ""
-                    for m in getattr(group, "metrics", None) or []:
-                        found.setdefault(prefix + m.name, m)
+                entries = [(f"{group.output_name}_" if group.output_name else "", m, weighted)
+                           for groups, weighted in ((lists, False), (metric._flat_weighted_metrics, True))
+                           for group in groups if group for m in group.metrics]
+                names = keras_metric_names((prefix, m.name, weighted) for prefix, m, weighted in entries)
+                found.update((name, m) for name, (_, m, _) in zip(names, entries) if name not in found)
             elif isinstance(getattr(metric, "metrics", None), list):  # Keras' CompileLoss: the outputs' losses
                 for m in metric.metrics:
                     walk(m)

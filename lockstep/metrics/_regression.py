@@ -99,7 +99,7 @@ class R2Score(Metric):
 
     def _declare(self, k: int) -> None:
         self._num_outputs = k
-        for field in ("count", "sum", "squared_sum", "residual_sum"):
+        for field in ("count", "sum", "squared_sum", "residual"):
             self.add_state(field, shape=(k,))
         self.add_state("num_samples")
 
@@ -121,14 +121,14 @@ class R2Score(Metric):
         wy = jnp.where(w != 0, w * y_true, 0.0)
         return {"count": jnp.sum(w, 0), "sum": jnp.sum(wy, 0),
                 "squared_sum": jnp.sum(jnp.where(w != 0, wy * y_true, 0.0), 0),
-                "residual_sum": jnp.sum(jnp.where(w != 0, w * jnp.square(y_true - y_pred), 0.0), 0),
+                "residual": jnp.sum(jnp.where(w != 0, w * jnp.square(y_true - y_pred), 0.0), 0),
                 "num_samples": jnp.sum(jnp.any(w != 0, axis=1)).astype(jnp.float32)}
 
     def result_from(self, state: State) -> jax.Array:
         mean = divide_no_nan(state["sum"], state["count"])
         total = state["squared_sum"] - state["sum"] * mean
-        raw = 1.0 - divide_no_nan(state["residual_sum"], total)
-        raw = jnp.where(total == 0, jnp.where(state["residual_sum"] == 0, 1.0, 0.0), raw)
+        raw = 1.0 - divide_no_nan(state["residual"], total)
+        raw = jnp.where(total == 0, jnp.where(state["residual"] == 0, 1.0, 0.0), raw)
         if self.class_aggregation is None:
             score = raw
         elif self.class_aggregation == "uniform_average":

@@ -11,6 +11,7 @@ from ._optimizers import get_optimizer as get_optimizer
 from ._model import checked_batch_statistics as checked_batch_statistics
 from ._optimizers import Optimizer as Optimizer
 from ._outputs import Outputs as Outputs
+from ._outputs import keras_metric_names as keras_metric_names
 from ._outputs import loss_weight as loss_weight
 from ._outputs import settings as output_settings
 from ._settings import DEFAULT_LOSS as DEFAULT_LOSS

@@ -91,7 +91,7 @@ class _FunctionalAdapter:
         if ctx is not None:
             key = jax.random.fold_in(key, ctx.replica_id_in_sync_group)
         y = self.model.apply(params["trainable"], x, rng=key, **flag)
-        return y, {"rng_step": state["rng_step"] + jnp.uint32(training)}, None
+        return y, {"rng_step": state["rng_step"] + jnp.uint32(1)} if training else state, None  # (inference: as given)
 
     def get_weights(self, params: Params) -> Any:
         return jax.tree.map(host_value, params["trainable"])

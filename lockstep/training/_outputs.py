@@ -19,7 +19,7 @@ axes), so the step's loss is the one-device loss on any number of replicas.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -222,11 +222,35 @@ class OutputMetric(Metric):
         return self.inner.result_from(state)
 
 
+def keras_metric_names(entries: Iterable[tuple[str, str, bool]]) -> list[str]:
+    """The names Keras' compiled metrics log, from (output prefix, metric name, weighted) in Keras'
+    order (every output's `metrics` before the `weighted_metrics`): a repeated name gets ``_1``,
+    ``_2``…, a weighted metric named as an earlier one ``<prefix>weighted_<name>`` (Keras'
+    `CompileMetrics.result`).
+
+    >>> keras_metric_names([("", "mae", False), ("", "mae", False), ("", "mae", True), ("a_", "mae", True)])
+    ['mae', 'mae_1', 'weighted_mae', 'a_mae']
+    """
+    counts: dict[str, int] = {}
+    out = []
+    for prefix, name, weighted in entries:
+        full = prefix + name
+        if full in counts and weighted:
+            full = f"{prefix}weighted_{name}"
+        if full in counts:
+            counts[full] += 1
+            full = f"{full}_{counts[full] - 1}"
+        else:
+            counts[full] = 1
+        out.append(full)
+    return out
+
+
 def metrics_per_output(outputs: Outputs, groups: Sequence[tuple[Any, bool | None]]) -> list[Metric]:
     """`OutputMetric`s from `compile`'s ``metrics`` and ``weighted_metrics`` (each a dict by output
     name or a list with one entry per output; an entry is a metric or a list of them), paired with
-    whether the group is weighted by `sample_weight`."""
-    out: list[Metric] = []
+    whether the group is weighted by `sample_weight`; named as Keras names them (`keras_metric_names`)."""
+    out: list[OutputMetric] = []
     for spec, weighted in groups:
         if not spec:
             continue
@@ -234,7 +258,9 @@ def metrics_per_output(outputs: Outputs, groups: Sequence[tuple[Any, bool | None
             for metric in entry if isinstance(entry, (list, tuple)) else [entry]:
                 if metric is not None:
                     out.append(OutputMetric(outputs, name, metric, weighted))
-    return out
+    for metric, name in zip(out, keras_metric_names((f"{m._output}_", m.inner.name, m.weighted is True) for m in out)):
+        metric.name = name
+    return list(out)
 
 
 def settings(outputs: Outputs, loss: Any, loss_weights: Any, groups: Sequence[tuple[Any, bool | None]]
