@@ -175,3 +175,44 @@ def test_a_function_jitted_over_the_state_is_compiled_once_for_every_step():
     assert ended.callbacks == {"EarlyStopping.0": {"wait": 1}} and state.epoch == 3
     with pytest.raises(TypeError, match="no field"):
         state.replace(epochs=1)
+
+
+@pytest.mark.parametrize("strategy", [lambda: ls.MirroredStrategy(1), lambda: ls.MirroredStrategy(3),
+                                      lambda: ls.ShardedStrategy(mesh=ls.DeviceMesh((2, 4), ("batch", "model")),
+                                                                 layout_map={".*dense.*/kernel": (None, "model")},
+                                                                 batch_dim_name="batch", zero_stage=3, min_shard_size=1)])
+def test_a_step_takes_over_the_states_buffers_and_nothing_handed_out_is_lost(strategy):
+    """The training program donates the parameters' and optimizer state's buffers (one copy of the
+    state on a device while a step runs, as Keras' own step): each step's input state is deleted,
+    XLA aliases its outputs to it. What the trainer hands out stays whole: a `train_state`
+    snapshot across a later fit, restored twice; weights a Keras callback read at every batch; the
+    Keras model after fit. The arrays a restore gives are copied before a step takes them."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(45, 5)).astype(np.float32), rng.normal(size=(45, 1)).astype(np.float32)
+    with strategy().scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, name="dense_a"),
+                                  keras.layers.Dense(1, name="dense_b")])
+        model.compile(optimizer="adam", loss="mse")
+    trainer = ls.Trainer(model)
+    made = []
+
+    class Reads(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            made.append((jax.tree.leaves(trainer._state.params), [w.copy() for w in self.model.get_weights()]))
+    trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[Reads()])
+    assert len(made) == 3 and all(a.is_deleted() for a in made[0][0] + made[1][0])  # taken by the next steps
+    snapshot, weights = trainer.train_state, [np.array(w) for w in model.get_weights()]
+    np.testing.assert_array_equal(weights[0], made[-1][1][0])
+    trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    assert not any(a.is_deleted() for a in jax.tree.leaves((snapshot.params, snapshot.opt_state)))
+    for _ in range(2):  # restored, trained on, restored again: the snapshot's arrays were not the step's to take
+        trainer.restore(snapshot)
+        np.testing.assert_array_equal(trainer.get_weights()[0], weights[0])
+        trainer.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0)
+    compiled = trainer._runner.compiled()[1].memory_analysis()
+    state_bytes = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(
+        (trainer._state.params, trainer._state.opt_state)))
+    assert compiled.alias_size_in_bytes >= state_bytes - 64  # every state buffer reused (but scalars XLA may copy)

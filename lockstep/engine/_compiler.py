@@ -161,12 +161,12 @@ class RunCompiler:
         entry = self._entry(call, lambda: self._compile_declared(call, out_kinds, check_vma))
         return self._run(entry, call)
 
-    def jit(self, fn: Callable[..., Any], out_shardings: Any) -> Callable[..., Any]:
-        """`jax.jit(fn, out_shardings=out_shardings)` run as this compiler's own programs are: the
-        workers of a job agree on each new signature of its arguments before it runs, and its
-        calls count among the steps in flight (a caller's program on global arrays, say a `mapped`
-        step with work outside the `shard_map`)."""
-        compiled = jax.jit(fn, out_shardings=out_shardings)
+    def jit(self, fn: Callable[..., Any], out_shardings: Any, donate_argnums: tuple[int, ...] = ()
+            ) -> Callable[..., Any]:
+        """`jax.jit(fn, ...)` run as this compiler's own programs are: the workers of a job agree on
+        each new signature of its arguments before it runs, and its calls count among the steps in
+        flight (a caller's program on global arrays, say a `mapped` step with work outside it)."""
+        compiled = jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate_argnums)
         agreed: set[Any] = set()
 
         def call(*args: Any) -> Any:

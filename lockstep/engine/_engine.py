@@ -115,10 +115,11 @@ class Engine:
         caller's own `jax.jit` around it; see `RunCompiler.mapped`."""
         return self._compiler.mapped(fn, kinds, out_kinds, check_vma=check_vma, with_batch=with_batch)
 
-    def jit(self, fn: Callable[..., Any], out_shardings: Any) -> Callable[..., Any]:
-        """`jax.jit(fn, out_shardings=...)` on global arrays, which the workers of a job agree on
-        and whose calls count among the steps in flight; see `RunCompiler.jit`."""
-        return self._compiler.jit(fn, out_shardings)
+    def jit(self, fn: Callable[..., Any], out_shardings: Any, donate_argnums: tuple[int, ...] = ()
+            ) -> Callable[..., Any]:
+        """`jax.jit(fn, out_shardings=..., donate_argnums=...)` on global arrays, which the workers
+        of a job agree on and whose calls count among the steps in flight; see `RunCompiler.jit`."""
+        return self._compiler.jit(fn, out_shardings, donate_argnums)
 
     def place(self, tree: Any, shardings: Any) -> Any:
         """Host arrays (a tree) laid out as `shardings` (a tree alike of `NamedSharding`s): each

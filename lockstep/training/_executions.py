@@ -7,7 +7,9 @@ An execution (`steps_per_execution`, Keras' name) is a list of consecutive updat
 shape; an update whose batches differ in shape, or come from two passes, is a run of its own.
 
 A run's program (`make_program`) is one `jax.jit` made from the gradient step and the state
-layout (`lockstep.sharding.state_layout`), and nothing else:
+layout (`lockstep.sharding.state_layout`), and nothing else; it donates the parameters' and the
+optimizer state's buffers, so a step's new state takes their memory (one copy of the state on a
+device, not two: `StepRunner` gives it only arrays no one else holds):
 
 * the replicas' part, a `shard_map` over the batch axis: each replica takes the update's batches
   one after another (`micro_batched`: a `lax.scan` over them, or one call for one batch), each in
@@ -188,7 +190,8 @@ def make_program(gradient_step: Callable[..., Any], layout: Any, engine: Any, ke
         """The program for these arguments (`signature`: the first's shapes, or these with `renew`)."""
         structure = jax.tree.structure(opt_state)
         if (compiled := out_shardings.get(structure)) is None:
-            compiled = out_shardings[structure] = engine.jit(program, layout.out_shardings(params, opt_state))
+            compiled = out_shardings[structure] = engine.jit(program, layout.out_shardings(params, opt_state),
+                                                             donate_argnums=(0, 1))  # the state's buffers reused
         if renew or getattr(call, "signature", (None,))[0] is not compiled:
             call.signature = (compiled, jax.tree.map(  # type: ignore[attr-defined]
                 lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),

@@ -99,7 +99,8 @@ class TrainerMeasures:
         (an upper bound where a user's Keras callback lends them the state at every batch)."""
         device = next((d for d in self.strategy.devices if d.process_index == jax.process_index()), None)
         variables = [*getattr(self.model, "variables", ()), *self._optimizer.variables]
-        arrays = [a for a in (getattr(v, "_value", None) for v in variables) if isinstance(a, jax.Array)]
+        arrays = [a for a in (getattr(v, "_value", None) for v in variables)
+                  if isinstance(a, jax.Array) and not a.is_deleted()]  # (lent a state a step has taken over since)
         counted: set[int] = set()
         total = 0
         for s in (s for a in arrays for s in a.addressable_shards if s.device == device):

@@ -18,6 +18,7 @@ replicas), as Keras' accumulation does, and its moving averages advance once per
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -25,6 +26,7 @@ import jax
 import numpy as np
 
 from ..data import AccumulationGroup
+from ..engine import own_copy
 from ._executions import compiled_program, feed_of, make_program, runs
 from ._steps import CHECK_VMA, EVAL_KINDS, INFERENCE_OUT_KINDS, PREDICT_KINDS, with_changed
 from ._train_state import TrainState
@@ -48,15 +50,39 @@ class StepRunner:
         self._programs: dict[tuple[Any, ...], Callable[..., Any]] = {}  # by `feed_of`'s key
         self._starts: dict[int, jax.Array] = {}  # batch numbers on the devices, placed once
         self._calls: dict[tuple[Any, ...], int] = {}  # calls of each program
+        self._made: dict[int, weakref.ref[Any]] = {}  # the arrays of the state the last run made, by id
 
     def run(self, state: TrainState, updates: Sequence[AccumulationGroup]) -> TrainState:
-        """`state` after the updates of one execution."""
+        """`state` after the updates of one execution (the programs take over the buffers of its
+        parameters and optimizer state: see `_owned`)."""
+        state = self._owned(state)
         for key, run in runs(updates):
             feed, program_key = feed_of(run, key, self._start)
             self._calls[program_key] = self._calls.get(program_key, 0) + 1
             program = self._program(program_key)
             state = state.stepped(len(run), *program(state.params, state.opt_state, state.metric_state, feed))
+        self._made = {id(a): weakref.ref(a) for a in jax.tree.leaves((state.params, state.opt_state))}
         return state
+
+    def _owned(self, state: TrainState) -> TrainState:
+        """`state` whose parameters and optimizer state the training program may take over (donate):
+        the arrays the last run made (no one else holds them but through what `Trainer` lends, which
+        it lends anew before a callback runs); any other (a first state made from the model's
+        variables, a restored one, what a callback assigned), which may be someone else's (the
+        caller of `restore`, a Keras variable), copied first, and so is an array given twice."""
+        seen: set[int] = set()
+
+        def owned(a: Any) -> Any:
+            made = self._made.get(id(a))
+            if made is not None and made() is a and id(a) not in seen:
+                seen.add(id(a))
+                return a
+            return own_copy(a)
+        params, opt_state = jax.tree.map(owned, state.params), jax.tree.map(owned, state.opt_state)
+        if all(a is b for a, b in zip(jax.tree.leaves((params, opt_state)),
+                                      jax.tree.leaves((state.params, state.opt_state)))):
+            return state
+        return state.replace(params=params, opt_state=opt_state)
 
     def prepare(self, state: TrainState, updates: Sequence[AccumulationGroup]) -> tuple[Any, ...]:
         """Makes the programs that `run(state, updates)` would call, and runs none; returns the

@@ -30,6 +30,7 @@ from .. import losses as _losses
 from ..distribute import Strategy, get_strategy, recent, strategy_of_model
 from ..callbacks import Callback, CallbackList, History, ProgbarLogger, is_chief
 from ..data import IterableBatches
+from ..engine import own_copy
 from ..metrics import Mean, Metric, MetricCollection, get as get_metric
 from ..sharding import Replicated
 from ._inputs import (
@@ -127,6 +128,17 @@ def _check_fit_args(epochs: Any, validation_split: Any, steps_per_epoch: Any, ve
         raise ValueError(f"`validation_split` must be in (0, 1) (or 0 for none), got validation_split={validation_split!r}.")
     if steps_per_epoch is not None and (not isinstance(steps_per_epoch, int) or steps_per_epoch < 1):
         raise ValueError(f"`steps_per_epoch` must be a positive integer, got steps_per_epoch={steps_per_epoch!r}.")
+
+
+def own_state(live: TrainState, state: TrainState) -> TrainState:
+    """`state` (the `live` one in its variables' shapes) with copies of the arrays that are the
+    trainer's own, which its next step takes over (a background backup writes its own; see
+    `StepRunner`)."""
+    ids = {id(a) for a in jax.tree.leaves((live.params, live.opt_state))}
+
+    def own(a: Any) -> Any:
+        return own_copy(a) if id(a) in ids else a
+    return state.replace(params=jax.tree.map(own, state.params), opt_state=jax.tree.map(own, state.opt_state))
 
 
 class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
@@ -304,13 +316,14 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         In the variables' own shapes: a sharded strategy's padded variables are cut on the devices,
         so with several workers every worker asks for it at one point (as for `get_weights`)."""
         self._require_built()
-        return snapshot(self._layout.unpadded(self._state), self._callbacks, self._stream)
+        return snapshot(own_state(self._state, self._layout.unpadded(self._state)), self._callbacks, self._stream)
 
     def shared_train_state(self) -> TrainState:
         """`train_state` with every worker's data checksum and iterator state: a collective, which
         every worker calls at the same step (as `BackupAndRestore` does)."""
         self._require_built()
-        return snapshot(self._layout.unpadded(self._state), self._callbacks, self._stream, share=True)
+        return snapshot(own_state(self._state, self._layout.unpadded(self._state)), self._callbacks, self._stream,
+                        share=True)
 
     def restore(self, state: TrainState) -> None:
         """Puts `state` (from `train_state`, or a checkpoint of it) back.
