@@ -19,7 +19,8 @@ Against it, per row (all per device):
   + optimizer state (+ a step's gradients: its "total");
 * ``Trainer.step_memory()["peak"]``: XLA's accounting of the compiled training program (its
   arguments: the state and the device's share of the epoch's rows; its outputs: the next state,
-  no buffer donation; its temporaries: activations, gradients, gathered parameters);
+  in the state's buffers, which the step takes over (donated: counted once); its temporaries:
+  activations, gradients, gathered parameters);
 * ``Trainer.step_memory()["device_peak"]``: that and the Keras model's own variables, which each
   device holds beside the training state (``keras_variables``: one more copy of the parameters,
   or of its shards);

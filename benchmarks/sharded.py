@@ -222,8 +222,8 @@ def main() -> int:
              "bytes of parameters and Adam state device 0 holds after training, and its total (with a step's "
              "gradients) against XLA's accounting of the compiled training step on one device "
              "(`Trainer.step_memory()`: the step's inputs, which hold the state and the device's share of the "
-             "epoch's rows (its replica's, placed at the epoch's start), its outputs, a second state (no buffer "
-             "donation), and its temporaries: activations and gradients).", "", *memory]
+             "epoch's rows (its replica's, placed at the epoch's start), its outputs, the next state (in the state's "
+             "buffers: donated), and its temporaries: activations and gradients).", "", *memory]
     write_report(args.out, lines)
     return 0
 

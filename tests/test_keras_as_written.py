@@ -946,3 +946,25 @@ def test_a_callback_evaluating_during_fit_leaves_the_next_fit_keras_own(replicas
     np.testing.assert_allclose(got[1][-1][1], want[1][-1][1], rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(got[1][-1][2], want[1][-1][2], rtol=1e-5, atol=1e-6)  # self.model(x): not callable before
     assert_weights_close(got_w, want_w, atol=1e-5)
+
+
+def test_tensorboard_histograms_read_the_weights_of_each_epoch_as_in_keras(tmp_path):
+    """`TensorBoard(histogram_freq=1)` reads every weight at an epoch's end: lockstep gave it what
+    the Keras variables held (the weights before `fit`, or those lent to another callback's hook,
+    which since the step donates its state were deleted arrays: "Array has been deleted"). Now it
+    reads the epoch's weights, as in Keras' own fit; beside it a hook that runs before each step."""
+    class Recording(keras.callbacks.TensorBoard):
+        def _log_weights(self, epoch):
+            self.seen.append([np.array(w) for w in self.model.weights])
+            super()._log_weights(epoch)
+
+    def run(model, ours):
+        board = Recording(str(tmp_path / ("ours" if ours else "keras")), histogram_freq=1)
+        board.seen = []
+        before = keras.callbacks.LambdaCallback(on_train_batch_begin=lambda batch, logs: None)
+        model.fit(X[:21], Y_VALUE[:21], batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[before, board])
+        return board.seen
+    (want, _), (got, _) = in_keras_and_lockstep(lambda: regressor(optimizer="adam"), run, ls.MirroredStrategy(3))
+    assert len(got) == len(want) == 2 and not np.allclose(want[0][0], want[1][0])
+    for g, w in zip(got, want):
+        assert_weights_close(g, w, atol=2e-6)

@@ -112,7 +112,9 @@ class BackupAndRestore(Callback):
         assert self.trainer is not None and self._store is not None
         if self._saved_step == self.trainer.global_step:
             return
-        state = self.trainer.shared_train_state()  # every worker's data position: all save at this step
+        # every worker's data position: all save at this step (a save written in the background: copies of the
+        # arrays the next step takes over)
+        state = self.trainer.shared_train_state(copy=self.async_save)
         arrays, meta = state.to_arrays()
         self._store.save(state.global_step, arrays, meta)
         self._saved_step = state.global_step
@@ -169,7 +171,7 @@ class BackupAndRestore(Callback):
         from ..checkpoint import DamagedCheckpointError
 
         assert self.trainer is not None and self._store is not None
-        like = self.trainer.train_state
+        like = self.trainer.current_state()  # (its shardings)
         arrays_like, _ = like.to_arrays()
         # the metric state (one entry per replica) comes back whole, replicated: it may have been
         # taken on another number of replicas, and the trainer reduces it then (`TrainState`)

@@ -25,8 +25,12 @@ class TrainerView(Protocol):
     def train_state(self) -> Any:
         """The training state (a `TrainState`): `to_arrays()` gives its named arrays and JSON."""
 
-    def shared_train_state(self) -> Any:
-        """`train_state` with every worker's data position (a collective: every worker calls it)."""
+    def current_state(self) -> Any:
+        """`train_state`, its arrays not copied: the next step takes them over."""
+
+    def shared_train_state(self, copy: bool = True) -> Any:
+        """`train_state` with every worker's data position (a collective: every worker calls it);
+        `copy=False`: not copied, as `current_state`."""
 
     def restore(self, state: Any) -> None: ...
     def get_metric(self, name: str) -> Any: ...

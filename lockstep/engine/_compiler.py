@@ -20,7 +20,6 @@ from __future__ import annotations
 import collections
 import contextlib
 import functools
-import os
 import threading
 import weakref
 import zlib
@@ -34,12 +33,11 @@ from jax.sharding import Mesh
 from jax.sharding import PartitionSpec as P
 
 from ._cross_replica import to_varying, varies
+from ._in_flight import MAX_STEPS_IN_FLIGHT as MAX_STEPS_IN_FLIGHT
+from ._in_flight import InFlight
 from ._loops import loops_vary_their_carry
 from ._replica_context import ReplicaContext, replica_context
 
-#: Most compiled steps lockstep lets run ahead of the host before it waits on the oldest
-#: (DESIGN.md: more than ~32 collective steps in flight wedge XLA on a multi-device CPU).
-MAX_STEPS_IN_FLIGHT = int(os.environ.get("LOCKSTEP_MAX_STEPS_IN_FLIGHT", "8"))
 
 ARRAY_TYPES = (jax.Array, np.ndarray, np.generic)
 #: compiled programs kept (least recently used dropped first)
@@ -128,8 +126,7 @@ class RunCompiler:
         self._manual = manual_axes  # `shard_map`'s axis_names: empty, all axes
         self._context = context
         self._entries: collections.OrderedDict[Any, _Entry] = collections.OrderedDict()
-        self._in_flight: collections.deque[jax.Array] = collections.deque()
-        self._in_flight_lock = threading.Lock()  # not `_lock`, which is held across workers' agreement
+        self._in_flight = InFlight()
         self._lock = threading.Lock()
         self._agree: Callable[[str], None] | None = None
 
@@ -168,6 +165,7 @@ class RunCompiler:
         flight (a caller's program on global arrays, say a `mapped` step with work outside it)."""
         compiled = jax.jit(fn, out_shardings=out_shardings, donate_argnums=donate_argnums)
         agreed: set[Any] = set()
+        last = bool(donate_argnums)  # its first output is what the next call takes over: no token
 
         def call(*args: Any) -> Any:
             if self._agree is not None:
@@ -178,7 +176,8 @@ class RunCompiler:
                     if key not in agreed:
                         self._agree(describe(fn, ["global"] * len(leaves), signatures))
                         agreed.add(key)
-            return self._tracked(compiled(*args))
+            self._in_flight.make_room()  # (before the call: one interrupted while waiting has taken over nothing)
+            return self._in_flight.tracked(compiled(*args), last_only=last)
         call.trace = compiled.trace  # type: ignore[attr-defined]  # (its jaxpr, XLA's `memory_analysis`)
         return call
 
@@ -236,30 +235,7 @@ class RunCompiler:
 
     def _run(self, entry: _Entry, call: "_Call") -> Any:
         assert entry.call is not None
-        return self._tracked(entry.call(call.dynamic, call.context))
-
-    def _tracked(self, out: Any) -> Any:
-        """A program's outputs, just dispatched, counted among the steps in flight by the smaller of
-        their first and last arrays (a token keeps its array alive: a training step's first is a
-        parameter, its last a metric's count; empty arrays are no tokens)."""
-        ends = [a for a in (_end_array(out, first=True), _end_array(out, first=False)) if a is not None and a.size]
-        if ends:
-            self._track(min(ends, key=lambda a: a.nbytes))
-        return out
-
-    def _track(self, token: jax.Array) -> None:
-        """Bounds the compiled steps in flight (DESIGN.md's CPU deadlock); the tokens of programs
-        that have finished are let go. Calls from several threads (`strategy.run` in each) share
-        the bound."""
-        with self._in_flight_lock:
-            in_flight = self._in_flight
-            while in_flight and _finished(in_flight[0]):
-                in_flight.popleft()
-            in_flight.append(token)
-            oldest = [in_flight.popleft() for _ in range(len(in_flight) - MAX_STEPS_IN_FLIGHT)]
-        for t in oldest:
-            if not _finished(t):
-                t.block_until_ready()
+        return self._in_flight.tracked(entry.call(call.dynamic, call.context))
 
     @property
     def steps_in_flight(self) -> int:
@@ -432,27 +408,6 @@ class _Call:
                 x = next(d_it)
                 leaves.append(x[0] if kind == "per_replica" else x)  # rows, replicated, a shard: as it is
         return jax.tree.unflatten(self.treedef, leaves)
-
-
-def _finished(token: jax.Array) -> bool:
-    """Whether the program of its output `token` has finished (one deleted or donated since has)."""
-    try:
-        return token.is_ready()
-    except RuntimeError:
-        return True
-
-
-def _end_array(tree: Any, first: bool) -> jax.Array | None:
-    """The first (or last) array of a program's outputs (tuples, lists and dicts of arrays; empty
-    ones skipped), found without flattening them all: a token that bounds the steps in flight."""
-    if isinstance(tree, jax.Array):
-        return tree
-    items = list(tree.values() if isinstance(tree, dict) else tree if isinstance(tree, (tuple, list)) else ())
-    for item in items if first else reversed(items):
-        found = _end_array(item, first)
-        if found is not None:
-            return found
-    return None
 
 
 _KINDS: dict[Any, list[str]] = {}

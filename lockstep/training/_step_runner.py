@@ -52,15 +52,19 @@ class StepRunner:
         self._calls: dict[tuple[Any, ...], int] = {}  # calls of each program
         self._made: dict[int, weakref.ref[Any]] = {}  # the arrays of the state the last run made, by id
 
-    def run(self, state: TrainState, updates: Sequence[AccumulationGroup]) -> TrainState:
+    def run(self, state: TrainState, updates: Sequence[AccumulationGroup],
+            keep: Callable[[TrainState], None] | None = None) -> TrainState:
         """`state` after the updates of one execution (the programs take over the buffers of its
-        parameters and optimizer state: see `_owned`)."""
+        parameters and optimizer state: see `_owned`), each program's given to `keep` as it is made
+        (an interrupt after a program took over its state leaves the caller the program's)."""
         state = self._owned(state)
         for key, run in runs(updates):
             feed, program_key = feed_of(run, key, self._start)
             self._calls[program_key] = self._calls.get(program_key, 0) + 1
             program = self._program(program_key)
             state = state.stepped(len(run), *program(state.params, state.opt_state, state.metric_state, feed))
+            if keep is not None:
+                keep(state)
         self._made = {id(a): weakref.ref(a) for a in jax.tree.leaves((state.params, state.opt_state))}
         return state
 

@@ -314,16 +314,21 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         """The whole training state (weights, optimizer, metric states, position, callbacks): in `fit`, the last step's.
 
         In the variables' own shapes: a sharded strategy's padded variables are cut on the devices,
-        so with several workers every worker asks for it at one point (as for `get_weights`)."""
-        self._require_built()
-        return snapshot(own_state(self._state, self._layout.unpadded(self._state)), self._callbacks, self._stream)
+        so with several workers every worker asks for it at one point (as for `get_weights`). Its
+        arrays are copies where they would be the trainer's own, which its next step takes over."""
+        return own_state(self._state, self.current_state())
 
-    def shared_train_state(self) -> TrainState:
-        """`train_state` with every worker's data checksum and iterator state: a collective, which
-        every worker calls at the same step (as `BackupAndRestore` does)."""
+    def current_state(self) -> TrainState:
+        """`train_state` not copied: arrays the next step takes over (read them, or copy, before it)."""
         self._require_built()
-        return snapshot(own_state(self._state, self._layout.unpadded(self._state)), self._callbacks, self._stream,
-                        share=True)
+        return snapshot(self._layout.unpadded(self._state), self._callbacks, self._stream)
+
+    def shared_train_state(self, copy: bool = True) -> TrainState:
+        """`train_state` with every worker's data checksum and iterator state: a collective, which
+        every worker calls at the same step (as `BackupAndRestore` does); `copy=False` as `current_state`."""
+        self._require_built()
+        state = snapshot(self._layout.unpadded(self._state), self._callbacks, self._stream, share=True)
+        return own_state(self._state, state) if copy else state
 
     def restore(self, state: TrainState) -> None:
         """Puts `state` (from `train_state`, or a checkpoint of it) back.
@@ -415,7 +420,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             self._state = self._state.replace(metric_state=self._fresh_state())
         for step, execution in executions(train.epoch(epoch, skip), self._accumulation, self.steps_per_execution, skip):
             cblist.on_train_batch_begin(step)
-            self._state = self._runner.run(self._state, execution)
+            self._state = self._runner.run(self._state, execution, keep=functools.partial(setattr, self, "_state"))
             logs = LazyLogs(self._engine, self._all, self._state.metric_state, cblist.reads["on_train_batch_end"])
             cblist.on_train_batch_end(step + len(execution) - 1, logs)
             if cblist.stops_in_batches:  # a callback that may stop mid-epoch: all workers stop where any asks

@@ -31,12 +31,11 @@ class HasWeights(Protocol):
     def set_weights(self, weights: Any) -> None: ...
     def sync_model(self) -> None: ...
 
-    @property
-    def train_state(self) -> Any: ...
+    def current_state(self) -> Any: ...
 
 
 def _opt_state_on_host(trainer: HasWeights) -> Any:
-    return jax.tree.map(host_value, trainer.train_state.opt_state)
+    return jax.tree.map(host_value, trainer.current_state().opt_state)  # (on the host now: no copy needed)
 
 
 def _write_tree(writer: BackgroundWriter | None, path: str, tree: Any, **extra: Any) -> None:
