@@ -222,3 +222,68 @@ def test_the_steps_in_flight_keep_no_old_parameters_alive():
     ls.Trainer(model, optimizer="sgd", loss="sparse_categorical_crossentropy_from_logits").fit(
         x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Count()])
     assert max(copies) <= 2, copies  # the state's and the Keras model's
+
+
+def test_a_donating_programs_token_is_an_output_its_next_call_does_not_take_over():
+    """A program that donates its state (the training step) is counted in flight by its last output
+    (a metric count): its first, a parameter, is deleted by the next call, and the bound took a
+    deleted token for a finished program (a Dropout's 8-byte seed state was the smaller end: 32
+    programs in flight and gloo's collective time-out on 4 replicas)."""
+    import collections
+
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    strategy = ls.MirroredStrategy(2)
+    whole = NamedSharding(strategy.mesh, P())
+    step = strategy.extended.jit(lambda state, n: (state + 1, n + jnp.ones(4)), (whole, whole), donate_argnums=(0,))
+    state, count = jax.device_put(jnp.zeros(1), whole), jax.device_put(jnp.zeros(4), whole)
+    tokens = []
+
+    class Recorded(collections.deque):
+        def append(self, token):
+            tokens.append(token)
+            super().append(token)
+    strategy.extended._compiler._in_flight._tokens = Recorded()
+    for _ in range(3):
+        state, count = step(state, count)
+    assert len(tokens) == 3 and all(t.shape == (4,) for t in tokens)  # counts, never a state the next call deletes
+
+
+def test_an_interrupt_after_a_step_took_over_the_state_leaves_the_trainer_its_result():
+    """An execution of two runs (sequences of two lengths, `steps_per_execution=2`): the first run's
+    program takes over the state; an interrupt in the second (Ctrl-C while it compiles) left the
+    trainer the deleted arrays ("Array has been deleted" from fit's own clean-up). Now the trainer
+    holds the first run's result: the model syncs, evaluates and trains on."""
+    import lockstep.training._step_runner as runner_module
+
+    rng = np.random.default_rng(0)
+    batches = [(rng.normal(size=(8, n, 3)).astype(np.float32), rng.normal(size=(8, 1)).astype(np.float32))
+               for n in (4, 4, 4, 6)]
+    with ls.MirroredStrategy(2).scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((None, 3)), keras.layers.GlobalAveragePooling1D(), keras.layers.Dense(1)])
+        model.compile(optimizer="adam", loss="mse", steps_per_execution=2)
+    made = runner_module.make_program
+
+    def interrupted_once(step, layout, engine, key):
+        call = made(step, layout, engine, key)
+
+        def program(params, opt_state, metric_state, feed):
+            if jax.tree.leaves(feed[0])[0].shape[1] == 6 and not seen:
+                seen.append(1)
+                raise KeyboardInterrupt("Ctrl-C while the second run's program compiles")
+            return call(params, opt_state, metric_state, feed)
+        program.prepare = call.prepare
+        return program
+    seen = []
+    runner_module.make_program = interrupted_once
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            model.fit(batches, epochs=1, verbose=0)
+    finally:
+        runner_module.make_program = made
+    assert seen and [w.shape for w in model.get_weights()] == [(3, 1), (1,)]
+    assert np.isfinite(model.evaluate(batches[:1], verbose=0))
+    model.fit(batches, epochs=1, verbose=0)
