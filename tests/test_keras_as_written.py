@@ -949,10 +949,11 @@ def test_a_callback_evaluating_during_fit_leaves_the_next_fit_keras_own(replicas
 
 
 def test_tensorboard_histograms_read_the_weights_of_each_epoch_as_in_keras(tmp_path):
-    """`TensorBoard(histogram_freq=1)` reads every weight at an epoch's end: lockstep gave it what
-    the Keras variables held (the weights before `fit`, or those lent to another callback's hook,
-    which since the step donates its state were deleted arrays: "Array has been deleted"). Now it
-    reads the epoch's weights, as in Keras' own fit; beside it a hook that runs before each step."""
+    """`TensorBoard(histogram_freq=1)` reads every weight at an epoch's end, not lent them (a writer,
+    on worker 0 alone); beside a user's hook that runs before each step (lent the state), it read
+    arrays the step had since taken over ("Array has been deleted", once the step donated its
+    state). The Keras variables lent the state are lent each step's anew: the epoch's weights, as
+    in Keras' own fit."""
     class Recording(keras.callbacks.TensorBoard):
         def _log_weights(self, epoch):
             self.seen.append([np.array(w) for w in self.model.weights])

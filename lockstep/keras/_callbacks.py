@@ -272,8 +272,6 @@ class KerasCallback(Callback):
             return  # a callback that only writes files or prints: worker 0's job
         users = ((not keras_own or "LambdaCallback" in names)
                  and not any(n in _WRITERS for n in names))  # a writer runs on worker 0 alone: no collective
-        users = users or bool(getattr(callback, "histogram_freq", 0) or getattr(callback, "write_images", False))
-        # (TensorBoard's histograms read every weight: lent to it on worker 0, which holds them whole, see `set_trainer`)
         for hook in _HOOKS:  # only the hooks it overrides: the others would cost a read of the logs a step
             if overrides(callback, hook):
                 call = _logs_given(getattr(callback, hook), "batch" in hook or "epoch" in hook)

@@ -214,25 +214,18 @@ class KerasModel:
             walk(metric)
         return found
 
-    def lend(self, params: Params) -> tuple[list[Any], list[Any]]:
+    def lend(self, params: Params) -> list[Any]:
         """The Keras variables made to hold `params` as they lie on the devices (no copy), for a
-        user's code that reads or assigns them; returns what each held before and holds now, for
-        `taken`."""
+        user's code that reads or assigns them; returns what each holds, for `taken`."""
         variables = self._variables()
-        before = [v.value for v in variables]
         for v, value in zip(variables, [*params["trainable"], *params["non_trainable"]]):
             v.assign(value)
-        return before, [v.value for v in variables]
+        return [v.value for v in variables]
 
-    def taken(self, lent: tuple[list[Any], list[Any]]) -> Params | None:
-        """The variables' values when any was assigned since `lend` (else None, the variables given
-        back what they held before: the state lent is the next step's to take over, which would
-        leave them deleted arrays for code that reads them unlent)."""
-        before, given = lent
+    def taken(self, lent: list[Any]) -> Params | None:
+        """The variables' values when any was assigned since `lend` gave `lent` (else None)."""
         variables = self._variables()
-        if len(variables) == len(given) and all(v.value is x for v, x in zip(variables, given)):
-            for v, x in zip(variables, before):
-                v.assign(x)
+        if len(variables) == len(lent) and all(v.value is x for v, x in zip(variables, lent)):
             return None
         values = [v.value for v in variables]
         n = len(self.model.trainable_variables)

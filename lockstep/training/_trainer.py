@@ -421,6 +421,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         for step, execution in executions(train.epoch(epoch, skip), self._accumulation, self.steps_per_execution, skip):
             cblist.on_train_batch_begin(step)
             self._state = self._runner.run(self._state, execution, keep=functools.partial(setattr, self, "_state"))
+            self.keep_lent_current()
             logs = LazyLogs(self._engine, self._all, self._state.metric_state, cblist.reads["on_train_batch_end"])
             cblist.on_train_batch_end(step + len(execution) - 1, logs)
             if cblist.stops_in_batches:  # a callback that may stop mid-epoch: all workers stop where any asks

@@ -31,6 +31,7 @@ class TrainerWeights:
     _layout: Any
     _engine: Any
     _optimizer: Any
+    _lent: Any = None  # what `keras_variables_current` last lent the Keras variables (None: nothing lent now)
 
     def _initial_state(self, params: Any) -> None:
         raise NotImplementedError
@@ -50,6 +51,7 @@ class TrainerWeights:
         """Writes the trained weights (and a Keras optimizer's state) into the model object, as
         Keras' `fit` leaves it; `fit` does it on every exit. Without a state (never built, or a
         state `step_memory` compiled and nothing placed since), the model holds its weights already."""
+        self._lent = None
         if self._state is None:
             return
         self._adapter.sync_to_model(host_tree(self._layout.unpadded_params(self._state.params)))
@@ -61,8 +63,18 @@ class TrainerWeights:
         and what user code assigns to them (`layer.kernel.assign(...)`) is the next step's."""
         lent = None if self._state is None else self._adapter.lend(self._layout.unpadded_params(self._state.params))
         yield
+        self._lent = lent  # (the state's own arrays, which the next step takes over: `keep_lent_current`)
         if lent is not None and (params := self._adapter.taken(lent)) is not None:
-            self._state = self._state.replace(params=self._layout.params(params))
+            self._state, self._lent = self._state.replace(params=self._layout.params(params)), None
+
+    def keep_lent_current(self) -> None:
+        """After a step: Keras variables lent the state a step has since taken over (deleted arrays)
+        are lent the new state, so code that reads them outside a user's hook (a writer callback,
+        a lockstep callback) reads the current weights, not deleted arrays. Every worker calls it
+        after the same steps (the hooks that lend run on all)."""
+        lent = self._lent
+        if lent and lent[0].is_deleted():
+            self._lent = self._adapter.lend(self._layout.unpadded_params(self._state.params))
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
