@@ -38,7 +38,7 @@ class TrainerMeasures:
         the last `fit`'s most frequent call), its arguments (state, batch), outputs, temporaries
         (activations, gradients) and their peak sum (``peak``); the Keras model's and Keras
         optimizer's own variables, which the device holds beside the step (``keras_variables``);
-        and both together (``device_peak``: 0.98-1.01 of the measured peak on CPU in
+        and both together (``device_peak``: 0.97-1.00 of the measured peak on CPU in
         benchmarks/MEMORY_PEAK.md; 0.92-0.94 on an H100 in benchmarks/GPU.md, measured when
         ``keras_variables`` left out the buffers the state held: not re-run since).
 
