@@ -75,18 +75,17 @@ class StepRunner:
         variables, a restored one, what a callback assigned), which may be someone else's (the
         caller of `restore`, a Keras variable), copied first, and so is an array given twice."""
         seen: set[int] = set()
+        copied: list[Any] = []
 
         def owned(a: Any) -> Any:
             made = self._made.get(id(a))
             if made is not None and made() is a and id(a) not in seen:
                 seen.add(id(a))
                 return a
+            copied.append(a)
             return own_copy(a)
         params, opt_state = jax.tree.map(owned, state.params), jax.tree.map(owned, state.opt_state)
-        if all(a is b for a, b in zip(jax.tree.leaves((params, opt_state)),
-                                      jax.tree.leaves((state.params, state.opt_state)))):
-            return state
-        return state.replace(params=params, opt_state=opt_state)
+        return state.replace(params=params, opt_state=opt_state) if copied else state
 
     def prepare(self, state: TrainState, updates: Sequence[AccumulationGroup]) -> tuple[Any, ...]:
         """Makes the programs that `run(state, updates)` would call, and runs none; returns the
