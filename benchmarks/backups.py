@@ -121,6 +121,12 @@ def child(mode: str, width: int, batch: int, steps: int, epochs: int, every: int
             "steps_while_written": len(writing),
             "step_while_written_mean_ms": 1e3 * statistics.fmean(writing) if writing else None,
             "step_mean_ms": 1e3 * statistics.fmean(others),
+            # where an epoch's time goes beyond its median step: the excess of the steps overlapping a write, and
+            # the slowest of them as (steps after the save, ms)
+            "excess_while_written_s": sum(t - statistics.median(others) for t in writing),
+            "slowest_while_written": sorted(((i + steps + 1) % every, round(1e3 * t, 1)) for i, (t, end)
+                                            in enumerate(steps_ends) if t in sorted(writing)[-5:])
+                                     if writing else [],
             "write_s": statistics.median(b - a for a, b in writes) if writes else 0.0,
             "device": __import__("jax").devices()[0].device_kind}
 

@@ -139,6 +139,7 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--gpu", action="store_true", help="GPT-2-small-shaped blocks in bf16, for an accelerator")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--modes", default=None, help="a comma-separated choice of the modes (none is always run)")
     parser.add_argument("--out", default=None, help="default: benchmarks/REMAT.md (REMAT_GPU.md with --gpu)")
     args = parser.parse_args()
     out = args.out or os.path.join(ROOT, "benchmarks", "REMAT_GPU.md" if args.gpu else "REMAT.md")
@@ -150,6 +151,11 @@ def main() -> int:
     rounds = 1 if args.quick else args.rounds
     started = time.perf_counter()
     modes = GPU_MODES if args.gpu else MODES
+    if args.modes:
+        chosen = set(args.modes.split(",")) | {"none"}
+        if chosen - set(modes):
+            parser.error(f"--modes: {sorted(chosen - set(modes))} not among {modes}")
+        modes = [m for m in modes if m in chosen]
     results: dict[str, list[dict]] = {m: [] for m in modes}
     ratios: dict[str, list[float]] = {m: [] for m in modes}
     failed: dict[str, str] = {}
@@ -173,7 +179,8 @@ def main() -> int:
             ratios[m].append(got[m]["step_s"] / got["none"]["step_s"])
             print(m, f"round {r + 1}", got[m], flush=True)
         flags = (" --gpu" if args.gpu else " --quick" if args.quick else "") + (
-            f" --rounds {args.rounds}" if not args.quick and args.rounds != 3 else "")
+            f" --rounds {args.rounds}" if not args.quick and args.rounds != 3 else "") + (
+            f" --modes {args.modes}" if args.modes else "")
         lines = report(results, ratios, shape, r + 1, f"python benchmarks/remat.py{flags}",
                        time.perf_counter() - started)
         lines += [f"- remat={m!r} failed: {why}" for m, why in failed.items()]
