@@ -294,7 +294,8 @@ def test_step_memory_before_any_step_places_no_state(strategy):
     shapes where they would lie: no parameter copy or optimizer state is placed (the arrays shaped
     like the (384, 384) kernel on the devices stay the Keras kernel and its two Adam slots; the
     state's first use, reading the learning rate, places it: its copy and its two moments), and
-    XLA's figures are those of the step once the state is placed."""
+    XLA's figures are those of the step once the state is placed. `keras_variables` counts the Keras
+    variables beside a sharded state, none beside a replicated one (`fit` lends them the state)."""
     def kernels():  # global arrays (on all 8 devices) shaped like the middle kernel
         gc.collect()
         return sum(a.shape == (384, 384) and len(a.sharding.device_set) == 8 for a in jax.live_arrays())
@@ -315,20 +316,39 @@ def test_step_memory_before_any_step_places_no_state(strategy):
     after = trainer.step_memory(x, y, batch_size=8)
     xla = ("arguments", "outputs", "temporaries", "peak")
     assert {k: after[k] for k in xla} == {k: ahead[k] for k in xla}
-    assert ahead["keras_variables"] == after["keras_variables"] > 0  # every Keras variable (a device's shards)
+    # every Keras variable (a device's shards) beside a sharded state; none beside a replicated one, which `fit` lends them
+    assert ahead["keras_variables"] == after["keras_variables"] > 0 if trainer.layouts else \
+        ahead["keras_variables"] == after["keras_variables"] == 0
 
 
-def test_after_fit_the_keras_variables_beside_the_step_are_counted_though_fit_left_them_the_state():
-    """`fit` leaves the Keras variables the trained state (`sync_model`: on CPU devices the very
-    buffers); at the next fit's second step the state has moved on and they hold the old ones
-    beside it, as the measured peak shows (benchmarks/MEMORY_PEAK.md). `keras_variables` counted
-    none of them (0 bytes: device_peak 0.86 of the measured peak for data parallelism)."""
-    with ls.MirroredStrategy(4).scope():
+@pytest.mark.parametrize("sharded", [False, True])
+def test_the_keras_variables_are_counted_beside_the_step_where_fit_does_not_lend_them_the_state(sharded):
+    """`fit` leaves the Keras variables a copy of the trained state (`sync_model`). With the state
+    replicated the next `fit` lends them its state as it begins (`lend_state`): at its batch ends a
+    device holds the kernel's buffer three times (the weights, Adam's two moments), not four, and
+    `keras_variables` counts none of them. A sharded state is not lent: its Keras variables are
+    counted beside the step, their own buffers."""
+    strategy = sharded_strategy((2, 4), 1, {}, min_shard_size=1) if sharded else ls.MirroredStrategy(4)
+    with strategy.scope():
         keras.utils.set_random_seed(0)
         model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(64), keras.layers.Dense(3)])
     trainer = ls.Trainer(model, optimizer="adam", loss="sparse_categorical_crossentropy_from_logits")
-    trainer.fit(np.ones((13, 4), np.float32), np.arange(13) % 3, batch_size=8, epochs=1, verbose=0)
-    assert trainer.step_memory()["keras_variables"] == 4 * model.count_params()
+    x, y = np.ones((13, 4), np.float32), np.arange(13) % 3
+    trainer.fit(x, y, batch_size=8, epochs=1, verbose=0)
+    kernels = []
+
+    class Held(ls.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            gc.collect()
+            kernels.append(len({s.data.unsafe_buffer_pointer() for a in jax.live_arrays()
+                                if a.shape == (4, 64) and not a.is_deleted()
+                                for s in a.addressable_shards if s.device == jax.devices()[0]}))
+    trainer.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Held()])
+    counted = trainer.step_memory()["keras_variables"]
+    if sharded:
+        assert kernels == [4, 4] and counted >= 4 * 4 * 64
+    else:
+        assert kernels == [3, 3] and counted == 0
 
 
 def test_step_memory_of_an_iterator_is_refused_before_it_reads_a_batch():

@@ -2,6 +2,8 @@
 state layout (whole or sharded, padded) and the micro-batch wrapper, against NumPy's gradient of
 a linear model's mean squared error, batch by batch, with padding rows and replicas without rows."""
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -216,3 +218,82 @@ def test_a_step_takes_over_the_states_buffers_and_nothing_handed_out_is_lost(str
     state_bytes = sum(a.addressable_shards[0].data.nbytes for a in jax.tree.leaves(
         (trainer._state.params, trainer._state.opt_state)))
     assert compiled.alias_size_in_bytes >= state_bytes - 64  # every state buffer reused (but scalars XLA may copy)
+
+
+def _device_0_bytes():
+    """Bytes of the live arrays' buffers on device 0, each buffer once (garbage collected first)."""
+    import gc
+
+    gc.collect()
+    seen, total = set(), 0
+    for a in jax.live_arrays():
+        try:
+            shards = [s for s in a.addressable_shards if s.device == jax.devices()[0]]
+            for s in shards:
+                if s.data.unsafe_buffer_pointer() not in seen:
+                    seen.add(s.data.unsafe_buffer_pointer())
+                    total += s.data.nbytes
+        except jax.errors.JaxRuntimeError:  # deleted
+            pass
+    return total
+
+
+@pytest.mark.parametrize("replicas", [1, 3])
+def test_the_keras_variables_are_lent_the_state_and_a_device_holds_it_once(replicas):
+    """In Keras' `fit` the model's and the optimizer's variables are the training state. lockstep's
+    trainer holds the state and lends both kinds of Keras variables its arrays from the start of
+    `fit` and after every step, so a device holds the weights and Adam's moments once: as many
+    bytes on device 0 at every batch end as Keras' own `fit` holds on its one device (they held a
+    second copy before). A state made from the model is the trainer's alone: its first step takes
+    over the optimizer state optax made, uncopied."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(48, 64)).astype(np.float32), rng.integers(0, 10, 48)
+
+    def run(strategy, trainer_of=None):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((64,)), keras.layers.Dense(256, activation="relu"),
+                                      keras.layers.Dense(10)])
+            model.compile(optimizer=keras.optimizers.Adam(1e-3), loss="sparse_categorical_crossentropy")
+        held, same = [], []
+
+        class Holds(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                held.append(_device_0_bytes())
+                if strategy:
+                    state = self.model._trainer._state
+                    ours = {id(a) for a in jax.tree.leaves((state.params, state.opt_state))}
+                    same.append(all(id(v.value) in ours for v in [*model.weights, *model.optimizer.variables]))
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[Holds()])
+        return held, same
+
+    keras_held, _ = run(None)  # (its model gone before the next is made)
+    held, same = run(ls.MirroredStrategy(replicas))
+    assert all(same) and len(held) == len(keras_held) == 6
+    slack = x.nbytes + y.nbytes + 4096  # (the data placed whole, metric states; the first end: a copy, on CPU)
+    assert max(held[1:]) <= max(keras_held) + slack, (held, keras_held)
+
+
+def test_a_state_made_from_the_model_is_taken_over_by_its_first_step_uncopied():
+    """The optimizer state optax makes as `fit` begins is the trainer's alone: the first step takes
+    its buffers over (deleted after it) instead of copying it first; a state given to `restore`,
+    which its caller holds, is copied and stays whole."""
+    import keras
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(20, 4)).astype(np.float32), rng.normal(size=(20, 1)).astype(np.float32)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
+    trainer = ls.Trainer(model, optimizer="adam", loss="mse", strategy=ls.MirroredStrategy(2))
+    given = []
+
+    class Given(ls.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            given.append(jax.tree.leaves(self.trainer._state.opt_state))
+    trainer.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Given()])
+    assert given[0] and all(a.is_deleted() for a in given[0])
+    snapshot = trainer.train_state
+    trainer.restore(snapshot)
+    trainer.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Given()])
+    assert not any(a.is_deleted() for a in jax.tree.leaves(snapshot.opt_state))

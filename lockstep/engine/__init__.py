@@ -29,6 +29,7 @@ from ._cross_replica import held as held
 from ._cross_replica import highest as highest
 from ._cross_replica import host_value as host_value
 from ._cross_replica import own_copy as own_copy
+from ._cross_replica import unshared as unshared
 from ._cross_replica import lowest as lowest
 from ._cross_replica import reduce_replicated as reduce_replicated
 from ._cross_replica import reduce_stacked as reduce_stacked
@@ -75,6 +76,7 @@ __all__ = [
     "highest",
     "host_value",
     "own_copy",
+    "unshared",
     "is_recording",
     "lowest",
     "note_new_function",

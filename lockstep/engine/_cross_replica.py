@@ -195,6 +195,34 @@ def own_copy(x: Any) -> Any:
     return x.copy() if isinstance(x, jax.Array) else x  # (JAX's copy primitive: a new buffer, shard by shard)
 
 
+def unshared(arrays: Any) -> list[Any]:
+    """The device arrays among `arrays` whose buffers no other live array holds (a Keras variable's
+    own array placed again without a copy shares them): one that only its holder refers to may be
+    taken over (donated) by a program without a copy.
+
+    >>> x = jax.numpy.arange(3)
+    >>> [a is x for a in unshared([x, 1])]
+    [True]
+    """
+    if jax.process_count() > 1:  # (a global array's shards may not be readable one by one there): none
+        return []
+    arrays = [a for a in arrays if isinstance(a, jax.Array) and _buffers(a)]
+    try:
+        mine = {id(x) for a in arrays for x in (a, *(s.data for s in a.addressable_shards))}  # (its shards' own)
+        others = {p for a in jax.live_arrays() if id(a) not in mine for p in _buffers(a)}
+    except ValueError:  # an array whose shards cannot be read one by one: none said unshared
+        return []
+    return [a for a in arrays if not others.intersection(_buffers(a))]
+
+
+def _buffers(a: jax.Array) -> list[int]:
+    """Where `a`'s shards on this process lie; none for an array whose buffers were taken over."""
+    try:
+        return [s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
+    except jax.errors.JaxRuntimeError:  # deleted, or sharing a buffer a program took over
+        return []
+
+
 def host_value(x: Any) -> np.ndarray:
     """`x`'s whole value on this host: a collective among the workers for an array whose shards
     they hold apart (every worker must call it), a copy of a local shard for one each holds whole.

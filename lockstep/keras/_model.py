@@ -23,6 +23,7 @@ from ..engine import get_replica_context, held, host_value
 from ..training import Optimizer, checked_batch_statistics, keras_metric_names
 from ._layers import (activity_penalties_masked, check_activity_regularizers, check_batch_losses, check_supported,
                       draws_following_rows, hook_batch_norm, layer_outputs_named, random_draws_as_one_device)
+from ._lending import Lending
 from ._optimizer import KerasOptimizer, optimizer_for
 
 Params = dict[str, Any]
@@ -60,6 +61,7 @@ class KerasModel:
         check_activity_regularizers(model)
         self._trainable: list[int] | None = None  # the trainable variables when built (ids)
         self._draws: dict[Any, tuple[bool, ...] | None] = {}  # draws_following_rows by call signature
+        self._lending: Lending | None = None  # the variables' (`lend`), made again when they change
 
     def ready(self) -> bool:
         return bool(self.model.built)
@@ -218,9 +220,11 @@ class KerasModel:
         """The Keras variables made to hold `params` as they lie on the devices (no copy), for a
         user's code that reads or assigns them; returns what each holds, for `taken`."""
         variables = self._variables()
-        for v, value in zip(variables, [*params["trainable"], *params["non_trainable"]]):
-            v.assign(value)
-        return [v.value for v in variables]
+        lending = self._lending
+        if lending is None or len(lending.variables) != len(variables) or any(
+                a is not b for a, b in zip(lending.variables, variables)):
+            lending = self._lending = Lending(variables)
+        return lending.lend([*params["trainable"], *params["non_trainable"]])
 
     def taken(self, lent: list[Any]) -> Params | None:
         """The variables' values when any was assigned since `lend` gave `lent` (else None)."""

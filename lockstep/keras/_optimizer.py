@@ -16,6 +16,7 @@ from .._keras_kind import is_keras
 from ..engine import held
 from ..sharding import Slots
 from ..training import Optimizer, get_optimizer
+from ._lending import Lending
 
 
 def is_loss_scaled(optimizer: Any) -> bool:
@@ -144,6 +145,14 @@ def to_keras(optimizer: Any, opt_state: Any) -> None:
         return
     _loss_scale_to_keras(optimizer, opt_state)
     optimizer = getattr(optimizer, "inner_optimizer", optimizer)
+    for v, value in zip(optimizer.variables, keras_values(optimizer, opt_state) or ()):
+        v.assign(held(value))
+
+
+def keras_values(optimizer: Any, opt_state: Any) -> list[Any] | None:
+    """The values of `optimizer`'s variables (a Keras optimizer's, not a loss-scaling wrapper's) in
+    `opt_state` (lockstep's optimizer state, as `from_keras` keeps them, or a state wrapping it), in
+    the order of ``optimizer.variables``; None where it holds none."""
     stack = [opt_state]
     while stack:
         node = stack.pop()
@@ -152,11 +161,10 @@ def to_keras(optimizer: Any, opt_state: Any) -> None:
             lr_at = _learning_rate_index(optimizer)
             if lr_at is not None:
                 values.insert(lr_at, node.hyperparams["learning_rate"])
-            for v, value in zip(optimizer.variables, values):
-                v.assign(held(value))
-            return
+            return values
         if isinstance(node, (tuple, list)):
             stack.extend(node)
+    return None
 
 
 def _loss_scale_to_keras(optimizer: Any, opt_state: Any) -> None:
@@ -187,6 +195,7 @@ class KerasOptimizer(Optimizer):
         self.given, self.model = given, model
         self.inner = getattr(given, "inner_optimizer", given)
         super().__init__(from_keras(self.inner, model.trainable_variables))
+        self._lending: Lending | None = None  # the Keras optimizer's variables (`lend`)
 
     @property
     def slots(self) -> Slots:  # type: ignore[override]
@@ -202,6 +211,16 @@ class KerasOptimizer(Optimizer):
 
     def write_back(self, opt_state: Any) -> None:
         to_keras(self.given, opt_state)
+
+    def lend(self, opt_state: Any) -> list[Any] | None:
+        """The Keras optimizer's variables made to hold the arrays of `opt_state` (the trainer's, as
+        they lie) that are theirs (`Lending`); returns what each holds."""
+        values = keras_values(self.inner, opt_state)
+        if values is None:
+            return None
+        if self._lending is None:
+            self._lending = Lending(list(self.inner.variables))
+        return self._lending.lend(values)
 
     def state_names(self, trainable: list[tuple[str, str]], opt_state: Any) -> tuple[list[str], str]:
         """Its state (`KerasOptimizerState`: its variables, the learning rate apart) named by

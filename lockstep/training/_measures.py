@@ -27,6 +27,7 @@ class TrainerMeasures:
     strategy: Any
     _state: Any
     _engine: Any
+    _layout: Any
     _accumulation: int
     steps_per_execution: int
     _build: Any
@@ -94,13 +95,19 @@ class TrainerMeasures:
 
     def _keras_variable_bytes(self) -> int:
         """Bytes of the Keras model's and Keras optimizer's variables on this process's first device
-        of the strategy, each buffer once. A device holds them beside a step: their own buffers, or
-        those of a state `fit` left them (`sync_model`), which the next step's state no longer is
-        (an upper bound where a user's Keras callback lends them the state at every batch)."""
+        of the strategy, each buffer once, but those of the trainer's state and, with the state
+        replicated, the model's weights and the optimizer's variables, which `fit` lends the state
+        as it begins (`lend_state`). A device holds the rest beside a step: their own buffers, or
+        those of a state `fit` left them (`sync_model`), which the next step's state no longer is."""
         device = next((d for d in self.strategy.devices if d.process_index == jax.process_index()), None)
         variables = [*getattr(self.model, "variables", ()), *self._optimizer.variables]
-        arrays = [a for a in (getattr(v, "_value", None) for v in variables)
-                  if isinstance(a, jax.Array) and not a.is_deleted()]  # (lent a state a step has taken over since)
+        if self._layout.plan is None:  # `fit` lends these the state as it begins
+            lent = {id(v) for v in [*getattr(self.model, "weights", ()), *self._optimizer.variables]}
+            variables = [v for v in variables if id(v) not in lent]  # (their own buffers freed: `lend_state`)
+        state = set() if self._state is None else {
+            id(a) for a in jax.tree.leaves((self._state.params, self._state.opt_state))}
+        arrays = [a for a in (getattr(v, "_value", None) for v in variables) if isinstance(a, jax.Array)
+                  and id(a) not in state and not a.is_deleted()]  # (lent the state: counted there; or taken over)
         counted: set[int] = set()
         total = 0
         for s in (s for a in arrays for s in a.addressable_shards if s.device == device):

@@ -129,6 +129,11 @@ class Optimizer:
     def write_back(self, opt_state: Any) -> None:
         """Gives the trained state (host arrays) to what holds it besides the trainer: nothing here."""
 
+    def lend(self, opt_state: Any) -> list[Any] | None:
+        """Makes what holds the state besides the trainer hold `opt_state`'s arrays as they lie
+        (no copy), and returns them (a Keras optimizer's variables); nothing here: None."""
+        return None
+
     def state_names(self, trainable: list[tuple[str, str]], opt_state: Any) -> tuple[list[str], str]:
         """A name for each array of `opt_state` (flattening order), and what the optimizer is (the
         optax state's node types), given each trainable parameter's path in the trainable tree and

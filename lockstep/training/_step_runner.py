@@ -68,6 +68,11 @@ class StepRunner:
         self._made = {id(a): weakref.ref(a) for a in jax.tree.leaves((state.params, state.opt_state))}
         return state
 
+    def adopt(self, arrays: Any) -> None:
+        """Counts `arrays` (of a state the trainer made itself, whose buffers no one else holds:
+        `unshared`) as made by the last run: the next run takes them over without copying them."""
+        self._made.update((id(a), weakref.ref(a)) for a in arrays)
+
     def _owned(self, state: TrainState) -> TrainState:
         """`state` whose parameters and optimizer state the training program may take over (donate):
         the arrays the last run made (no one else holds them but through what `Trainer` lends, which

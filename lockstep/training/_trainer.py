@@ -287,7 +287,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             self.layouts = self._layout.plan  # a sharded strategy's `ShardingPlan` (`.report()`); None: replicated
             self._laid_out = True
         if place:
-            self._state = initial_state(self._layout, params, self._names)
+            self._built_state(initial_state(self._layout, params, self._names))
         else:
             self._state = TrainState(*self._layout.abstract_state(params), metric_state=None, epoch=0, step=0,
                                      global_step=0, seed=0, callbacks={})
@@ -397,6 +397,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             cblist.on_train_begin()
             if self._resume is not None:  # restored before fit or in on_train_begin: taken up once all have begun
                 self._state, self._resume = take_up(self._resume, self._state, self._stream, self._callbacks), None
+            self.lend_state()
             for epoch in range(self._state.epoch, epochs):
                 logs = self._fit_epoch(epoch, self._stream, val, cblist)
                 if self.stop_training:

@@ -13,7 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..engine import held
+from ..engine import held, unshared
 from ._optimizers import learning_rate_of, set_learning_rate
 
 
@@ -32,6 +32,8 @@ class TrainerWeights:
     _engine: Any
     _optimizer: Any
     _lent: Any = None  # what `keras_variables_current` last lent the Keras variables (None: nothing lent now)
+    _lent_opt: Any = None  # what a Keras optimizer's variables were lent (`lend_state`)
+    _built: list[Any] = []  # the arrays of a state made from the model and not yet trained (`lend_state`)
 
     def _initial_state(self, params: Any) -> None:
         raise NotImplementedError
@@ -51,7 +53,7 @@ class TrainerWeights:
         """Writes the trained weights (and a Keras optimizer's state) into the model object, as
         Keras' `fit` leaves it; `fit` does it on every exit. Without a state (never built, or a
         state `step_memory` compiled and nothing placed since), the model holds its weights already."""
-        self._lent = None
+        self._lent = self._lent_opt = None
         if self._state is None:
             return
         self._adapter.sync_to_model(host_tree(self._layout.unpadded_params(self._state.params)))
@@ -67,14 +69,33 @@ class TrainerWeights:
         if lent is not None and (params := self._adapter.taken(lent)) is not None:
             self._state, self._lent = self._state.replace(params=self._layout.params(params)), None
 
+    def _built_state(self, state: Any) -> None:
+        """Takes `state`, made from the model: arrays the trainer alone holds (`lend_state`)."""
+        self._state, self._built = state, unshared(jax.tree.leaves((state.params, state.opt_state)))
+
+    def lend_state(self) -> None:
+        """As `fit` begins: a state made from the model (`_initial_state`) is the trainer's alone,
+        so the first step takes it over uncopied; and with the state replicated, the model's Keras
+        variables and a Keras optimizer's are lent its arrays, so that the devices hold one copy of
+        the weights and the optimizer state, as in Keras' `fit`, whose variables are its state
+        (`keep_lent_current` lends them each new one). A sharded state is lent in a user's hooks only."""
+        self._runner.adopt(self._built)
+        self._built = []
+        if self._layout.plan is None:
+            self._lend_all()
+
+    def _lend_all(self) -> None:
+        self._lent = self._adapter.lend(self._layout.unpadded_params(self._state.params))
+        self._lent_opt = self._optimizer.lend(self._state.opt_state) if self._layout.plan is None else None
+
     def keep_lent_current(self) -> None:
-        """After a step: Keras variables lent the state a step has since taken over (deleted arrays)
-        are lent the new state, so code that reads them outside a user's hook (a writer callback,
-        a lockstep callback) reads the current weights, not deleted arrays. Every worker calls it
-        after the same steps (the hooks that lend run on all)."""
-        lent = self._lent
-        if lent and lent[0].is_deleted():
-            self._lent = self._adapter.lend(self._layout.unpadded_params(self._state.params))
+        """After a step: Keras variables lent the state before it (which the step took over: deleted
+        arrays, or, after a copy, arrays no longer the state's) are lent the new state, so code that
+        reads them outside a user's hook (a writer callback, a lockstep callback) reads the current
+        weights, and the devices hold the state once. Every worker calls it after the same steps
+        (`lend_state` and the hooks that lend run on all)."""
+        if self._lent is not None or self._lent_opt is not None:
+            self._lend_all()
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
