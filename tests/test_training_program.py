@@ -3,6 +3,7 @@ state layout (whole or sharded, padded) and the micro-batch wrapper, against Num
 a linear model's mean squared error, batch by batch, with padding rows and replicas without rows."""
 
 import contextlib
+import os
 
 import jax
 import jax.numpy as jnp
@@ -239,13 +240,13 @@ def _device_0_bytes():
 
 
 @pytest.mark.parametrize("replicas", [1, 3])
-def test_the_keras_variables_are_lent_the_state_and_a_device_holds_it_once(replicas):
+def test_the_keras_variables_are_lent_the_state_and_a_device_holds_it_once(replicas, tmp_path):
     """In Keras' `fit` the model's and the optimizer's variables are the training state. lockstep's
     trainer holds the state and lends both kinds of Keras variables its arrays from the start of
     `fit` and after every step, so a device holds the weights and Adam's moments once: as many
     bytes on device 0 at every batch end as Keras' own `fit` holds on its one device (they held a
-    second copy before). A state made from the model is the trainer's alone: its first step takes
-    over the optimizer state optax made, uncopied."""
+    second copy before), also after a `ModelCheckpoint` has saved them mid-fit (a save gave them
+    copies, and lending stopped)."""
     import keras
 
     rng = np.random.default_rng(0)
@@ -266,7 +267,9 @@ def test_the_keras_variables_are_lent_the_state_and_a_device_holds_it_once(repli
                     state = self.model._trainer._state
                     ours = {id(a) for a in jax.tree.leaves((state.params, state.opt_state))}
                     same.append(all(id(v.value) in ours for v in [*model.weights, *model.optimizer.variables]))
-        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[Holds()])
+        saves = keras.callbacks.ModelCheckpoint(os.path.join(tmp_path, f"{bool(strategy)}.weights.h5"),
+                                                save_weights_only=True, save_freq=2)  # a save reads them mid-fit
+        model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[saves, Holds()])
         return held, same
 
     keras_held, _ = run(None)  # (its model gone before the next is made)
@@ -297,3 +300,50 @@ def test_a_state_made_from_the_model_is_taken_over_by_its_first_step_uncopied():
     trainer.restore(snapshot)
     trainer.fit(x, y, batch_size=8, epochs=1, verbose=0, callbacks=[Given()])
     assert not any(a.is_deleted() for a in jax.tree.leaves(snapshot.opt_state))
+
+
+def test_a_state_replaced_before_any_fit_is_freed():
+    """What the trainer keeps of a state made from the model, for its first step to take over,
+    does not keep that state alive once `restore` has replaced it."""
+    import gc
+    import weakref
+
+    import keras
+
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)])
+    trainer = ls.Trainer(model, optimizer="adam", loss="mse", strategy=ls.MirroredStrategy(2))
+    x = np.ones((6, 4), np.float32)
+    trainer.predict(x, verbose=0)  # builds the state
+    made = [weakref.ref(a) for a in jax.tree.leaves(trainer.current_state().opt_state)]
+    other = ls.Trainer(keras.Sequential([keras.Input((4,)), keras.layers.Dense(3)]), optimizer="adam", loss="mse",
+                       strategy=ls.MirroredStrategy(2))
+    other.fit(x, np.ones((6, 3), np.float32), epochs=1, verbose=0)
+    trainer.restore(other.train_state)
+    gc.collect()
+    assert made and all(ref() is None for ref in made)
+
+
+def test_a_padded_sharded_state_lent_once_is_not_cut_again_at_every_step():
+    """A sharded state is lent to the Keras variables in a user's hooks only: a hook at the start of
+    `fit` alone does not make every later step cut the padded variables again (a collective with
+    several workers)."""
+    import keras
+
+    strategy = ls.ShardedStrategy(mesh=ls.DeviceMesh((2, 4), ("batch", "model")), layout_map={}, batch_dim_name="batch",
+                                  zero_stage=3, min_shard_size=1)
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(7), keras.layers.Dense(3)])
+        model.compile(optimizer="adam", loss="mse")
+    trainer = ls.Trainer(model)
+    x, y = np.ones((40, 5), np.float32), np.ones((40, 3), np.float32)
+    trainer.fit(x, y, batch_size=8, epochs=1, verbose=0)  # built, compiled
+    assert trainer._layout.plan is not None and any(v.padded for v in trainer._layout.plan.variables)
+    cuts = []
+    unpadded = trainer._layout.unpadded_params
+    trainer._layout.unpadded_params = lambda params: cuts.append(1) or unpadded(params)
+
+    class Begins(keras.callbacks.Callback):
+        def on_train_begin(self, logs=None):
+            pass
+    trainer.fit(x, y, batch_size=8, epochs=2, verbose=0, callbacks=[Begins()])
+    assert 0 < len(cuts) <= 4, len(cuts)  # the hook's lend, the end of fit's; not one a step (10 steps)

@@ -219,7 +219,7 @@ def _buffers(a: jax.Array) -> list[int]:
     """Where `a`'s shards on this process lie; none for an array whose buffers were taken over."""
     try:
         return [s.data.unsafe_buffer_pointer() for s in a.addressable_shards]
-    except jax.errors.JaxRuntimeError:  # deleted, or sharing a buffer a program took over
+    except RuntimeError:  # deleted, or sharing a buffer a program took over (JAX's errors are RuntimeErrors)
         return []
 
 

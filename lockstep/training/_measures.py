@@ -38,10 +38,10 @@ class TrainerMeasures:
         """Bytes one device holds while the training step runs: as XLA compiled it (the program of
         the last `fit`'s most frequent call), its arguments (state, batch), outputs, temporaries
         (activations, gradients) and their peak sum (``peak``); the Keras model's and Keras
-        optimizer's own variables, which the device holds beside the step (``keras_variables``);
-        and both together (``device_peak``: 0.97-1.00 of the measured peak on CPU in
-        benchmarks/MEMORY_PEAK.md; 0.92-0.94 on an H100 in benchmarks/GPU.md, measured when
-        ``keras_variables`` left out the buffers the state held: not re-run since).
+        optimizer's own variables where the device holds them beside the step (``keras_variables``:
+        a sharded state's; `fit` lends a replicated state's the state itself); and both together
+        (``device_peak``: 0.97-1.00 of the measured peak on CPU in benchmarks/MEMORY_PEAK.md; on an
+        H100, benchmarks/GPU.md, ``peak`` alone was the measured peak, 8,673 MiB).
 
         Given data as `fit` takes it (`x`, `y`, `batch_size`, `sample_weight`; arrays, or a
         dataset that can be read again), the figures of the first program `fit` would run on it,

@@ -404,7 +404,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
                     break
             cblist.on_train_end(logs)
         finally:  # on any exit the model keeps the weights of the last completed step, as in Keras
-            self._callbacks = []
+            self._callbacks, self._lending = [], False  # (given copies, no longer lent the state)
             self._stream.close()
             try:
                 self.sync_model()

@@ -7,6 +7,7 @@ learning rate. A part of `Trainer`, on the state it holds.
 from __future__ import annotations
 
 import contextlib
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -34,6 +35,7 @@ class TrainerWeights:
     _lent: Any = None  # what `keras_variables_current` last lent the Keras variables (None: nothing lent now)
     _lent_opt: Any = None  # what a Keras optimizer's variables were lent (`lend_state`)
     _built: list[Any] = []  # the arrays of a state made from the model and not yet trained (`lend_state`)
+    _lending = False  # in a fit whose Keras variables are lent the state after every step (`lend_state`)
 
     def _initial_state(self, params: Any) -> None:
         raise NotImplementedError
@@ -52,7 +54,12 @@ class TrainerWeights:
     def sync_model(self) -> None:
         """Writes the trained weights (and a Keras optimizer's state) into the model object, as
         Keras' `fit` leaves it; `fit` does it on every exit. Without a state (never built, or a
-        state `step_memory` compiled and nothing placed since), the model holds its weights already."""
+        state `step_memory` compiled and nothing placed since), the model holds its weights already.
+        In a `fit` that lends the variables the state (`lend_state`), they are lent it again (what a
+        save reads until the next step), not given copies."""
+        if self._lending and self._state is not None:
+            self._lend_all(whole=True)
+            return
         self._lent = self._lent_opt = None
         if self._state is None:
             return
@@ -70,8 +77,10 @@ class TrainerWeights:
             self._state, self._lent = self._state.replace(params=self._layout.params(params)), None
 
     def _built_state(self, state: Any) -> None:
-        """Takes `state`, made from the model: arrays the trainer alone holds (`lend_state`)."""
-        self._state, self._built = state, unshared(jax.tree.leaves((state.params, state.opt_state)))
+        """Takes `state`, made from the model: arrays the trainer alone holds (`lend_state`; weakly
+        referred to, so a state replaced before a fit is freed)."""
+        self._state = state
+        self._built = [weakref.ref(a) for a in unshared(jax.tree.leaves((state.params, state.opt_state)))]
 
     def lend_state(self) -> None:
         """As `fit` begins: a state made from the model (`_initial_state`) is the trainer's alone,
@@ -79,23 +88,29 @@ class TrainerWeights:
         variables and a Keras optimizer's are lent its arrays, so that the devices hold one copy of
         the weights and the optimizer state, as in Keras' `fit`, whose variables are its state
         (`keep_lent_current` lends them each new one). A sharded state is lent in a user's hooks only."""
-        self._runner.adopt(self._built)
+        self._runner.adopt([a for ref in self._built if (a := ref()) is not None])
         self._built = []
-        if self._layout.plan is None:
+        self._lending = self._layout.plan is None  # (until the fit ends: `fit` clears it)
+        if self._lending:
             self._lend_all()
 
-    def _lend_all(self) -> None:
+    def _lend_all(self, whole: bool = False) -> None:
+        """The model's and the optimizer's Keras variables lent the state (`whole`: a loss-scaling
+        optimizer's scale too, read off the devices)."""
         self._lent = self._adapter.lend(self._layout.unpadded_params(self._state.params))
-        self._lent_opt = self._optimizer.lend(self._state.opt_state) if self._layout.plan is None else None
+        self._lent_opt = self._optimizer.lend(self._state.opt_state, whole) if self._layout.plan is None else None
 
     def keep_lent_current(self) -> None:
         """After a step: Keras variables lent the state before it (which the step took over: deleted
         arrays, or, after a copy, arrays no longer the state's) are lent the new state, so code that
         reads them outside a user's hook (a writer callback, a lockstep callback) reads the current
         weights, and the devices hold the state once. Every worker calls it after the same steps
-        (`lend_state` and the hooks that lend run on all)."""
-        if self._lent is not None or self._lent_opt is not None:
+        (`lend_state` and the hooks that lend run on all). A sharded state, lent in a user's hooks
+        only, is lent again where a step took over what was lent."""
+        if self._lending:
             self._lend_all()
+        elif self._lent and self._lent[0].is_deleted():
+            self._lent = self._adapter.lend(self._layout.unpadded_params(self._state.params))
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
