@@ -21,9 +21,10 @@ Against it, per row (all per device):
   arguments: the state and the device's share of the epoch's rows; its outputs: the next state,
   in the state's buffers, which the step takes over (donated: counted once); its temporaries:
   activations, gradients, gathered parameters);
-* ``Trainer.step_memory()["device_peak"]``: that and the Keras model's own variables, which each
-  device holds beside the training state (``keras_variables``: one more copy of the parameters,
-  or of its shards);
+* ``Trainer.step_memory()["device_peak"]``: that and the Keras model's own variables where each
+  device holds them beside the training state (``keras_variables``: one more copy of the parameters,
+  or of its shards, with a sharded state; none with a replicated one, whose `fit` lends the Keras
+  variables the state itself);
 * ``Trainer.step_memory(x, y, batch_size=64)["device_peak"]`` asked before `fit`, before the
   trainer's state is placed: the step compiled from the state's shapes where they would lie, and
   the Keras variables.

@@ -34,7 +34,8 @@ class Lending:
         its layout places it elsewhere, Keras' copy)."""
         kept = self._kept
         for i, (v, x) in enumerate(zip(self.variables, values)):
-            if kept is not None and kept[i] is not None and getattr(x, "sharding", None) == kept[i] and (
+            was = None if kept is None else kept[i]
+            if was is not None and ((s := getattr(x, "sharding", None)) is was or s == was) and (
                     x.dtype == v._value.dtype and x.shape == v._value.shape):
                 v._value = x  # what `assign` did with the same layout: the array itself
             else:
