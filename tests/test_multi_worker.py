@@ -314,6 +314,29 @@ def test_bad_cluster_settings_are_named_errors_within_seconds():
     assert a.returncode == 1 and b.returncode == 1
     assert "worker 0 was started for 2 workers, worker 1 for 3" in a_err.splitlines()[-1], a_err[-2000:]
     assert "worker 1 was started for 3 workers, worker 0 for 2" in b.stderr.splitlines()[-1], b.stderr[-2000:]
+    # the coordinator's port is taken by another program
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        proc = subprocess.run(_launch_cmd(script, "--nproc-per-node", "2", "--coordinator",
+                                          f"127.0.0.1:{busy.getsockname()[1]}"), **run)
+    assert proc.returncode == 1
+    assert "rank 0 exited with code 1 [lockstep: worker 0: could not start the coordinator" in proc.stderr
+    assert "its port is in use" in proc.stderr
+    # a node pointed at a coordinator nobody runs: named within the join time-out
+    start = time.monotonic()
+    proc = subprocess.run(_launch_cmd(script, "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1",
+                                      "--coordinator", f"127.0.0.1:{free_port()}"), **run)
+    assert proc.returncode == 1 and "joined" not in proc.stdout
+    assert "could not join the coordinator at 127.0.0.1:" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
+    assert time.monotonic() - start < 60
+
+
+@pytest.mark.full_suite  # (about 15 s: `make test` keeps the other bad settings)
+def test_nodes_of_other_process_counts_or_a_task_index_given_twice_are_named_errors():
+    script = WORKERS / "joiner_job.py"
+    env = {**os.environ, "XLA_FLAGS": CHILD_XLA_FLAGS, "LOCKSTEP_JOIN_TIMEOUT": "5"}
+    run = dict(capture_output=True, text=True, timeout=120, env=env)
     # nodes started with different --nproc-per-node: ids taken twice, counts differ (was SIGABRT, ALREADY_EXISTS)
     port = free_port()
     opts = ["--nnodes", "2", "--coordinator", f"127.0.0.1:{port}"]
@@ -345,22 +368,6 @@ def test_bad_cluster_settings_are_named_errors_within_seconds():
         assert [chief.returncode] + [t.returncode for t in twins] == [1, 1, 1], chief.stderr[-2000:]
         for err in [chief.stderr, *twin_errs]:
             assert claimed in err.splitlines()[-1], err[-2000:]
-    # the coordinator's port is taken by another program
-    with socket.socket() as busy:
-        busy.bind(("127.0.0.1", 0))
-        busy.listen()
-        proc = subprocess.run(_launch_cmd(script, "--nproc-per-node", "2", "--coordinator",
-                                          f"127.0.0.1:{busy.getsockname()[1]}"), **run)
-    assert proc.returncode == 1
-    assert "rank 0 exited with code 1 [lockstep: worker 0: could not start the coordinator" in proc.stderr
-    assert "its port is in use" in proc.stderr
-    # a node pointed at a coordinator nobody runs: named within the join time-out
-    start = time.monotonic()
-    proc = subprocess.run(_launch_cmd(script, "--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "1",
-                                      "--coordinator", f"127.0.0.1:{free_port()}"), **run)
-    assert proc.returncode == 1 and "joined" not in proc.stdout
-    assert "could not join the coordinator at 127.0.0.1:" in proc.stderr.splitlines()[-1], proc.stderr[-2000:]
-    assert time.monotonic() - start < 60
 
 
 def test_workers_passing_arrays_or_batches_of_other_content_get_a_clear_error():

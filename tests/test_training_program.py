@@ -239,8 +239,7 @@ def _device_0_bytes():
     return total
 
 
-@pytest.mark.parametrize("replicas", [1, 3])
-def test_the_keras_variables_are_lent_the_state_and_a_device_holds_it_once(replicas, tmp_path):
+def test_the_keras_variables_are_lent_the_state_and_a_device_holds_it_once(tmp_path):
     """In Keras' `fit` the model's and the optimizer's variables are the training state. lockstep's
     trainer holds the state and lends both kinds of Keras variables its arrays from the start of
     `fit` and after every step, so a device holds the weights and Adam's moments once: as many
@@ -262,7 +261,8 @@ def test_the_keras_variables_are_lent_the_state_and_a_device_holds_it_once(repli
 
         class Holds(keras.callbacks.Callback):
             def on_train_batch_end(self, batch, logs=None):
-                held.append(_device_0_bytes())
+                if batch % 3 == 2:  # (after a save; garbage collection is slow)
+                    held.append(_device_0_bytes())
                 if strategy:
                     state = self.model._trainer._state
                     ours = {id(a) for a in jax.tree.leaves((state.params, state.opt_state))}
@@ -273,10 +273,10 @@ def test_the_keras_variables_are_lent_the_state_and_a_device_holds_it_once(repli
         return held, same
 
     keras_held, _ = run(None)  # (its model gone before the next is made)
-    held, same = run(ls.MirroredStrategy(replicas))
-    assert all(same) and len(held) == len(keras_held) == 6
-    slack = x.nbytes + y.nbytes + 4096  # (the data placed whole, metric states; the first end: a copy, on CPU)
-    assert max(held[1:]) <= max(keras_held) + slack, (held, keras_held)
+    held, same = run(ls.MirroredStrategy(3))
+    assert all(same) and len(same) == 6 and len(held) == len(keras_held) == 2
+    slack = x.nbytes + y.nbytes + 4096  # (the data placed whole, metric states)
+    assert max(held) <= max(keras_held) + slack, (held, keras_held)
 
 
 def test_a_state_made_from_the_model_is_taken_over_by_its_first_step_uncopied():
