@@ -212,18 +212,17 @@ class KerasOptimizer(Optimizer):
     def write_back(self, opt_state: Any) -> None:
         to_keras(self.given, opt_state)
 
-    def lend(self, opt_state: Any, whole: bool = False) -> list[Any] | None:
+    def lend(self, opt_state: Any, whole: bool = False) -> None:
         """The Keras optimizer's variables made to hold the arrays of `opt_state` (the trainer's, as
-        they lie) that are theirs (`Lending`); returns what each holds. `whole`: a loss-scaling
-        optimizer's scale and count of good steps too (read off the devices: `to_keras`)."""
+        they lie) that are theirs (`Lending`). `whole`: a loss-scaling optimizer's scale and count
+        of good steps too (read off the devices: `to_keras`)."""
         if whole:
             _loss_scale_to_keras(self.given, opt_state)
         values = keras_values(self.inner, opt_state)
-        if values is None:
-            return None
-        if self._lending is None:
-            self._lending = Lending(list(self.inner.variables))
-        return self._lending.lend(values)
+        if values is not None:
+            if self._lending is None:
+                self._lending = Lending(list(self.inner.variables))
+            self._lending.lend(values)
 
     def state_names(self, trainable: list[tuple[str, str]], opt_state: Any) -> tuple[list[str], str]:
         """Its state (`KerasOptimizerState`: its variables, the learning rate apart) named by

@@ -129,11 +129,10 @@ class Optimizer:
     def write_back(self, opt_state: Any) -> None:
         """Gives the trained state (host arrays) to what holds it besides the trainer: nothing here."""
 
-    def lend(self, opt_state: Any, whole: bool = False) -> list[Any] | None:
-        """Makes what holds the state besides the trainer hold `opt_state`'s arrays as they lie
-        (no copy), and returns them (a Keras optimizer's variables; `whole`: and what is read off the
-        devices for them); nothing here: None."""
-        return None
+    def lend(self, opt_state: Any, whole: bool = False) -> None:
+        """Makes what holds the state besides the trainer (a Keras optimizer's variables) hold
+        `opt_state`'s arrays as they lie, no copy (`whole`: and what is read off the devices for
+        them); nothing here."""
 
     def state_names(self, trainable: list[tuple[str, str]], opt_state: Any) -> tuple[list[str], str]:
         """A name for each array of `opt_state` (flattening order), and what the optimizer is (the

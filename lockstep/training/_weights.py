@@ -33,7 +33,6 @@ class TrainerWeights:
     _engine: Any
     _optimizer: Any
     _lent: Any = None  # what `keras_variables_current` last lent the Keras variables (None: nothing lent now)
-    _lent_opt: Any = None  # what a Keras optimizer's variables were lent (`lend_state`)
     _built: list[Any] = []  # the arrays of a state made from the model and not yet trained (`lend_state`)
     _lending = False  # in a fit whose Keras variables are lent the state after every step (`lend_state`)
 
@@ -60,7 +59,7 @@ class TrainerWeights:
         if self._lending and self._state is not None:
             self._lend_all(whole=True)
             return
-        self._lent = self._lent_opt = None
+        self._lent = None
         if self._state is None:
             return
         self._adapter.sync_to_model(host_tree(self._layout.unpadded_params(self._state.params)))
@@ -95,10 +94,10 @@ class TrainerWeights:
             self._lend_all()
 
     def _lend_all(self, whole: bool = False) -> None:
-        """The model's and the optimizer's Keras variables lent the state (`whole`: a loss-scaling
-        optimizer's scale too, read off the devices)."""
+        """The model's and the optimizer's Keras variables lent the (replicated) state (`whole`: a
+        loss-scaling optimizer's scale too, read off the devices)."""
         self._lent = self._adapter.lend(self._layout.unpadded_params(self._state.params))
-        self._lent_opt = self._optimizer.lend(self._state.opt_state, whole) if self._layout.plan is None else None
+        self._optimizer.lend(self._state.opt_state, whole)
 
     def keep_lent_current(self) -> None:
         """After a step: Keras variables lent the state before it (which the step took over: deleted
