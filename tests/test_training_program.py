@@ -221,6 +221,37 @@ def test_a_step_takes_over_the_states_buffers_and_nothing_handed_out_is_lost(str
     assert compiled.alias_size_in_bytes >= state_bytes - 64  # every state buffer reused (but scalars XLA may copy)
 
 
+def test_a_state_is_copied_in_one_program_a_mesh_each_copy_laid_out_as_its_array(monkeypatch):
+    """`own_copies` (what a background backup and a first step copy before the program takes the
+    state over): every device array of a tree copied into buffers of its own, with its sharding and
+    memory kind, values equal; one compiled program per mesh, not a dispatch per array; the leaves
+    `pick` leaves out, and what is not a device array, as they are."""
+    from lockstep.engine import own_copies
+
+    mesh = jax.make_mesh((2, 4), ("data", "model"))
+    specs = [P(), P("data"), P("model"), P(None, "model"), P("data", "model"), P(("data", "model"))]
+    tree = {"sharded": [jax.device_put(jnp.arange(64.0).reshape(8, 8) + i, NamedSharding(mesh, specs[i % 6]))
+                        for i in range(30)],
+            "host": jax.device_put(jnp.ones(3), NamedSharding(mesh, P(), memory_kind="pinned_host")),
+            "one": jax.device_put(jnp.arange(5), jax.devices()[3]), "np": np.arange(2), "n": 7, "kept": jnp.zeros(2)}
+    jitted, real_jit = [], jax.jit
+
+    def counting_jit(*args, **kwargs):
+        jitted.append(kwargs.get("out_shardings"))
+        return real_jit(*args, **kwargs)
+    monkeypatch.setattr(jax, "jit", counting_jit)
+    out = own_copies(tree, lambda a: a is not tree["kept"])
+    monkeypatch.undo()
+    assert len(jitted) == 2  # the mesh's 31 arrays in one program, the single device's in another
+    assert out["np"] is tree["np"] and out["n"] == 7 and out["kept"] is tree["kept"]
+    for a, c in zip(jax.tree.leaves(tree["sharded"] + [tree["host"], tree["one"]]),
+                    jax.tree.leaves(out["sharded"] + [out["host"], out["one"]])):
+        assert c is not a and c.sharding == a.sharding and c.dtype == a.dtype
+        np.testing.assert_array_equal(np.asarray(c), np.asarray(a))
+        assert {s.data.unsafe_buffer_pointer() for s in c.addressable_shards}.isdisjoint(
+            {s.data.unsafe_buffer_pointer() for s in a.addressable_shards})
+
+
 def _device_0_bytes():
     """Bytes of the live arrays' buffers on device 0, each buffer once (garbage collected first)."""
     import gc

@@ -6,7 +6,7 @@ worker writing the shards it holds) and ``meta`` (JSON). Orbax writes into a tem
 directory and renames it when complete, so a reader only ever sees whole checkpoints. With
 `async_save` a save returns at once and the write goes on in the background while training
 continues: in one process a writer thread takes the arrays as they are (JAX arrays do not change;
-host arrays are copied), waits for them, checksums and writes them; with several workers, orbax's
+host arrays are copied), copies them to the host one by one, checksums and writes them; with several workers, orbax's
 async checkpointing copies them off the devices first (its barriers and the checksums of arrays
 spread over workers are collectives, which stay on the training thread). The rename still comes
 last, so a process killed while writing leaves the previous checkpoint the newest. The meta
@@ -151,6 +151,11 @@ class TrainingCheckpointer:
 
     def _write(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> None:
         args = self._ocp.args
+        if jax.process_count() == 1:
+            # Taken off the devices once, an array at a time, for the checksums and orbax alike:
+            # orbax would copy every array again, queueing all of them at once, ahead of any small
+            # copy the training thread makes meanwhile (a loss it logs).
+            arrays = {k: np.asarray(v) for k, v in arrays.items()}
         meta = {**meta, _CHECKSUMS: checksums(arrays, meta, primary_only=True)}
         self._manager.save(step, args=args.Composite(arrays=args.StandardSave(arrays), meta=args.JsonSave(meta)),
                            force=True)

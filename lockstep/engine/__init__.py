@@ -28,7 +28,7 @@ from ._cross_replica import gather_stacked as gather_stacked
 from ._cross_replica import held as held
 from ._cross_replica import highest as highest
 from ._cross_replica import host_value as host_value
-from ._cross_replica import own_copy as own_copy
+from ._cross_replica import own_copies as own_copies
 from ._cross_replica import unshared as unshared
 from ._cross_replica import lowest as lowest
 from ._cross_replica import reduce_replicated as reduce_replicated
@@ -75,7 +75,7 @@ __all__ = [
     "held",
     "highest",
     "host_value",
-    "own_copy",
+    "own_copies",
     "unshared",
     "is_recording",
     "lowest",

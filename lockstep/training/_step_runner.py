@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from ..data import AccumulationGroup
-from ..engine import own_copy
+from ..engine import own_copies
 from ._executions import compiled_program, feed_of, make_program, runs
 from ._steps import CHECK_VMA, EVAL_KINDS, INFERENCE_OUT_KINDS, PREDICT_KINDS, with_changed
 from ._train_state import TrainState
@@ -82,14 +82,14 @@ class StepRunner:
         seen: set[int] = set()
         copied: list[Any] = []
 
-        def owned(a: Any) -> Any:
+        def foreign(a: Any) -> bool:
             made = self._made.get(id(a))
             if made is not None and made() is a and id(a) not in seen:
                 seen.add(id(a))
-                return a
+                return False
             copied.append(a)
-            return own_copy(a)
-        params, opt_state = jax.tree.map(owned, state.params), jax.tree.map(owned, state.opt_state)
+            return True
+        params, opt_state = own_copies((state.params, state.opt_state), foreign)
         return state.replace(params=params, opt_state=opt_state) if copied else state
 
     def prepare(self, state: TrainState, updates: Sequence[AccumulationGroup]) -> tuple[Any, ...]:

@@ -30,7 +30,7 @@ from .. import losses as _losses
 from ..distribute import Strategy, get_strategy, recent, strategy_of_model
 from ..callbacks import Callback, CallbackList, History, ProgbarLogger, is_chief
 from ..data import IterableBatches
-from ..engine import own_copy
+from ..engine import own_copies
 from ..metrics import Mean, Metric, MetricCollection, get as get_metric
 from ..sharding import Replicated
 from ._inputs import (
@@ -135,10 +135,8 @@ def own_state(live: TrainState, state: TrainState) -> TrainState:
     trainer's own, which its next step takes over (a background backup writes its own; see
     `StepRunner`)."""
     ids = {id(a) for a in jax.tree.leaves((live.params, live.opt_state))}
-
-    def own(a: Any) -> Any:
-        return own_copy(a) if id(a) in ids else a
-    return state.replace(params=jax.tree.map(own, state.params), opt_state=jax.tree.map(own, state.opt_state))
+    params, opt_state = own_copies((state.params, state.opt_state), lambda a: id(a) in ids)
+    return state.replace(params=params, opt_state=opt_state)
 
 
 class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
