@@ -3,8 +3,10 @@
 
 In Keras' own `fit` the variables are the training state; lockstep's trainer holds the state, and
 its Keras variables (the model's, the optimizer's) hold the same buffers, lent, so that the device
-holds one copy. Keras' `assign` converts, checks and places each value (microseconds a variable); a
-`Lending` assigns once, and later sets the variables that kept the very array straight.
+holds one copy. Keras' `assign` converts, checks and places each value (microseconds a variable), and
+lays it out as the variable's layout says (a copy, where the state lies otherwise: a ZeRO-sharded
+moment of a replicated variable); a `Lending` sets a variable of the value's dtype and shape
+straight to the very array, wherever it lies.
 
 >>> import keras
 >>> import numpy as np
@@ -27,22 +29,41 @@ class Lending:
 
     def __init__(self, variables: list[Any]):
         self.variables = variables
-        self._kept: list[Any] | None = None  # each variable's sharding where `assign` kept the array given
 
-    def lend(self, values: list[Any]) -> list[Any]:
-        """The variables made to hold `values`; returns what each holds (a value itself, or where
-        its layout places it elsewhere, Keras' copy)."""
-        kept = self._kept
-        for i, (v, x) in enumerate(zip(self.variables, values)):
-            was = None if kept is None else kept[i]
-            if was is not None and ((s := getattr(x, "sharding", None)) is was or s == was) and (
-                    x.dtype == v._value.dtype and x.shape == v._value.shape):
-                v._value = x  # what `assign` did with the same layout: the array itself
-            else:
+    def lend(self, values: list[Any], copies: bool = True) -> list[Any]:
+        """The variables made to hold `values`, each the very array (a variable given None keeps
+        what it holds); a value of another dtype or shape, or given to an NNX variable (which keeps
+        a second reference), is assigned: Keras converts it and lays it out, a copy where it lies
+        otherwise (`copies=False`: such a variable keeps what it holds). Returns what each holds."""
+        nnx = _nnx()
+        for v, x in zip(self.variables, values):
+            if x is None:
+                continue
+            if not nnx and _fits(v._value, x):
+                v._value = x
+            elif copies or _lies_as(v._value, x):
                 v.assign(x)
-        if kept is None:
-            import keras
-
-            nnx = keras.config.is_nnx_enabled()  # NNX variables keep a second reference: assigned always
-            self._kept = [x.sharding if v._value is x and not nnx else None for v, x in zip(self.variables, values)]
         return [v._value for v in self.variables]
+
+    def takers(self, values: list[Any]) -> list[Any]:
+        """The variables that ``lend(values, copies=False)`` makes hold their values (`values` may
+        be shapes with shardings: those it would make hold arrays so laid out)."""
+        nnx = _nnx()
+        return [v for v, x in zip(self.variables, values)
+                if x is not None and (_fits(v._value, x) and (not nnx or _lies_as(v._value, x)))]
+
+
+def _nnx() -> bool:
+    import keras
+
+    return bool(keras.config.is_nnx_enabled())
+
+
+def _fits(held: Any, x: Any) -> bool:
+    return held is not None and x.dtype == held.dtype and tuple(x.shape) == tuple(held.shape)
+
+
+def _lies_as(held: Any, x: Any) -> bool:
+    """Whether the array `held` lies as `x` does (so that Keras' `assign` keeps `x` itself)."""
+    mine, theirs = getattr(held, "sharding", None), getattr(x, "sharding", None)
+    return mine is None or theirs is None or mine is theirs or mine.is_equivalent_to(theirs, len(held.shape))

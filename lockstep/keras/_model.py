@@ -216,15 +216,24 @@ class KerasModel:
             walk(metric)
         return found
 
-    def lend(self, params: Params) -> list[Any]:
+    def lend(self, params: Params, copies: bool = True) -> list[Any]:
         """The Keras variables made to hold `params` as they lie on the devices (no copy), for a
-        user's code that reads or assigns them; returns what each holds, for `taken`."""
+        user's code that reads or assigns them (a variable given None keeps what it holds; for
+        `copies`, see `Lending`); returns what each holds, for `taken`."""
+        return self._lender().lend([*params["trainable"], *params["non_trainable"]], copies)
+
+    def lent_variables(self, params: Params) -> list[Any]:
+        """The variables that ``lend(params, copies=False)`` lends their arrays (`params` may be
+        shapes with shardings: those it would lend arrays so laid out)."""
+        return self._lender().takers([*params["trainable"], *params["non_trainable"]])
+
+    def _lender(self) -> Lending:
         variables = self._variables()
         lending = self._lending
         if lending is None or len(lending.variables) != len(variables) or any(
                 a is not b for a, b in zip(lending.variables, variables)):
             lending = self._lending = Lending(variables)
-        return lending.lend([*params["trainable"], *params["non_trainable"]])
+        return lending
 
     def taken(self, lent: list[Any]) -> Params | None:
         """The variables' values when any was assigned since `lend` gave `lent` (else None)."""

@@ -214,15 +214,24 @@ class KerasOptimizer(Optimizer):
 
     def lend(self, opt_state: Any, whole: bool = False) -> None:
         """The Keras optimizer's variables made to hold the arrays of `opt_state` (the trainer's, as
-        they lie) that are theirs (`Lending`). `whole`: a loss-scaling optimizer's scale and count
-        of good steps too (read off the devices: `to_keras`)."""
+        they lie) that are theirs (`Lending`; None: a variable keeps what it holds). `whole`: copies
+        where a variable lies otherwise, and a loss-scaling optimizer's scale and count of good
+        steps too (read off the devices: `to_keras`)."""
         if whole:
             _loss_scale_to_keras(self.given, opt_state)
         values = keras_values(self.inner, opt_state)
         if values is not None:
-            if self._lending is None:
-                self._lending = Lending(list(self.inner.variables))
-            self._lending.lend(values)
+            self._lender().lend(values, copies=whole)
+
+    def lent_variables(self, opt_state: Any) -> list[Any]:
+        """The Keras optimizer's variables that `lend` (not `whole`) lends arrays of `opt_state`."""
+        values = keras_values(self.inner, opt_state)
+        return [] if values is None else self._lender().takers(values)
+
+    def _lender(self) -> Lending:
+        if self._lending is None:
+            self._lending = Lending(list(self.inner.variables))
+        return self._lending
 
     def state_names(self, trainable: list[tuple[str, str]], opt_state: Any) -> tuple[list[str], str]:
         """Its state (`KerasOptimizerState`: its variables, the learning rate apart) named by

@@ -131,8 +131,8 @@ class Replicated:
         """The model's ``apply(params, x, training)`` taking parameters as they are stored."""
         return apply
 
-    def unpadded_params(self, params: Any) -> Any:
-        """Stored parameters in their own shapes (nothing is padded here)."""
+    def unpadded_params(self, params: Any, cut: bool = True) -> Any:
+        """Stored parameters in their own shapes (nothing is padded here; `cut`: see `Sharded`)."""
         return params
 
     def shapes(self, params: Any, opt_state: Any) -> list[tuple[int, ...]]:
@@ -140,7 +140,7 @@ class Replicated:
         order of ``jax.tree.leaves((params, opt_state))``; nothing is padded here)."""
         return [tuple(np.shape(x)) for x in jax.tree.leaves((params, opt_state))]
 
-    def unpadded_state(self, opt_state: Any) -> Any:
+    def unpadded_state(self, opt_state: Any, cut: bool = True) -> Any:
         """A stored optimizer state in its own shapes (nothing is padded here)."""
         return opt_state
 
@@ -273,16 +273,17 @@ class Sharded(Replicated):
             self._cuts[key] = self._engine.jit(functools.partial(fit_to, shape=shape), sharding)
         return self._cuts[key]
 
-    def _unpadded(self, tree: Any, layouts: Any, spec: str) -> Any:
+    def _unpadded(self, tree: Any, layouts: Any, spec: str, cut: bool) -> Any:
         """Stored arrays (`layouts`: each one's variable layout) cut to their variables' shapes,
-        laid out as their `spec` without the splits that do not divide them."""
+        laid out as their `spec` without the splits that do not divide them (`cut=False`: None
+        for each that is stored padded, the rest as they are)."""
         def one(x: Any, v: Any) -> Any:
             if not isinstance(v, VariableLayout):
                 return x
             padded = v.stored_shape(getattr(v, spec))
             if padded == v.shape or tuple(x.shape) != padded:  # not padded (or not an array shaped like it)
                 return x
-            return self._cutter(v.shape, NamedSharding(self.plan.mesh, v.even(getattr(v, spec))))(x)
+            return self._cutter(v.shape, NamedSharding(self.plan.mesh, v.even(getattr(v, spec))))(x) if cut else None
         return tree if not self._padded else jax.tree.map(one, tree, layouts)
 
     def shapes(self, params: Any, opt_state: Any) -> list[tuple[int, ...]]:
@@ -293,15 +294,16 @@ class Sharded(Replicated):
                     v.stored_shape(v.param_spec), v.stored_shape(v.state_spec)) else tuple(x.shape)
                 for x, v in zip(jax.tree.leaves((params, opt_state)), layouts)]
 
-    def unpadded_params(self, params: Any) -> Any:
+    def unpadded_params(self, params: Any, cut: bool = True) -> Any:
         """Stored parameters in their own shapes, each laid out as `variable_spec` says (a padded
         variable without the splits that do not divide it). With several workers, a collective:
-        every worker calls it."""
-        return self._unpadded(params, self._layouts, "param_spec")
+        every worker calls it. `cut=False`: no program, None for each parameter stored padded (what
+        can be lent as it lies: `TrainerWeights.lend_state`)."""
+        return self._unpadded(params, self._layouts, "param_spec", cut)
 
-    def unpadded_state(self, opt_state: Any) -> Any:
+    def unpadded_state(self, opt_state: Any, cut: bool = True) -> Any:
         """A stored optimizer state in its variables' shapes (see `unpadded_params`)."""
-        return self._unpadded(opt_state, self._layouts_of_state(opt_state), "state_spec")
+        return self._unpadded(opt_state, self._layouts_of_state(opt_state), "state_spec", cut)
 
     def on_stored(self, apply: Callable[..., Any]) -> Callable[..., Any]:
         """The model's ``apply(params, x, training)`` taking parameters as they are stored: cut

@@ -62,7 +62,7 @@ class TrainerMeasures:
         >>> trainer.global_step, 0 < small < large
         (0, True)
         """
-        key = None if x is None else self._compile_first_step(x, y, batch_size, sample_weight)
+        key, state = (None, self._state) if x is None else self._compile_first_step(x, y, batch_size, sample_weight)
         compiled = None if self._runner is None else self._runner.compiled(key)
         if compiled is None:
             return None
@@ -70,12 +70,13 @@ class TrainerMeasures:
         out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
                "temporaries": m.temp_size_in_bytes}
         out["peak"] = out["arguments"] + out["outputs"] - m.alias_size_in_bytes + out["temporaries"]
-        out["keras_variables"] = self._keras_variable_bytes()
+        out["keras_variables"] = self._keras_variable_bytes(state)
         return {**out, "device_peak": out["peak"] + out["keras_variables"]}
 
-    def _compile_first_step(self, x: Any, y: Any, batch_size: int | None, sample_weight: Any) -> Any:
+    def _compile_first_step(self, x: Any, y: Any, batch_size: int | None, sample_weight: Any) -> tuple[Any, Any]:
         """Builds the model on `x`'s first batch and makes the programs of `fit`'s first execution
-        on this data, running none; returns the first program's key."""
+        on this data, running none; returns the first program's key and the state it is made for
+        (without a state placed, its shapes where they would lie)."""
         train = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
         if getattr(train, "one_shot", False):
             raise ValueError(f"step_memory(x=...) reads x's first batches, which `fit` would then miss: x is an "
@@ -86,28 +87,29 @@ class TrainerMeasures:
             stream = DataStream(self._engine, train, None, self._accumulation, epochs=1)
             try:
                 _, updates = next(executions(stream.epoch(0), self._accumulation, self.steps_per_execution))
-                return self._runner.prepare(self._state.replace(metric_state=self._fresh_state()), updates)
+                return self._runner.prepare(self._state.replace(metric_state=self._fresh_state()), updates), self._state
             finally:
                 stream.close()
         finally:
             if abstract:
                 self._state = None
 
-    def _keras_variable_bytes(self) -> int:
+    def _keras_variable_bytes(self, state: Any) -> int:
         """Bytes of the Keras model's and Keras optimizer's variables on this process's first device
-        of the strategy, each buffer once, but those of the trainer's state and, with the state
-        replicated, the model's weights and the optimizer's variables, which `fit` lends the state
-        as it begins (`lend_state`). A device holds the rest beside a step: their own buffers, or
-        those of a state `fit` left them (`sync_model`), which the next step's state no longer is."""
+        of the strategy, each buffer once, but those of the trainer's state and those `fit` lends
+        the state as it begins (`lend_state`: all but those of a sharded state's arrays stored
+        padded). A device holds the rest beside a
+        step: their own buffers, or those of a state `fit` left them (`sync_model`), which the next
+        step's state no longer is."""
         device = next((d for d in self.strategy.devices if d.process_index == jax.process_index()), None)
         variables = [*getattr(self.model, "variables", ()), *self._optimizer.variables]
-        if self._layout.plan is None:  # `fit` lends these the state as it begins
-            lent = {id(v) for v in [*getattr(self.model, "weights", ()), *self._optimizer.variables]}
-            variables = [v for v in variables if id(v) not in lent]  # (their own buffers freed: `lend_state`)
-        state = set() if self._state is None else {
-            id(a) for a in jax.tree.leaves((self._state.params, self._state.opt_state))}
+        lent = {id(v) for v in [  # (their own buffers freed as `fit` begins)
+            *self._adapter.lent_variables(self._layout.unpadded_params(state.params, cut=False)),
+            *self._optimizer.lent_variables(self._layout.unpadded_state(state.opt_state, cut=False))]}
+        variables = [v for v in variables if id(v) not in lent]
+        held = {id(a) for a in jax.tree.leaves((state.params, state.opt_state))}
         arrays = [a for a in (getattr(v, "_value", None) for v in variables) if isinstance(a, jax.Array)
-                  and id(a) not in state and not a.is_deleted()]  # (lent the state: counted there; or taken over)
+                  and id(a) not in held and not a.is_deleted()]  # (lent the state: counted there; or taken over)
         counted: set[int] = set()
         total = 0
         for s in (s for a in arrays for s in a.addressable_shards if s.device == device):

@@ -141,8 +141,12 @@ class _FunctionalAdapter:
         """No metric objects of its own (see `lockstep.keras.KerasModel.metric_objects`)."""
         return {}
 
-    def lend(self, params: Params) -> None:
+    def lend(self, params: Params, copies: bool = True) -> None:
         """No Keras variables to lend (see `lockstep.keras.KerasModel.lend`)."""
+
+    def lent_variables(self, params: Params) -> list[Any]:
+        """None: no Keras variables (see `lockstep.keras.KerasModel.lent_variables`)."""
+        return []
 
     def taken(self, lent: Any) -> Params | None:
         return None

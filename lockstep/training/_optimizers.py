@@ -132,7 +132,11 @@ class Optimizer:
     def lend(self, opt_state: Any, whole: bool = False) -> None:
         """Makes what holds the state besides the trainer (a Keras optimizer's variables) hold
         `opt_state`'s arrays as they lie, no copy (`whole`: and what is read off the devices for
-        them); nothing here."""
+        them, and where they lie otherwise, copies); nothing here."""
+
+    def lent_variables(self, opt_state: Any) -> list[Any]:
+        """The variables that `lend` (not `whole`) lends arrays of `opt_state`; none here."""
+        return []
 
     def state_names(self, trainable: list[tuple[str, str]], opt_state: Any) -> tuple[list[str], str]:
         """A name for each array of `opt_state` (flattening order), and what the optimizer is (the

@@ -83,33 +83,32 @@ class TrainerWeights:
 
     def lend_state(self) -> None:
         """As `fit` begins: a state made from the model (`_initial_state`) is the trainer's alone,
-        so the first step takes it over uncopied; and with the state replicated, the model's Keras
-        variables and a Keras optimizer's are lent its arrays, so that the devices hold one copy of
-        the weights and the optimizer state, as in Keras' `fit`, whose variables are its state
-        (`keep_lent_current` lends them each new one). A sharded state is lent in a user's hooks only."""
+        so the first step takes it over uncopied; and the model's Keras variables and a Keras
+        optimizer's are lent its arrays, so that the devices hold one copy of the weights and the
+        optimizer state, as in Keras' `fit`, whose variables are its state (`keep_lent_current`
+        lends them each new one). The variables of a sharded state's arrays stored padded (a split
+        that does not divide them) are lent them, cut, in a user's hooks and saves only: a cut is
+        a program (with several workers, a collective), too dear for every step."""
         self._runner.adopt([a for ref in self._built if (a := ref()) is not None])
         self._built = []
-        self._lending = self._layout.plan is None  # (until the fit ends: `fit` clears it)
-        if self._lending:
-            self._lend_all()
+        self._lending = True  # (until the fit ends: `fit` clears it)
+        self._lend_all()
 
     def _lend_all(self, whole: bool = False) -> None:
-        """The model's and the optimizer's Keras variables lent the (replicated) state (`whole`: a
-        loss-scaling optimizer's scale too, read off the devices)."""
-        self._lent = self._adapter.lend(self._layout.unpadded_params(self._state.params))
-        self._optimizer.lend(self._state.opt_state, whole)
+        """The model's and the optimizer's Keras variables lent the state's arrays, but those stored
+        padded (`whole`: those too, cut, and a loss-scaling optimizer's scale, read off the
+        devices). A variable holds the very array even where Keras lays the variable out otherwise
+        (a ZeRO-sharded moment of a replicated variable: `Lending`)."""
+        self._lent = self._adapter.lend(self._layout.unpadded_params(self._state.params, cut=whole), copies=whole)
+        self._optimizer.lend(self._layout.unpadded_state(self._state.opt_state, cut=whole), whole)
 
     def keep_lent_current(self) -> None:
         """After a step: Keras variables lent the state before it (which the step took over: deleted
         arrays, or, after a copy, arrays no longer the state's) are lent the new state, so code that
         reads them outside a user's hook (a writer callback, a lockstep callback) reads the current
-        weights, and the devices hold the state once. Every worker calls it after the same steps
-        (`lend_state` and the hooks that lend run on all). A sharded state, lent in a user's hooks
-        only, is lent again where a step took over what was lent."""
+        weights (but those stored padded: `lend_state`), and the devices hold the state once."""
         if self._lending:
             self._lend_all()
-        elif self._lent and self._lent[0].is_deleted():
-            self._lent = self._adapter.lend(self._layout.unpadded_params(self._state.params))
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
