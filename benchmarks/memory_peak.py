@@ -117,7 +117,7 @@ def child(system: str, model_name: str, n: int, epochs: int) -> dict:
         def on_epoch_end(self, epoch, logs=None):
             import jax
 
-            jax.block_until_ready(self.trainer.train_state.params)
+            jax.block_until_ready(self.trainer.current_state().params)  # (not `train_state`: a copy)
             if epoch == 0:
                 gc.collect()
                 marks["on_device_0"], marks["rss"] = _on_device_0(), _status("VmRSS")

@@ -295,8 +295,9 @@ def test_step_memory_before_any_step_places_no_state(strategy):
     shapes where they would lie: no parameter copy or optimizer state is placed (the arrays shaped
     like the (384, 384) kernel on the devices stay the Keras kernel and its two Adam slots; the
     state's first use, reading the learning rate, places it: its copy and its two moments), and
-    XLA's figures are those of the step once the state is placed. `keras_variables` counts the Keras
-    variables beside a sharded state, none beside a replicated one (`fit` lends them the state)."""
+    XLA's figures are those of the step once the state is placed, and `step_memory()` asked then
+    gives those of that step. `keras_variables` counts the Keras variables of arrays a sharded state
+    stores padded (the (3,) bias and its slots, split in 8), no others (`fit` lends them the state)."""
     def kernels():  # global arrays (on all 8 devices) shaped like the middle kernel
         gc.collect()
         return sum(a.shape == (384, 384) and len(a.sharding.device_set) == 8 for a in jax.live_arrays())
@@ -311,15 +312,18 @@ def test_step_memory_before_any_step_places_no_state(strategy):
     before = kernels()
     assert before == earlier + 3  # the Keras variable and Keras Adam's two slots
     ahead = trainer.step_memory(x, y, batch_size=8)
-    assert kernels() == before
+    assert kernels() == before and trainer.step_memory() == ahead
     assert trainer.learning_rate == pytest.approx(0.001)  # the state's first use places it
     assert kernels() == before + 3
     after = trainer.step_memory(x, y, batch_size=8)
     xla = ("arguments", "outputs", "temporaries", "peak")
     assert {k: after[k] for k in xla} == {k: ahead[k] for k in xla}
-    # every Keras variable (a device's shards) beside a sharded state; none beside a replicated one, which `fit` lends them
-    assert ahead["keras_variables"] == after["keras_variables"] > 0 if trainer.layouts else \
-        ahead["keras_variables"] == after["keras_variables"] == 0
+    padded = [v for v in trainer.layouts.variables if v.padded] if trainer.layouts else []
+    assert [v.shape for v in padded] == ([(3,)] if trainer.layouts else [])
+    bias = [v for v in [*model.weights, *model.optimizer.variables] if v.shape == (3,)]  # and its two slots
+    assert len(bias) == 3
+    held = sum(s.data.nbytes for v in bias for s in v.value.addressable_shards if s.device == jax.devices()[0])
+    assert ahead["keras_variables"] == after["keras_variables"] == (held if padded else 0)
 
 
 @pytest.mark.parametrize("stage", [None, 1, 3])

@@ -28,6 +28,7 @@ class TrainerMeasures:
     _state: Any
     _engine: Any
     _layout: Any
+    _planned: Any = None  # the state's shapes a `step_memory` of data compiled the step for, none placed
     _accumulation: int
     steps_per_execution: int
     _build: Any
@@ -39,7 +40,7 @@ class TrainerMeasures:
         the last `fit`'s most frequent call), its arguments (state, batch), outputs, temporaries
         (activations, gradients) and their peak sum (``peak``); the Keras model's and Keras
         optimizer's own variables where the device holds them beside the step (``keras_variables``:
-        a sharded state's; `fit` lends a replicated state's the state itself); and both together
+        those of arrays a sharded state stores padded; `fit` lends the others the state itself); and both together
         (``device_peak``: 0.97-1.00 of the measured peak on CPU in benchmarks/MEMORY_PEAK.md; on an
         H100, benchmarks/GPU.md, ``peak`` alone was the measured peak, 8,673 MiB).
 
@@ -62,7 +63,8 @@ class TrainerMeasures:
         >>> trainer.global_step, 0 < small < large
         (0, True)
         """
-        key, state = (None, self._state) if x is None else self._compile_first_step(x, y, batch_size, sample_weight)
+        key, state = (None, self._planned if self._state is None else self._state) if x is None else \
+            self._compile_first_step(x, y, batch_size, sample_weight)
         compiled = None if self._runner is None else self._runner.compiled(key)
         if compiled is None:
             return None
@@ -92,7 +94,7 @@ class TrainerMeasures:
                 stream.close()
         finally:
             if abstract:
-                self._state = None
+                self._planned, self._state = self._state, None  # (what `step_memory()` then reads)
 
     def _keras_variable_bytes(self, state: Any) -> int:
         """Bytes of the Keras model's and Keras optimizer's variables on this process's first device

@@ -32,7 +32,6 @@ class TrainerWeights:
     _layout: Any
     _engine: Any
     _optimizer: Any
-    _lent: Any = None  # what `keras_variables_current` last lent the Keras variables (None: nothing lent now)
     _built: list[Any] = []  # the arrays of a state made from the model and not yet trained (`lend_state`)
     _lending = False  # in a fit whose Keras variables are lent the state after every step (`lend_state`)
 
@@ -59,7 +58,6 @@ class TrainerWeights:
         if self._lending and self._state is not None:
             self._lend_all(whole=True)
             return
-        self._lent = None
         if self._state is None:
             return
         self._adapter.sync_to_model(host_tree(self._layout.unpadded_params(self._state.params)))
@@ -71,9 +69,8 @@ class TrainerWeights:
         and what user code assigns to them (`layer.kernel.assign(...)`) is the next step's."""
         lent = None if self._state is None else self._adapter.lend(self._layout.unpadded_params(self._state.params))
         yield
-        self._lent = lent  # (the state's own arrays, which the next step takes over: `keep_lent_current`)
         if lent is not None and (params := self._adapter.taken(lent)) is not None:
-            self._state, self._lent = self._state.replace(params=self._layout.params(params)), None
+            self._state = self._state.replace(params=self._layout.params(params))
 
     def _built_state(self, state: Any) -> None:
         """Takes `state`, made from the model: arrays the trainer alone holds (`lend_state`; weakly
@@ -87,8 +84,9 @@ class TrainerWeights:
         optimizer's are lent its arrays, so that the devices hold one copy of the weights and the
         optimizer state, as in Keras' `fit`, whose variables are its state (`keep_lent_current`
         lends them each new one). The variables of a sharded state's arrays stored padded (a split
-        that does not divide them) are lent them, cut, in a user's hooks and saves only: a cut is
-        a program (with several workers, a collective), too dear for every step."""
+        that does not divide them) are lent them, cut, in saves (`sync_model`) and, the model's, in
+        a user's hooks (`keras_variables_current`) only: a cut is a program (with several workers,
+        a collective), too dear for every step."""
         self._runner.adopt([a for ref in self._built if (a := ref()) is not None])
         self._built = []
         self._lending = True  # (until the fit ends: `fit` clears it)
@@ -99,14 +97,15 @@ class TrainerWeights:
         padded (`whole`: those too, cut, and a loss-scaling optimizer's scale, read off the
         devices). A variable holds the very array even where Keras lays the variable out otherwise
         (a ZeRO-sharded moment of a replicated variable: `Lending`)."""
-        self._lent = self._adapter.lend(self._layout.unpadded_params(self._state.params, cut=whole), copies=whole)
+        self._adapter.lend(self._layout.unpadded_params(self._state.params, cut=whole), copies=whole)
         self._optimizer.lend(self._layout.unpadded_state(self._state.opt_state, cut=whole), whole)
 
     def keep_lent_current(self) -> None:
         """After a step: Keras variables lent the state before it (which the step took over: deleted
         arrays, or, after a copy, arrays no longer the state's) are lent the new state, so code that
         reads them outside a user's hook (a writer callback, a lockstep callback) reads the current
-        weights (but those stored padded: `lend_state`), and the devices hold the state once."""
+        weights (but those stored padded, `lend_state`, and NNX variables laid out otherwise than
+        the state, `Lending`), and the devices hold the state once."""
         if self._lending:
             self._lend_all()
 
