@@ -92,6 +92,42 @@ def test_a_failed_background_write_is_an_error_and_leaves_no_backup(monkeypatch,
     store.close()
 
 
+def test_a_background_write_lets_each_device_copy_go_once_it_is_on_the_host(tmp_path):
+    """A background write copies each array to the host once (for the checksums and orbax) and
+    lets its device copy go then, not when the write ends: while orbax is still writing, no device
+    array handed to the save is alive; the backup holds them. (Arrays split over the 8 devices: a
+    CPU device's array that lies whole is the host's memory, which NumPy reads in place.)"""
+    import gc
+    import weakref
+
+    store = TrainingCheckpointer(tmp_path, async_save=True)
+    writing, release = threading.Event(), threading.Event()
+    save = store._manager.save
+
+    def held_save(*args, **kwargs):
+        writing.set()
+        release.wait(30)
+        return save(*args, **kwargs)
+    store._manager.save = held_save
+    split = jax.sharding.NamedSharding(jax.make_mesh((8,), ("d",)), jax.sharding.PartitionSpec("d"))
+    arrays = {f"a{i}": jax.device_put(np.arange(1000.0) + i, split) for i in range(3)}
+    refs = [weakref.ref(a) for a in arrays.values()]
+    store.save(1, arrays, {"epoch": 0})
+    del arrays
+    try:
+        assert writing.wait(30)
+        gc.collect()
+        alive = [r() is not None for r in refs]
+    finally:
+        release.set()
+    store.wait()
+    assert alive == [False] * 3
+    got, _ = store.restore(1)
+    store.close()
+    for i in range(3):
+        np.testing.assert_array_equal(got[f"a{i}"], np.arange(1000.0) + i)
+
+
 def test_a_resume_from_a_background_backup_equals_the_uninterrupted_run(tmp_path):
     ref, ref_hist = _fit([], epochs=2)
     with pytest.raises(KeyboardInterrupt):

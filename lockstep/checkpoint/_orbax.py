@@ -154,8 +154,10 @@ class TrainingCheckpointer:
         if jax.process_count() == 1:
             # Taken off the devices once, an array at a time, for the checksums and orbax alike:
             # orbax would copy every array again, queueing all of them at once, ahead of any small
-            # copy the training thread makes meanwhile (a loss it logs).
-            arrays = {k: np.asarray(v) for k, v in arrays.items()}
+            # copy the training thread makes meanwhile (a loss it logs). A background write's
+            # arrays are its own (`save`): each device copy goes as soon as it is on the host.
+            take = arrays.pop if self._writer is not None else arrays.get
+            arrays = {k: np.asarray(take(k)) for k in list(arrays)}
         meta = {**meta, _CHECKSUMS: checksums(arrays, meta, primary_only=True)}
         self._manager.save(step, args=args.Composite(arrays=args.StandardSave(arrays), meta=args.JsonSave(meta)),
                            force=True)
