@@ -2,6 +2,7 @@
 `model.compile` with their arguments, and the Keras optimizer's state after training — each held
 to Keras' own one-device `model.fit` (same seed, `shuffle=False`)."""
 
+import os
 
 import keras
 import numpy as np
@@ -696,6 +697,43 @@ def test_what_a_callback_assigns_to_keras_variables_is_the_next_steps_weights(st
     got = model.fit(X, Y_VALUE, batch_size=B, epochs=3, shuffle=False, verbose=0, callbacks=[writer])
     assert_logs_close(got.history, want.history)
     assert_weights_close(writer.read, keras_writer.read)
+    assert_weights_close(model.get_weights(), keras_model.get_weights())
+
+
+class WritesThenSaves(WritesWeights):
+    """Assigns in a hook, then saves the weights in the same hook (a user's checkpointing callback
+    after clipping, say): Keras saves what was assigned, and trains on from it."""
+
+    def __init__(self, directory):
+        super().__init__()
+        self.directory = directory
+
+    def on_epoch_end(self, epoch, logs=None):
+        super().on_epoch_end(epoch, logs)
+        self.model.save_weights(os.path.join(self.directory, f"{epoch}.weights.h5"))
+
+
+@pytest.mark.parametrize("strategy", [lambda: ls.MirroredStrategy(4), pytest.param(_zero3, id="zero3")])
+def test_a_save_in_the_hook_that_assigned_writes_what_was_assigned_and_training_goes_on_from_it(strategy, tmp_path):
+    """Before: the save lent the Keras variables the training state again, over what the hook had
+    just assigned: the file held the weights before the assignment, and the assignment was lost."""
+    keras_model, keras_writer = regressor(), WritesThenSaves(tmp_path / "keras")
+    os.makedirs(keras_writer.directory)
+    want = keras_model.fit(X, Y_VALUE, batch_size=B, epochs=2, shuffle=False, verbose=0, callbacks=[keras_writer])
+    with strategy().scope():
+        model = regressor()
+    writer = WritesThenSaves(tmp_path / "lockstep")
+    os.makedirs(writer.directory)
+    got = model.fit(X, Y_VALUE, batch_size=B, epochs=2, shuffle=False, verbose=0, callbacks=[writer])
+    assert_logs_close(got.history, want.history)
+    for epoch in range(2):
+        saved = []
+        for directory in (keras_writer.directory, writer.directory):
+            fresh = regressor()
+            fresh.load_weights(os.path.join(directory, f"{epoch}.weights.h5"))
+            saved.append(fresh.get_weights())
+        np.testing.assert_allclose(saved[1][1], np.full((8,), 0.05 * (epoch + 1), np.float32))  # the bias assigned
+        assert_weights_close(saved[1], saved[0])
     assert_weights_close(model.get_weights(), keras_model.get_weights())
 
 

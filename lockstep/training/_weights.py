@@ -32,6 +32,7 @@ class TrainerWeights:
     _layout: Any
     _engine: Any
     _optimizer: Any
+    _lent: Any = None  # what the Keras variables were lent as a user's hook began (`keras_variables_current`)
     _built: list[Any] = []  # the arrays of a state made from the model and not yet trained (`lend_state`)
     _lending = False  # in a fit whose Keras variables are lent the state after every step (`lend_state`)
 
@@ -54,9 +55,13 @@ class TrainerWeights:
         Keras' `fit` leaves it; `fit` does it on every exit. Without a state (never built, or a
         state `step_memory` compiled and nothing placed since), the model holds its weights already.
         In a `fit` that lends the variables the state (`lend_state`), they are lent it again (what a
-        save reads until the next step), not given copies."""
+        save reads until the next step), not given copies. In a user's hook, what it assigned to
+        the variables is taken into the state first (a save writes it, as Keras' would)."""
+        self._take_assigned()
         if self._lending and self._state is not None:
-            self._lend_all(whole=True)
+            lent = self._lend_all(whole=True)
+            if self._lent is not None:
+                self._lent = lent  # (what the hook assigns from now on is taken as it ends)
             return
         if self._state is None:
             return
@@ -67,9 +72,17 @@ class TrainerWeights:
     def keras_variables_current(self) -> Iterator[None]:
         """Inside: the Keras model's variables hold the current weights (as they lie on the devices),
         and what user code assigns to them (`layer.kernel.assign(...)`) is the next step's."""
-        lent = None if self._state is None else self._adapter.lend(self._layout.unpadded_params(self._state.params))
-        yield
-        if lent is not None and (params := self._adapter.taken(lent)) is not None:
+        self._lent = None if self._state is None else self._adapter.lend(self._layout.unpadded_params(self._state.params))
+        try:
+            yield
+            self._take_assigned()
+        finally:
+            self._lent = None
+
+    def _take_assigned(self) -> None:
+        """What user code assigned to the Keras variables since a hook lent them (`_lent`) becomes
+        the state's weights."""
+        if self._lent is not None and (params := self._adapter.taken(self._lent)) is not None:
             self._state = self._state.replace(params=self._layout.params(params))
 
     def _built_state(self, state: Any) -> None:
@@ -92,13 +105,14 @@ class TrainerWeights:
         self._lending = True  # (until the fit ends: `fit` clears it)
         self._lend_all()
 
-    def _lend_all(self, whole: bool = False) -> None:
+    def _lend_all(self, whole: bool = False) -> Any:
         """The model's and the optimizer's Keras variables lent the state's arrays, but those stored
         padded (`whole`: those too, cut, and a loss-scaling optimizer's scale, read off the
         devices). A variable holds the very array even where Keras lays the variable out otherwise
-        (a ZeRO-sharded moment of a replicated variable: `Lending`)."""
-        self._adapter.lend(self._layout.unpadded_params(self._state.params, cut=whole), copies=whole)
+        (a ZeRO-sharded moment of a replicated variable: `Lending`). Returns what the model's hold."""
+        lent = self._adapter.lend(self._layout.unpadded_params(self._state.params, cut=whole), copies=whole)
         self._optimizer.lend(self._layout.unpadded_state(self._state.opt_state, cut=whole), whole)
+        return lent
 
     def keep_lent_current(self) -> None:
         """After a step: Keras variables lent the state before it (which the step took over: deleted
