@@ -6,13 +6,13 @@ worker writing the shards it holds) and ``meta`` (JSON). Orbax writes into a tem
 directory and renames it when complete, so a reader only ever sees whole checkpoints. With
 `async_save` a save returns at once and the write goes on in the background while training
 continues: in one process a writer thread takes the arrays as they are (JAX arrays do not change;
-host arrays are copied), copies them to the host one by one, checksums and writes them; with several workers, orbax's
-async checkpointing copies them off the devices first (its barriers and the checksums of arrays
-spread over workers are collectives, which stay on the training thread). The rename still comes
-last, so a process killed while writing leaves the previous checkpoint the newest. The meta
-also holds a CRC-32 of every array and of the rest of the meta, checked on restore: a checkpoint
-damaged on disk afterwards (truncated, bit-flipped, zeroed, garbled) is reported as
-`DamagedCheckpointError`, never restored.
+host arrays are copied), copies them to the host one by one, checksums and writes them; with
+several workers, orbax's async checkpointing copies them off the devices first (its barriers and
+the checksums of arrays spread over workers are collectives, which stay on the training thread).
+The rename still comes last, so a process killed while writing leaves the previous checkpoint the
+newest. The meta also holds a CRC-32 of every array and of the rest of the meta, checked on
+restore: a checkpoint damaged on disk afterwards (truncated, bit-flipped, zeroed, garbled) is
+reported as `DamagedCheckpointError`, never restored.
 """
 
 from __future__ import annotations

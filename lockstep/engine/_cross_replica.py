@@ -10,7 +10,7 @@ real samples, so replicas that hold only padding never leak into a result.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import jax

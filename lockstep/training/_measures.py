@@ -40,8 +40,8 @@ class TrainerMeasures:
         the last `fit`'s most frequent call), its arguments (state, batch), outputs, temporaries
         (activations, gradients) and their peak sum (``peak``); the Keras model's and Keras
         optimizer's own variables where the device holds them beside the step (``keras_variables``:
-        those of arrays a sharded state stores padded; `fit` lends the others the state itself); and both together
-        (``device_peak``: 0.97-1.00 of the measured peak on CPU in benchmarks/MEMORY_PEAK.md; on an
+        those of arrays a sharded state stores padded; `fit` lends the others the state itself);
+        and both together (``device_peak``: 0.97-1.00 of the measured peak on CPU in benchmarks/MEMORY_PEAK.md; on an
         H100, benchmarks/GPU.md, ``peak`` alone was the measured peak, 8,673 MiB).
 
         Given data as `fit` takes it (`x`, `y`, `batch_size`, `sample_weight`; arrays, or a
@@ -100,9 +100,8 @@ class TrainerMeasures:
         """Bytes of the Keras model's and Keras optimizer's variables on this process's first device
         of the strategy, each buffer once, but those of the trainer's state and those `fit` lends
         the state as it begins (`lend_state`: all but those of a sharded state's arrays stored
-        padded). A device holds the rest beside a
-        step: their own buffers, or those of a state `fit` left them (`sync_model`), which the next
-        step's state no longer is."""
+        padded). A device holds the rest beside a step: their own buffers, or those of a state
+        `fit` left them (`sync_model`), which the next step's state no longer is."""
         device = next((d for d in self.strategy.devices if d.process_index == jax.process_index()), None)
         variables = [*getattr(self.model, "variables", ()), *self._optimizer.variables]
         lent = {id(v) for v in [  # (their own buffers freed as `fit` begins)

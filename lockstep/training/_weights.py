@@ -72,7 +72,8 @@ class TrainerWeights:
     def keras_variables_current(self) -> Iterator[None]:
         """Inside: the Keras model's variables hold the current weights (as they lie on the devices),
         and what user code assigns to them (`layer.kernel.assign(...)`) is the next step's."""
-        self._lent = None if self._state is None else self._adapter.lend(self._layout.unpadded_params(self._state.params))
+        self._lent = None if self._state is None else \
+            self._adapter.lend(self._layout.unpadded_params(self._state.params))
         try:
             yield
             self._take_assigned()
@@ -119,9 +120,9 @@ class TrainerWeights:
         arrays, or, after a copy, arrays no longer the state's) are lent the new state, so code that
         reads them outside a user's hook (a writer callback, a lockstep callback) reads the current
         weights (but those stored padded, `lend_state`, and NNX variables laid out otherwise than
-        the state, `Lending`), and the devices hold the state once."""
-        if self._lending:
-            self._lend_all()
+        the state, `Lending`), and the devices hold the state once. Called in a `fit` only, after
+        `lend_state`."""
+        self._lend_all()
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
