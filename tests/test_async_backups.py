@@ -178,6 +178,44 @@ def test_model_checkpoint_writes_in_the_background_each_file_holding_its_epochs_
             np.testing.assert_array_equal(a, b)
 
 
+def test_model_checkpoint_in_the_background_reads_the_state_to_the_host_on_its_writer_thread(monkeypatch, tmp_path):
+    """A background `ModelCheckpoint` hands its writer copies made on the devices: every read of
+    the weights (and optimizer state) to the host is on the writer's thread, and the step's logs
+    are not read where the path names none of them, so the training thread waits neither for the
+    steps queued nor for the host; the files, saved every 3 steps of 7 (the next step takes the
+    saved arrays over), equal those a synchronous `ModelCheckpoint` writes."""
+    import lockstep.training._logs as logs
+    import lockstep.training._weights as weights
+    original, threads, read_logs = weights.host_value, [], []
+
+    def noted(a):
+        threads.append(threading.current_thread().name)
+        return original(a)
+    monkeypatch.setattr(weights, "host_value", noted)
+    get = logs.LazyLogs._get
+    monkeypatch.setattr(logs.LazyLogs, "_get", lambda self: read_logs.append(1) or get(self))
+
+    def checkpoints(kind, **settings):
+        return [ls.callbacks.ModelCheckpoint(str(tmp_path / f"{kind}-w-{{epoch}}.npz"), save_weights_only=True,
+                                             save_freq=3, **settings),
+                ls.callbacks.ModelCheckpoint(str(tmp_path / f"{kind}-s-{{epoch}}.npz"), save_freq=3, **settings)]
+    _fit(checkpoints("bg"), epochs=2)
+    monkeypatch.setattr(weights, "host_value", original)
+    assert threads and set(threads) == {"lockstep-model-checkpoint_0"}
+    assert not read_logs  # (the paths name no log field: a step's logs, read, would wait for it)
+    t, _ = _fit(checkpoints("now", async_save=False), epochs=2)
+    like = {"weights": t.get_weights(), "opt_state": jax.tree.map(np.asarray, t.current_state().opt_state)}
+    for epoch in (1, 2):
+        got, _ = ls.checkpoint.load_tree(tmp_path / f"bg-w-{epoch}.npz", like["weights"])
+        want, _ = ls.checkpoint.load_tree(tmp_path / f"now-w-{epoch}.npz", like["weights"])
+        got_state, extra = ls.checkpoint.load_tree(tmp_path / f"bg-s-{epoch}.npz", like)
+        want_state, want_extra = ls.checkpoint.load_tree(tmp_path / f"now-s-{epoch}.npz", like)
+        assert extra == want_extra
+        for a, b in zip(jax.tree.leaves((got, got_state)), jax.tree.leaves((want, want_state))):
+            np.testing.assert_array_equal(a, b)
+    assert not any(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(t.get_weights())))
+
+
 def test_a_failed_model_checkpoint_write_is_raised_and_leaves_the_file_before_it(monkeypatch, tmp_path):
     import lockstep.training._weight_files as weight_files
     original = weight_files.save_tree

@@ -86,6 +86,9 @@ def test_workers_evaluate_predict_fit_and_stop_exactly_like_one_process(nproc, d
     assert len(epochs) == 1
     stop_epochs = es_reference_epochs(nproc)
     assert list(epochs.pop()) == stop_epochs["union"]
+    # lockstep's ModelCheckpoint (in the background) on every worker: worker 0 wrote each epoch's file
+    assert len([f for f in os.listdir(tmp_path) if f.startswith("es-")]) == len(stop_epochs["union"])
+    np.testing.assert_array_equal(results[0]["es_written"], results[0]["es_weights"])  # the last epoch's
     assert len(stop_epochs["last_worker_alone"]) < len(stop_epochs["union"])
 
 

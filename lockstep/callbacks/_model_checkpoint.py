@@ -4,6 +4,7 @@ in the background while training goes on."""
 from __future__ import annotations
 
 import os
+import string
 import warnings
 from typing import Any
 
@@ -18,10 +19,11 @@ class ModelCheckpoint(MonitorCallback):
 
     Writes are atomic (a temporary file renamed into place), so a crash during a save leaves the
     previous file intact. Only process 0 writes; the decision to save comes from global values.
-    With `async_save` (the default) the weights are taken at the save and the file is written on a
-    thread of its own while training goes on (one write in flight: the next save, the end of
-    `fit` and `wait()` wait for it); a `.keras` file is written at once (Keras reads the model as
-    it writes).
+    With `async_save` (the default) the weights are taken at the save as copies on the devices
+    (the training thread waits neither for the steps queued before nor for a copy to the host),
+    and a thread of its own reads them to the host and writes the file while training goes on
+    (one write in flight: the next save, the end of `fit` and `wait()` wait for it); a `.keras`
+    file is written at once (Keras reads the model as it writes).
 
     Args:
       filepath: may hold ``{epoch}`` (1-based, as in Keras) and log fields such as
@@ -88,11 +90,11 @@ class ModelCheckpoint(MonitorCallback):
             return
         before, self._steps = self._steps, self._steps + batch - self._first + 1  # a call may take several steps
         if self._steps // int(self.save_freq) > before // int(self.save_freq):
-            self._save(self._epoch, dict(logs or {}))
+            self._save(self._epoch, {} if logs is None else logs)  # (lazy: read only if the save needs them)
 
     def on_epoch_end(self, epoch: int, logs: dict[str, Any] | None = None) -> None:
         if self.save_freq == "epoch":
-            self._save(epoch, logs or {})
+            self._save(epoch, {} if logs is None else logs)
 
     def _save(self, epoch: int, logs: dict[str, Any]) -> None:
         assert self.trainer is not None
@@ -111,12 +113,16 @@ class ModelCheckpoint(MonitorCallback):
             self.trainer.save(path, epoch=epoch + 1, writer=self._writer)
 
     def format_path(self, epoch: int, logs: dict[str, Any]) -> str:
-        fields = {k: float(np.asarray(v)) for k, v in logs.items() if np.ndim(v) == 0}
+        """`filepath` with the epoch and the log fields it names (read off the devices: those
+        only, so that a path without them waits for no step)."""
+        named = {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(self.filepath)
+                 if name} - {"epoch"}
+        fields = {k: float(np.asarray(logs[k])) for k in named if k in logs and np.ndim(logs[k]) == 0}
         try:
             return self.filepath.format(epoch=epoch + 1, **fields)
         except KeyError as e:
             raise KeyError(f"`filepath` {self.filepath!r} names {e}, which is not in the logs "
-                           f"({sorted(fields)}).") from None
+                           f"({sorted(k for k, v in logs.items() if np.ndim(v) == 0)}).") from None
 
     def get_state(self) -> dict[str, Any]:
         return {"best": self.best}

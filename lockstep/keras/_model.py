@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..distribute import get_strategy
-from ..engine import get_replica_context, held, host_value
+from ..engine import get_replica_context, held
 from ..training import Optimizer, checked_batch_statistics, keras_metric_names
 from ._layers import (activity_penalties_masked, check_activity_regularizers, check_batch_losses, check_supported,
                       draws_following_rows, hook_batch_norm, layer_outputs_named, random_draws_as_one_device)
@@ -149,8 +149,9 @@ class KerasModel:
         index.update({id(v): ("non_trainable", i) for i, v in enumerate(self.model.non_trainable_variables)})
         return [index[id(v)] for v in self.model.weights]
 
-    def get_weights(self, params: Params) -> list[np.ndarray]:
-        return [host_value(params[kind][i]) for kind, i in self._order()]
+    def weights(self, params: Params) -> list[Any]:
+        """`params`' arrays in the order of `model.weights` (Keras' `get_weights`), as they are."""
+        return [params[kind][i] for kind, i in self._order()]
 
     def set_weights(self, params: Params, weights: Any) -> Params:
         order = self._order()

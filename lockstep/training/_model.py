@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from ..engine import get_replica_context, host_value
+from ..engine import get_replica_context
 from ._optimizers import Optimizer, get_optimizer
 from ._state_names import by_tree_paths
 
@@ -93,8 +93,9 @@ class _FunctionalAdapter:
         y = self.model.apply(params["trainable"], x, rng=key, **flag)
         return y, {"rng_step": state["rng_step"] + jnp.uint32(1)} if training else state, None  # (inference: as given)
 
-    def get_weights(self, params: Params) -> Any:
-        return jax.tree.map(host_value, params["trainable"])
+    def weights(self, params: Params) -> Any:
+        """`params`' arrays as `get_weights` gives them (the trainable tree), as they are."""
+        return params["trainable"]
 
     def variable_names(self, param_paths: list[Any]) -> tuple[list[str], str]:
         """The names backups give the parameters at `param_paths`: their paths (`by_tree_paths`)."""

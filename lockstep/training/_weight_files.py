@@ -28,6 +28,7 @@ class HasWeights(Protocol):
     model: Any
 
     def get_weights(self) -> Any: ...
+    def weights_to_write(self, opt_state: bool = False, later: bool = True) -> Any: ...
     def set_weights(self, weights: Any) -> None: ...
     def sync_model(self) -> None: ...
 
@@ -38,19 +39,21 @@ def _opt_state_on_host(trainer: HasWeights) -> Any:
     return jax.tree.map(host_value, trainer.current_state().opt_state)  # (on the host now: no copy needed)
 
 
-def _write_tree(writer: BackgroundWriter | None, path: str, tree: Any, **extra: Any) -> None:
-    """Worker 0 writes `tree` (host arrays, its own) to `path`, now or with `writer` in the background."""
+def _write(trainer: HasWeights, writer: BackgroundWriter | None, path: str, opt_state: bool, **extra: Any) -> None:
+    """Worker 0 writes the weights (and `opt_state`) to `path`: now, or with `writer` in the
+    background, from arrays taken now (`weights_to_write`: the training thread waits for no step)."""
+    read = trainer.weights_to_write(opt_state, later=writer is not None)  # (every worker: it may gather)
     if jax.process_index() != 0:
         return
     if writer is None:
-        save_tree(path, tree, **extra)
+        save_tree(path, read(), **extra)
     else:
-        writer.submit(save_tree, path, tree, **extra)
+        writer.submit(lambda: save_tree(path, read(), **extra))
 
 
 def save_weights(trainer: HasWeights, path: str, writer: BackgroundWriter | None = None) -> None:
     """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them."""
-    _write_tree(writer, path, trainer.get_weights())
+    _write(trainer, writer, path, opt_state=False)
 
 
 def load_weights(trainer: HasWeights, path: str) -> None:
@@ -61,8 +64,7 @@ def load_weights(trainer: HasWeights, path: str) -> None:
 
 def save(trainer: HasWeights, path: str, epoch: int | None = None, writer: BackgroundWriter | None = None) -> None:
     """Writes the training state atomically: weights, optimizer state and epoch (`.npz` layout)."""
-    extra = {} if epoch is None else {"epoch": epoch}
-    _write_tree(writer, path, {"weights": trainer.get_weights(), "opt_state": _opt_state_on_host(trainer)}, **extra)
+    _write(trainer, writer, path, opt_state=True, **({} if epoch is None else {"epoch": epoch}))
 
 
 class WeightFiles:
@@ -70,7 +72,8 @@ class WeightFiles:
 
     def save_weights(self: HasWeights, path: str, writer: BackgroundWriter | None = None) -> None:
         """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them.
-        `writer`: the file is written in the background by it (the weights are taken now)."""
+        `writer`: the file is written in the background by it (the weights are taken now, copied on
+        the devices: the training thread waits neither for the steps queued nor for the host)."""
         save_weights(self, path, writer)
 
     def load_weights(self: HasWeights, path: str) -> None:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
 import numpy as np
 
-from ..engine import held, unshared
+from ..engine import held, host_value, own_copies, spread, unshared
 from ._optimizers import learning_rate_of, set_learning_rate
 
 
@@ -127,7 +127,31 @@ class TrainerWeights:
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
         self._require_built(built_model=True)
-        return self._adapter.get_weights(host_tree(self._layout.unpadded_params(self._state.params)))
+        return jax.tree.map(host_value, self._adapter.weights(self._layout.unpadded_params(self._state.params)))
+
+    def weights_to_write(self, opt_state: bool = False, later: bool = True) -> Callable[[], Any]:
+        """What `get_weights` gives (with `opt_state`: ``{"weights": ..., "opt_state": ...}``, the
+        optimizer state as `current_state` has it), as a function that reads it to the host. With
+        `later`, taken now and read when the function is called, from any thread (a background
+        writer's): the training thread waits neither for the steps queued before nor for the host;
+        the arrays the next step takes over are copied on the devices (one program), each copy let
+        go once read. Where other workers hold shards of an array, every worker gathers it now (a
+        collective, not for a thread of its own); the rest is read by the worker that calls."""
+        self._require_built(built_model=True)
+        tree = self._adapter.weights(self._layout.unpadded_params(self._state.params))
+        if opt_state:
+            tree = {"weights": tree, "opt_state": self._layout.unpadded_state(self._state.opt_state)}
+        leaves, treedef = jax.tree.flatten(jax.tree.map(lambda a: host_value(a) if spread(a) else a, tree))
+        if later:
+            own = {id(a) for a in jax.tree.leaves((self._state.params, self._state.opt_state))}
+            leaves = own_copies(leaves, lambda a: id(a) in own)
+
+        def read() -> Any:
+            out = []
+            while leaves:
+                out.append(host_value(leaves.pop(0)))  # one at a time, each copy let go once on the host
+            return jax.tree.unflatten(treedef, out)
+        return read
 
     def set_weights(self, weights: Any) -> None:
         """Replaces the weights (same structure as `get_weights`); a Keras model is kept in sync."""
