@@ -221,3 +221,27 @@ def test_a_state_of_other_shapes_is_refused_on_restore():
     params["trainable"][2] = np.zeros((32, 7), np.float32)  # (30, 7) as stored, padded: not a variable's shape
     with pytest.raises(ValueError, match=r"shape \(32, 7\).*\(30, 7\)"):
         trainer.restore(state.replace(params=params))
+
+
+def test_a_background_model_checkpoint_of_a_padded_zero3_state_writes_what_a_synchronous_one_does(tmp_path):
+    """`ModelCheckpoint` in the background takes copies on the devices of a state stored padded
+    (cut to the variables' shapes) and of the arrays the next step takes over; every 3 steps, so
+    saves fall mid-epoch: its files, weights and optimizer state, equal a synchronous one's."""
+    strategy = sharded_strategy((2, 4), 3, used_rules("odd"), min_shard_size=16, max_replicated_fraction=1.0)
+    x, y = case_data("odd")
+    for kind, background in (("bg", True), ("now", False)):
+        with strategy.scope():
+            keras.utils.set_random_seed(1)
+            model = odd()
+            model.compile(**COMPILE)
+        trainer = ls.Trainer(model)
+        trainer.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[
+            ls.callbacks.ModelCheckpoint(str(tmp_path / f"{kind}-{{epoch}}.npz"), save_freq=3, async_save=background)])
+    assert [v for v in trainer.layouts.variables if v.padded]
+    like = {"weights": trainer.get_weights(), "opt_state": jax.tree.map(np.asarray, trainer.current_state().opt_state)}
+    for epoch in (1, 2):
+        got, extra = ls.checkpoint.load_tree(tmp_path / f"bg-{epoch}.npz", like)
+        want, want_extra = ls.checkpoint.load_tree(tmp_path / f"now-{epoch}.npz", like)
+        assert extra == want_extra
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+            np.testing.assert_array_equal(a, b)

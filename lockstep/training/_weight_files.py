@@ -42,6 +42,8 @@ def _opt_state_on_host(trainer: HasWeights) -> Any:
 def _write(trainer: HasWeights, writer: BackgroundWriter | None, path: str, opt_state: bool, **extra: Any) -> None:
     """Worker 0 writes the weights (and `opt_state`) to `path`: now, or with `writer` in the
     background, from arrays taken now (`weights_to_write`: the training thread waits for no step)."""
+    if writer is not None:
+        writer.wait()  # (the write before read its copies: one set of them at a time on the devices)
     read = trainer.weights_to_write(opt_state, later=writer is not None)  # (every worker: it may gather)
     if jax.process_index() != 0:
         return
