@@ -19,11 +19,13 @@ class ModelCheckpoint(MonitorCallback):
 
     Writes are atomic (a temporary file renamed into place), so a crash during a save leaves the
     previous file intact. Only process 0 writes; the decision to save comes from global values.
-    With `async_save` (the default) the weights are taken at the save as copies on the devices
-    (the training thread waits neither for the steps queued before nor for a copy to the host),
-    and a thread of its own reads them to the host and writes the file while training goes on
-    (one write in flight: the next save, the end of `fit` and `wait()` wait for it); a `.keras`
-    file is written at once (Keras reads the model as it writes).
+    With `async_save` (the default) a save copies the weights (and, for a full save, the optimizer
+    state) on the devices, and a thread of its own reads the copies to the host and writes the file
+    while training goes on. One write is in flight: the next save, the end of `fit` and `wait()`
+    wait for it. The step's logs are read (which waits for the step) only where the path names a
+    log field or `save_best_only` needs the monitored value. With several workers, arrays whose
+    shards other workers hold are gathered to the host at the save. A `.keras` file is written at
+    once (Keras reads the model as it writes).
 
     Args:
       filepath: may hold ``{epoch}`` (1-based, as in Keras) and log fields such as
@@ -113,8 +115,8 @@ class ModelCheckpoint(MonitorCallback):
             self.trainer.save(path, epoch=epoch + 1, writer=self._writer)
 
     def format_path(self, epoch: int, logs: dict[str, Any]) -> str:
-        """`filepath` with the epoch and the log fields it names (read off the devices: those
-        only, so that a path without them waits for no step)."""
+        """`filepath` with the epoch and the log fields it names. The logs are read (all of them,
+        waiting for the step) only where it names one."""
         named = {name.split(".")[0].split("[")[0] for _, name, _, _ in string.Formatter().parse(self.filepath)
                  if name} - {"epoch"}
         fields = {k: float(np.asarray(logs[k])) for k in named if k in logs and np.ndim(logs[k]) == 0}

@@ -41,7 +41,7 @@ def _opt_state_on_host(trainer: HasWeights) -> Any:
 
 def _write(trainer: HasWeights, writer: BackgroundWriter | None, path: str, opt_state: bool, **extra: Any) -> None:
     """Worker 0 writes the weights (and `opt_state`) to `path`: now, or with `writer` in the
-    background, from arrays taken now (`weights_to_write`: the training thread waits for no step)."""
+    background, from copies on the devices taken now (`weights_to_write`)."""
     if writer is not None:
         writer.wait()  # (the write before read its copies: one set of them at a time on the devices)
     read = trainer.weights_to_write(opt_state, later=writer is not None)  # (every worker: it may gather)
@@ -74,8 +74,8 @@ class WeightFiles:
 
     def save_weights(self: HasWeights, path: str, writer: BackgroundWriter | None = None) -> None:
         """Writes the weights to `path` atomically (NumPy `.npz` layout); `load_weights` reads them.
-        `writer`: the file is written in the background by it (the weights are taken now, copied on
-        the devices: the training thread waits neither for the steps queued nor for the host)."""
+        `writer`: the file is written in the background by it, from copies of the weights made on the
+        devices now (`weights_to_write`)."""
         save_weights(self, path, writer)
 
     def load_weights(self: HasWeights, path: str) -> None:
@@ -85,5 +85,5 @@ class WeightFiles:
     def save(self: HasWeights, path: str, epoch: int | None = None, writer: BackgroundWriter | None = None) -> None:
         """Writes the training state atomically: weights, optimizer state and epoch (`.npz` layout;
         `lockstep.Trainer` writes a Keras model to a `.keras` path as a Keras file). `writer`: the
-        file is written in the background by it (the state is taken now)."""
+        file is written in the background by it, from copies made on the devices now)."""
         save(self, path, epoch, writer)

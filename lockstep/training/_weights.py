@@ -131,12 +131,13 @@ class TrainerWeights:
 
     def weights_to_write(self, opt_state: bool = False, later: bool = True) -> Callable[[], Any]:
         """What `get_weights` gives (with `opt_state`: ``{"weights": ..., "opt_state": ...}``, the
-        optimizer state as `current_state` has it), as a function that reads it to the host. With
-        `later`, taken now and read when the function is called, from any thread (a background
-        writer's): the training thread waits neither for the steps queued before nor for the host;
-        the arrays the next step takes over are copied on the devices (one program), each copy let
-        go once read. Where other workers hold shards of an array, every worker gathers it now (a
-        collective, not for a thread of its own); the rest is read by the worker that calls."""
+        optimizer state as `current_state` has it), as a function that reads it to the host.
+
+        With `later`, the arrays are taken now and read when the function is called, from any
+        thread (a background writer's). The arrays the next step takes over are copied on the
+        devices in one program, and each copy is let go once read. Arrays whose shards other
+        workers hold are gathered now, by every worker (a collective). Without `later`, call the
+        function before the next step."""
         self._require_built(built_model=True)
         tree = self._adapter.weights(self._layout.unpadded_params(self._state.params))
         if opt_state:
