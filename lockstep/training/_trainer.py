@@ -30,7 +30,6 @@ from .. import losses as _losses
 from ..distribute import Strategy, get_strategy, recent, strategy_of_model
 from ..callbacks import Callback, CallbackList, History, ProgbarLogger, is_chief
 from ..data import IterableBatches
-from ..engine import own_copies
 from ..metrics import Mean, Metric, MetricCollection, get as get_metric
 from ..sharding import Replicated
 from ._inputs import (
@@ -58,7 +57,7 @@ from ._state_names import state_names
 from ._measures import TrainerMeasures
 from ._step_runner import StepRunner, checked_accumulation
 from ._weight_files import WeightFiles
-from ._weights import TrainerWeights
+from ._weights import TrainerWeights, copied_where_held
 from ._worker_settings import fit_settings
 from ._steps import checked_remat, make_steps, unpack
 
@@ -134,8 +133,7 @@ def own_state(live: TrainState, state: TrainState) -> TrainState:
     """`state` (the `live` one in its variables' shapes) with copies of the arrays that are the
     trainer's own, which its next step takes over (a background backup writes its own; see
     `StepRunner`)."""
-    ids = {id(a) for a in jax.tree.leaves((live.params, live.opt_state))}
-    params, opt_state = own_copies((state.params, state.opt_state), lambda a: id(a) in ids)
+    params, opt_state = copied_where_held(live, (state.params, state.opt_state))
     return state.replace(params=params, opt_state=opt_state)
 
 

@@ -23,6 +23,13 @@ def host_tree(tree: Any) -> Any:
     return jax.tree.map(held, tree)
 
 
+def copied_where_held(live: Any, tree: Any) -> Any:
+    """`tree` with copies (one program a mesh: `own_copies`) of its arrays that are leaves of
+    `live`, the trainer's state, which its next step takes over; the rest as they are."""
+    ids = {id(a) for a in jax.tree.leaves((live.params, live.opt_state))}
+    return own_copies(tree, lambda a: id(a) in ids)
+
+
 class TrainerWeights:
     """The weights' methods of `Trainer` (which sets the attributes below)."""
 
@@ -126,8 +133,7 @@ class TrainerWeights:
 
     def get_weights(self) -> Any:
         """The model's weights as NumPy arrays (Keras: the list `model.get_weights()` gives)."""
-        self._require_built(built_model=True)
-        return jax.tree.map(host_value, self._adapter.weights(self._layout.unpadded_params(self._state.params)))
+        return self.weights_to_write(later=False)()
 
     def weights_to_write(self, opt_state: bool = False, later: bool = True) -> Callable[[], Any]:
         """What `get_weights` gives (with `opt_state`: ``{"weights": ..., "opt_state": ...}``, the
@@ -144,8 +150,7 @@ class TrainerWeights:
             tree = {"weights": tree, "opt_state": self._layout.unpadded_state(self._state.opt_state)}
         leaves, treedef = jax.tree.flatten(jax.tree.map(lambda a: host_value(a) if spread(a) else a, tree))
         if later:
-            own = {id(a) for a in jax.tree.leaves((self._state.params, self._state.opt_state))}
-            leaves = own_copies(leaves, lambda a: id(a) in own)
+            leaves = copied_where_held(self._state, leaves)
 
         def read() -> Any:
             out = []
