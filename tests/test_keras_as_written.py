@@ -2,6 +2,7 @@
 `model.compile` with their arguments, and the Keras optimizer's state after training — each held
 to Keras' own one-device `model.fit` (same seed, `shuffle=False`)."""
 
+import contextlib
 import os
 
 import keras
@@ -283,6 +284,49 @@ def test_the_loss_scale_of_mixed_float16_round_trips_through_the_keras_optimizer
     assert float(resumed.model.optimizer.dynamic_scale.value) == float(model.optimizer.dynamic_scale.value)
     assert int(resumed.model.optimizer.iterations) == int(model.optimizer.iterations) > 24
     assert_weights_close(resumed.get_weights(), model.get_weights(), atol=0)
+
+
+class OptimizerReadings(keras.callbacks.Callback):
+    """What a Keras callback reads of the optimizer after every batch: its loss scale, finite steps
+    since the scale changed, iterations and (scheduled) learning rate."""
+
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        o = self.model.optimizer
+        self.seen.append((float(o.dynamic_scale.numpy()), int(o.step_counter.numpy()), int(o.iterations.numpy()),
+                          float(np.asarray(o.learning_rate))))
+
+
+def test_a_callback_reads_the_optimizer_as_in_keras_own_fit_in_a_second_fit_under_loss_scaling():
+    """Before: in a second `fit` a Keras callback read `iterations` from 1 again (and the scheduled
+    learning rate at it), counting the steps skipped for overflowing float16 gradients, which Keras
+    does not; and `dynamic_scale` / `step_counter` as the last save left them."""
+    def model():
+        keras.config.set_dtype_policy("mixed_float16")
+        try:
+            m = classifier()
+            rate = keras.optimizers.schedules.ExponentialDecay(0.01, decay_steps=3, decay_rate=0.5)
+            m.compile(optimizer=keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(rate),
+                                                                    dynamic_growth_steps=5),
+                      loss="sparse_categorical_crossentropy")
+        finally:
+            keras.config.set_dtype_policy("float32")
+        return m
+
+    got = {}
+    for name, strategy in (("keras", None), ("lockstep", ls.MirroredStrategy(4))):
+        with strategy.scope() if strategy else contextlib.nullcontext():
+            m = model()
+        m.fit(X[:194], Y_CLASS[:194], batch_size=B, epochs=1, shuffle=False, verbose=0)  # the last batch: 2 rows
+        got[name] = OptimizerReadings()
+        m.fit(X[:194], Y_CLASS[:194], batch_size=B, epochs=2, shuffle=False, verbose=0, callbacks=[got[name]])
+    want = got["keras"].seen
+    assert len(want) == 26 and want[0][2] < 26 and len({s for s, *_ in want}) > 2  # steps skipped; the scale moved
+    assert [r[:3] for r in got["lockstep"].seen] == [r[:3] for r in want]
+    np.testing.assert_allclose([r[3] for r in got["lockstep"].seen], [r[3] for r in want], rtol=1e-6)
 
 
 @pytest.mark.filterwarnings("ignore:Your input ran out of data")  # Keras' own, at a generator's end

@@ -22,6 +22,10 @@ class TrainerView(Protocol):
     def global_step(self) -> int: ...
 
     @property
+    def optimizer_iterations(self) -> int:
+        """The updates the optimizer applied, as Keras' `optimizer.iterations` counts them."""
+
+    @property
     def train_state(self) -> Any:
         """The training state (a `TrainState`): `to_arrays()` gives its named arrays and JSON."""
 

@@ -122,16 +122,18 @@ class _OptimizerView:
     def __getattr__(self, name: str) -> Any:
         if name == "learning_rate":
             schedule = self._schedule()
-            if schedule is not None:  # Keras' value: the schedule at the optimizer's step
-                return LiveValue(lambda: np.asarray(schedule(self._trainer.global_step)), self._set_learning_rate, name)
+            if schedule is not None:  # Keras' value: the schedule at the optimizer's count
+                return LiveValue(lambda: np.asarray(schedule(self._trainer.optimizer_iterations)),
+                                 self._set_learning_rate, name)
             return LiveValue(lambda: self._trainer.learning_rate, self._set_learning_rate, name)
-        if name == "iterations":  # Keras counts optimizer steps; lockstep's global step is that count
-            return LiveValue(lambda: np.int64(self._trainer.global_step), name=name)
+        if name == "iterations":  # Keras' count of updates (on from an earlier fit; skipped steps left out)
+            return LiveValue(lambda: np.int64(self._trainer.optimizer_iterations), name=name)
         return getattr(getattr(self._trainer.model, "optimizer", None), name)
 
     def _schedule(self) -> Any:
         """The Keras optimizer's `LearningRateSchedule`, if it was made with one."""
-        rate = getattr(getattr(self._trainer.model, "optimizer", None), "_learning_rate", None)
+        optimizer = getattr(self._trainer.model, "optimizer", None)
+        rate = getattr(getattr(optimizer, "inner_optimizer", optimizer), "_learning_rate", None)  # (loss scaling's)
         return rate if any(c.__name__ == "LearningRateSchedule" for c in type(rate).__mro__) else None
 
     def _set_learning_rate(self, value: float) -> None:

@@ -167,18 +167,23 @@ def keras_values(optimizer: Any, opt_state: Any) -> list[Any] | None:
     return None
 
 
-def _loss_scale_to_keras(optimizer: Any, opt_state: Any) -> None:
+def _loss_scale(optimizer: Any, opt_state: Any) -> list[Any] | None:
     """A Keras `LossScaleOptimizer`'s scale and its count of finite steps since the scale last
-    changed, from lockstep's loss-scaling state (built first if Keras never ran it)."""
-    if not (hasattr(optimizer, "inner_optimizer") and hasattr(optimizer, "dynamic_growth_steps")):
-        return
+    changed, in lockstep's loss-scaling state `opt_state` (the optimizer built first if Keras never
+    ran it, so that it has the variables that hold them); None for any other optimizer or state."""
     scale, good = getattr(opt_state, "scale", None), getattr(opt_state, "good_steps", None)
-    if scale is None or good is None:
-        return
+    if not is_loss_scaled(optimizer) or scale is None or good is None:
+        return None
     if not optimizer.built:
         optimizer.build(list(optimizer.inner_optimizer._trainable_variables))  # the inner one is built: kept
-    optimizer.dynamic_scale.assign(np.asarray(scale, np.float32))
-    optimizer.step_counter.assign(np.asarray(good).astype(optimizer.step_counter.dtype))
+    return [scale, good]
+
+
+def _loss_scale_to_keras(optimizer: Any, opt_state: Any) -> None:
+    """`_loss_scale` assigned to the `LossScaleOptimizer`'s variables (from host arrays)."""
+    if (scale := _loss_scale(optimizer, opt_state)) is not None:
+        optimizer.dynamic_scale.assign(np.asarray(scale[0], np.float32))
+        optimizer.step_counter.assign(np.asarray(scale[1]).astype(optimizer.step_counter.dtype))
 
 
 
@@ -214,19 +219,29 @@ class KerasOptimizer(Optimizer):
 
     def lend(self, opt_state: Any, whole: bool = False) -> None:
         """The Keras optimizer's variables made to hold the arrays of `opt_state` (the trainer's, as
-        they lie) that are theirs (`Lending`; None: a variable keeps what it holds). `whole`: copies
-        where a variable lies otherwise, and a loss-scaling optimizer's scale and count of good
-        steps too (read off the devices: `to_keras`)."""
-        if whole:
-            _loss_scale_to_keras(self.given, opt_state)
+        they lie) that are theirs (`Lending`; None: a variable keeps what it holds), a loss-scaling
+        optimizer's scale and count of finite steps too. `whole`: copies where a variable lies
+        otherwise."""
         values = keras_values(self.inner, opt_state)
         if values is not None:
             self._lender().lend(values, copies=whole)
+        if (scale := _loss_scale(self.given, opt_state)) is not None:
+            Lending([self.given.dynamic_scale, self.given.step_counter]).lend(scale, copies=whole)
 
     def lent_variables(self, opt_state: Any) -> list[Any]:
         """The Keras optimizer's variables that `lend` (not `whole`) lends arrays of `opt_state`."""
         values = keras_values(self.inner, opt_state)
-        return [] if values is None else self._lender().takers(values)
+        lent = [] if values is None else self._lender().takers(values)
+        if is_loss_scaled(self.given) and self.given.built and (scale := _loss_scale(self.given, opt_state)):
+            lent += Lending([self.given.dynamic_scale, self.given.step_counter]).takers(scale)
+        return lent
+
+    def iterations(self, opt_state: Any) -> Any:
+        """Keras' `optimizer.iterations` in `opt_state`: it goes on from an earlier `fit`'s, and a
+        loss-scaling optimizer's leaves out the steps it skipped."""
+        values = keras_values(self.inner, opt_state)
+        at = next((i for i, v in enumerate(self.inner.variables) if v is self.inner.iterations), None)
+        return None if values is None or at is None else values[at]
 
     def _lender(self) -> Lending:
         if self._lending is None:

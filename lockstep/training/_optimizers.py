@@ -138,6 +138,11 @@ class Optimizer:
         """The variables that `lend` (not `whole`) lends arrays of `opt_state`; none here."""
         return []
 
+    def iterations(self, opt_state: Any) -> Any:
+        """The optimizer's own count of the updates it applied, in `opt_state` (a device array, as
+        Keras' `optimizer.iterations` holds it), or None where it keeps none (here)."""
+        return None
+
     def state_names(self, trainable: list[tuple[str, str]], opt_state: Any) -> tuple[list[str], str]:
         """A name for each array of `opt_state` (flattening order), and what the optimizer is (the
         optax state's node types), given each trainable parameter's path in the trainable tree and

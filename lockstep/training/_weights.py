@@ -16,6 +16,7 @@ import numpy as np
 
 from ..engine import held, host_value, own_copies, spread, unshared
 from ._optimizers import learning_rate_of, set_learning_rate
+from ._precision import skipped_steps
 
 
 def host_tree(tree: Any) -> Any:
@@ -165,6 +166,17 @@ class TrainerWeights:
         params = self._adapter.set_weights(host_tree(self._layout.unpadded_params(self._state.params)), weights)
         self._state = self._state.replace(params=self._layout.params(params))
         self._adapter.sync_to_model(params)
+
+    @property
+    def optimizer_iterations(self) -> int:
+        """The updates the optimizer applied, as Keras' `optimizer.iterations` counts them: a Keras
+        optimizer's count goes on from an earlier `fit`, and steps skipped for non-finite gradients
+        (mixed_float16) are left out; else `global_step` less those skipped."""
+        self._require_built()
+        count = self._optimizer.iterations(self._state.opt_state)
+        if count is not None:
+            return int(host_value(count))
+        return self._state.global_step - (skipped_steps(self._state.opt_state) or 0)
 
     @property
     def learning_rate(self) -> float:
