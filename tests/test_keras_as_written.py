@@ -329,20 +329,40 @@ def test_a_callback_reads_the_optimizer_as_in_keras_own_fit_in_a_second_fit_unde
     np.testing.assert_allclose([r[3] for r in got["lockstep"].seen], [r[3] for r in want], rtol=1e-6)
 
 
+class ChiefReadsMetrics(keras.callbacks.Callback):
+    """Worker 0 alone reads the model's metric objects and `get_metrics_result` after each batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.read = []
+
+    def on_train_batch_end(self, batch, logs=None):
+        import jax
+
+        if jax.process_index() == 0:
+            metrics = self.model.metrics
+            self.read.append([float(metrics[0].result()), *map(float, self.model.get_metrics_result().values())])
+    on_test_batch_end = on_train_batch_end
+
+
 @pytest.mark.filterwarnings("ignore:Your input ran out of data")  # Keras' own, at a generator's end
 @pytest.mark.xdist_group("processes")  # a 2-worker launch (about 16 s)
 def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_fit(tmp_path):
     """Also, on the same two workers: a subclassed model made in the scope and first used on a
     generator equals Keras' own fit / evaluate / predict, and MixUp and a JaxLayer drawing with its
-    rng are refused on both workers alike, as is a fit given a non-callback on worker 1 alone."""
+    rng are refused on both workers alike, as is a fit given a non-callback on worker 1 alone; and
+    worker 0 alone reading the metric objects after every batch reads Keras' values, and no worker waits."""
     script = WORKERS / "keras_custom_metrics_job.py"
     proc = launch_workers(script, devices=2)
     assert proc.returncode == 0, output_of(proc)
     results = rank_results(proc, 2)
     keras_model = regressor([RMSE(), *counting_metrics()], weighted_metrics=[WeightedMAE()],
                             optimizer=keras.optimizers.Adam(0.01))
-    want = keras_model.fit(X[:194], Y_VALUE[:194], batch_size=16, epochs=2, shuffle=False, verbose=0,
+    reads = ChiefReadsMetrics()
+    want = keras_model.fit(X[:194], Y_VALUE[:194], batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[reads],
                            sample_weight=WEIGHTS[:194], validation_data=(X[194:], Y_VALUE[194:]))
+    assert len(reads.read) == 28 and results[1]["reads"] == []
+    np.testing.assert_allclose(results[0]["reads"], reads.read, rtol=2e-5, atol=1e-6)
     want_eval = keras_model.evaluate(X[:194], Y_VALUE[:194], batch_size=16, verbose=0, return_dict=True)
     want_stopped = keras_model.evaluate(X[:194], Y_VALUE[:194], batch_size=16, verbose=0, return_dict=True,
                                         callbacks=[StopAfter(2)])

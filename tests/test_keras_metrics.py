@@ -284,13 +284,16 @@ def _metric_results(model):
     return out
 
 
-@pytest.mark.parametrize("replicas", variants([1, 3, 8], {3, 8}))
-def test_the_models_metric_objects_hold_what_keras_leaves_in_them(replicas):
-    """After Keras' `fit` or `evaluate` (and in a callback at an epoch's end) the model's metric
-    objects hold the loop's states: ``acc.result()`` is the value logged. lockstep left them at 0
-    (never updated), and after `reset_metrics` `get_metrics_result` still gave the last logs. Two
-    outputs, metric objects, names and weighted metrics, sample weights; 13 rows in batches of 4:
-    replicas without rows in the last."""
+@pytest.mark.parametrize("replicas,steps_per_execution", variants([(1, 1), (3, 1), (8, 1), (3, 2)],
+                                                                    {(3, 1), (8, 1), (3, 2)}))
+def test_the_models_metric_objects_hold_what_keras_leaves_in_them(replicas, steps_per_execution):
+    """After Keras' `fit` or `evaluate`, and in a callback at every hook of them, the model's metric
+    objects hold the loop's states: ``acc.result()`` is the value logged (so far, in a batch's
+    hooks; reset as an epoch begins, and after `on_test_begin`). lockstep left them at 0 (never
+    updated), and after `reset_metrics` `get_metrics_result` still gave the last logs; in the
+    hooks of batches the objects held 0 or the last epoch's values, and a callback's
+    `get_metrics_result` the last loop's logs. Two outputs, metric objects, names and weighted
+    metrics, sample weights; 13 rows in batches of 4: replicas without rows in the last."""
     from keras_reference import in_keras_and_lockstep
 
     rng = np.random.default_rng(0)
@@ -308,25 +311,38 @@ def test_the_models_metric_objects_hold_what_keras_leaves_in_them(replicas):
         sacc["object"] = keras.metrics.SparseCategoricalAccuracy(name="sacc")
         model.compile("adam", {"a": "sparse_categorical_crossentropy", "b": "mse"},
                       metrics={"a": ["accuracy", sacc["object"]], "b": ["mae"]},
-                      weighted_metrics={"b": [keras.metrics.MeanSquaredError(name="wmse")]})
+                      weighted_metrics={"b": [keras.metrics.MeanSquaredError(name="wmse")]},
+                      steps_per_execution=steps_per_execution)
         return model
 
     class Reads(keras.callbacks.Callback):
-        def on_epoch_end(self, epoch, logs=None):
-            self.read.append(_metric_results(self.model))
+        """Reads the metric objects (and `get_metrics_result`, and a loss tracker it kept) at every hook."""
+
+        def __init__(self):
+            super().__init__()
+            self.read = []
+
+        def _read(self, *_, **__):
+            self.read.append({**_metric_results(self.model), "kept": float(self.kept.result()),
+                              **{f"got_{k}": float(np.asarray(v)) for k, v in self.model.get_metrics_result().items()}})
+
+        def on_train_begin(self, logs=None):
+            self.kept = self.model.metrics[0]  # the loss tracker, read from then on without asking the model
+        on_epoch_begin = on_epoch_end = on_train_batch_begin = on_train_batch_end = _read
+        on_test_begin = on_test_end = on_test_batch_begin = on_test_batch_end = _read
 
     def run(model):
         reads = Reads()
-        reads.read = []
         model.fit(x, y, sample_weight=w, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[reads],
                   validation_data=(x[:6], {"a": y["a"][:6], "b": y["b"][:6]}))
         fitted, sacc_fitted = _metric_results(model), float(sacc["object"].result())
-        model.evaluate(x, y, batch_size=5, verbose=0)
+        model.evaluate(x, y, batch_size=5, verbose=0, callbacks=[reads])
         evaluated = _metric_results(model)
         model.reset_metrics()
         return reads.read, fitted, sacc_fitted, evaluated, model.get_metrics_result()
     (want, _), (got, _) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(replicas))
     assert len(want[1]) == 7 and want[2] > 0.5 and not any(want[4].values())
+    assert len(want[0]) == len(got[0]) > 20 and len({r["loss"] for r in want[0]}) > 5  # they moved batch by batch
     for g, k in zip([*got[0], got[1], got[3], got[4]], [*want[0], want[1], want[3], want[4]]):
         assert sorted(g) == sorted(k)
         np.testing.assert_allclose([g[n] for n in sorted(g)], [k[n] for n in sorted(k)], rtol=2e-5, atol=1e-6)

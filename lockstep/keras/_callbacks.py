@@ -168,6 +168,20 @@ class _ModelView:
     def __init__(self, trainer: TrainerView):
         object.__setattr__(self, "_trainer", trainer)
         object.__setattr__(self, "optimizer", _OptimizerView(trainer))
+        object.__setattr__(self, "reads_metrics", False)  # has given out the metric objects (`metrics`)
+
+    @property
+    def metrics(self) -> list[Any]:
+        """The model's metric objects, holding the loop's states as of its last batch, as in Keras'
+        loops; from now on they are given them before each of the callback's hooks (it may keep them)."""
+        object.__setattr__(self, "reads_metrics", True)
+        self._trainer.keras_metrics_current()
+        return self._trainer.model.metrics
+
+    def get_metrics_result(self) -> dict[str, Any]:
+        """Keras' `get_metrics_result`: the loop's loss and metrics as of its last batch."""
+        self._trainer.keras_metrics_current()
+        return self._trainer.model.get_metrics_result()
 
     def get_weights(self) -> Any:
         return self._trainer.get_weights()
@@ -266,6 +280,7 @@ class KerasCallback(Callback):
         classes = _keras_classes(callback)
         names = [c.__name__ for c in classes]
         self.keras_callback = callback
+        self._view: _ModelView | None = None  # its `model` (`set_trainer`)
         self._first: dict[str, int] = {}  # the first batch number of each loop's running call
         self.state_name = f"keras.{type(callback).__name__}"  # its bookkeeping's name in backups
         keras_own = all(defined_in_keras(c) for c in type(callback).__mro__[:-1])
@@ -297,6 +312,8 @@ class KerasCallback(Callback):
     def _with_variables(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
         """A user's hook, which reads and assigns the Keras model's variables as in Keras' `fit`:
         they hold the current weights, and what it assigns is the next step's."""
+        if self._view is not None and self._view.reads_metrics:
+            self.trainer.keras_metrics_current()
         with self.trainer.keras_variables_current():
             return hook(*args, **kwargs)
 
@@ -309,7 +326,8 @@ class KerasCallback(Callback):
                              "every weight on worker 0 alone, but other workers hold shards of this model's "
                              "variables: leave histogram_freq=0 and write_images=False (the scalars are logged), "
                              "or use lockstep.callbacks.TensorBoard.")
-        callback.set_model(_ModelView(trainer))
+        self._view = _ModelView(trainer)
+        callback.set_model(self._view)
 
     def set_params(self, params: dict[str, Any]) -> None:
         super().set_params(params)

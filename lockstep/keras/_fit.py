@@ -361,6 +361,8 @@ def _get_metrics_result(self: Any) -> Any:
     evaluation after it), from the trainer that ran it; after another `compile`, Keras' own (its new
     metrics: unbuilt until a loop runs)."""
     held, strategy = self.__dict__.get(_HELD), strategy_of_model(self, by_devices=False)
+    if held is not None:
+        held[1].keras_metrics_current()  # (in a loop: its metric objects as of its last batch)
     if (held is None or held[1].last_logs is None or strategy is None
             or held[0][:-1] != _key(self, strategy)[:-1]):  # compiled since: Keras' fresh metrics
         return _ORIGINAL["get_metrics_result"](self)

@@ -19,6 +19,7 @@ from ._fbeta import FBetaScore as FBetaScore
 from ._keras import OWN_UPDATE as OWN_UPDATE
 from ._keras import KerasMetric as KerasMetric
 from ._keras import own_update as own_update
+from ._keras import reset_keras as reset_keras
 from ._keras import write_to_keras as write_to_keras
 from ._reduction import Max as Max
 from ._reduction import Mean as Mean
@@ -59,5 +60,6 @@ __all__ = [
     "divide_no_nan",
     "get",
     "synced_result",
+    "reset_keras",
     "write_to_keras",
 ]

@@ -282,5 +282,33 @@ def write_to_keras(metric: Metric, state: State, keras_metric: Any) -> bool:
     else:
         return False
     for v, value in zip(variables, values):
-        v.assign(np.asarray(value).astype(v.dtype))
+        v.assign(_placed_as(v, np.asarray(value).astype(v.dtype)))
     return True
+
+
+def reset_keras(keras_metric: Any) -> None:
+    """``keras_metric.reset_state()``: Keras' own metrics set every variable to zeros, placed here
+    as `write_to_keras` places values (no collective); a user's `reset_state` is called.
+
+    >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+    'jax'
+    >>> import keras
+    >>> k = keras.metrics.Mean(); k.update_state([1.0, 2.0]); reset_keras(k); float(k.result())
+    0.0
+    """
+    if not type(keras_metric).reset_state.__module__.startswith("keras."):
+        keras_metric.reset_state()
+        return
+    for v in keras_metric.variables:
+        v.assign(_placed_as(v, np.zeros(tuple(v.shape), v.dtype)))
+
+
+def _placed_as(variable: Any, value: np.ndarray) -> Any:
+    """`value`, which every worker has alike, placed as `variable`'s value lies where that spans
+    workers: each worker places its own shards, no collective (Keras' `assign` of a host value
+    would take worker 0's, a collective every worker must join: a worker reading its metric
+    objects alone would wait for the others); else as it is."""
+    held = getattr(variable, "_value", None)
+    if isinstance(held, jax.Array) and not held.is_fully_addressable:
+        return jax.make_array_from_callback(value.shape, held.sharding, lambda index: value[index])
+    return value

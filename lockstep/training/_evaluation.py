@@ -17,7 +17,7 @@ from ..callbacks import Callback, CallbackList, format_logs, is_chief
 from ..cluster import agree_on
 from ..data import DataAdapter
 from ..engine import allgather_ints
-from ..metrics import write_to_keras
+from ..metrics import reset_keras, write_to_keras
 from ._executions import calls, whole_calls
 from ._inputs import checked_steps, to_batches
 from ._labels import LabelCheck, checked
@@ -80,6 +80,9 @@ class TrainerEvaluation:
     _inference_changed = False
     sync_model: Any
     last_logs: dict[str, Any] | None
+    _loop_logs: LazyLogs | None = None  # in a loop (an epoch, an evaluation): its logs as of its last batch
+    _metrics_written: Any = None  # the logs whose states the Keras metric objects were given, or "reset
+    # due" / "reset" before the loop's first batch (`keras_metrics_current`)
     _build_on: Any
     _fresh_state: Any
 
@@ -97,14 +100,55 @@ class TrainerEvaluation:
         (those given, and the model's own: `adapter.metric_objects`) are given their states, as Keras'
         loops leave them."""
         logs, states = ended_logs(self._engine, self._all, state)
+        self._loop_logs = self._metrics_written = None
+        self._write_metric_objects(states)
+        return logs
+
+    def _keras_metric_objects(self) -> dict[str, tuple[Any, Any]]:
+        """By name, each of the trainer's metrics that a Keras metric object stands for, and the object."""
         objects = self._adapter.metric_objects()
-        for name, metric_state in states.items():
-            metric = self._all.metrics[name]
+        out = {}
+        for name, metric in self._all.metrics.items():
             metric = metric.inner if isinstance(metric, OutputMetric) else metric  # (its state is the inner metric's)
             target = objects.get(name, getattr(metric, "keras_metric", None))  # (a Keras object given to a Trainer: itself)
             if target is not None:
-                write_to_keras(metric, metric_state, target)
-        return logs
+                out[name] = (metric, target)
+        return out
+
+    def _write_metric_objects(self, states: dict[str, Any]) -> None:
+        objects = self._keras_metric_objects()
+        for name, metric_state in states.items():
+            if name in objects:
+                write_to_keras(objects[name][0], metric_state, objects[name][1])
+
+    def _loop_begins(self, state: Any = None, read: bool = False) -> None:
+        """An epoch or an evaluation begins: its Keras metric objects are to be reset, as Keras'
+        loops reset them (before `on_epoch_begin`, after `on_test_begin`), or to hold the per-replica
+        metric `state` (an epoch resumed midway; `read`: as `_batch_logs`), and then the loop's as
+        its batches end: done when a user's callback asks for them (`keras_metrics_current`), else
+        they keep the last loop's states until this one's end."""
+        self.last_logs, self._metrics_written = None, "reset due" if state is None else None
+        self._loop_logs = None if state is None else LazyLogs(self._engine, self._all, state, read)
+
+    def _batch_logs(self, state: Any, read: bool) -> LazyLogs:
+        """The logs of a loop's batch, of its per-replica metric `state` (`LazyLogs`: with several
+        workers, where `read`, reduced at once on every worker); the loop's as of this batch."""
+        self._loop_logs = LazyLogs(self._engine, self._all, state, read)
+        return self._loop_logs
+
+    def keras_metrics_current(self) -> None:
+        """The Keras metric objects given the states of the loop in progress as of its last batch
+        (reset before it), as Keras' loops update them batch by batch: a reduction over the
+        replicas read to the host, which with several workers every worker has dispatched where a
+        callback reads the batch's logs (`LazyLogs`), so that one worker may ask alone."""
+        logs = self._loop_logs
+        if logs is not None and logs is not self._metrics_written:
+            self._write_metric_objects(logs.states())
+            self._metrics_written = logs
+        elif logs is None and self._metrics_written == "reset due":  # a loop before its first batch
+            for _, target in self._keras_metric_objects().values():
+                reset_keras(target)
+            self._metrics_written = "reset"
 
     def _predicted(self, batch: Any) -> Any:
         outputs, params = self._runner.predict(self._state.params, batch)
@@ -132,13 +176,13 @@ class TrainerEvaluation:
         state = self._fresh_state()
         self.stop_evaluating = False
         cblist.on_test_begin()
+        self._loop_begins()  # (after the hook, as Keras' evaluate resets its metrics)
         for step, group in self._calls(data, steps):
             cblist.on_test_batch_begin(step)
             for batch in group:
                 state, params = self._runner.evaluate(self._state.params, state, batch)
                 self._keep_inference_state(params)
-            cblist.on_test_batch_end(step + len(group) - 1,
-                                     LazyLogs(self._engine, self._all, state, cblist.reads["on_test_batch_end"]))
+            cblist.on_test_batch_end(step + len(group) - 1, self._batch_logs(state, cblist.reads["on_test_batch_end"]))
             if cblist.in_batches["testing"] and agreed(self.stop_evaluating):
                 break
         logs = self.last_logs = self._ended(state)
@@ -157,7 +201,10 @@ class TrainerEvaluation:
         data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
         note_weighted_metrics(sample_weight, self._metrics)
         cblist = CallbackList(map(self.callback_adapter, callbacks or []), self, _loop_params(verbose, data, checked_steps(steps)))
-        logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x", checked_steps(steps))
+        try:
+            logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x", checked_steps(steps))
+        finally:
+            self._loop_logs = self._metrics_written = None  # (an evaluation cut short: its last batch's state may be gone)
         self._sync_inference_state()
         if verbose and is_chief():
             print(format_logs(logs))

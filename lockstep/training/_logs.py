@@ -11,7 +11,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..metrics import MetricCollection, synced_result
+from ..metrics import MetricCollection
 
 
 class LazyLogs(MutableMapping[str, Any]):
@@ -26,14 +26,25 @@ class LazyLogs(MutableMapping[str, Any]):
 
     def __init__(self, engine: Any, metrics: MetricCollection, state: Any, read: bool = True):
         self._logs: dict[str, Any] | None = None
-        self._values = _reduced(engine, metrics, state) if read and jax.process_count() > 1 else None
+        self._reduced = _reduced(engine, metrics, state) if read and jax.process_count() > 1 else None
         self._read = functools.partial(_reduced, engine, metrics, state)
+
+    def _values_and_states(self) -> tuple[dict[str, Any], dict[str, Any]]:
+        if self._reduced is None:
+            self._reduced = self._read()
+        return self._reduced
 
     def _get(self) -> dict[str, Any]:
         if self._logs is None:
-            values = self._read() if self._values is None else self._values
+            values, _ = self._values_and_states()
             self._logs = {k: _to_python(v) for k, v in sorted(values.items())}  # Keras' order: by name
         return self._logs
+
+    def states(self) -> dict[str, Any]:
+        """The states of the metrics of a fixed size reduced over the replicas, on the host: what
+        Keras' metric objects hold after this batch (`ended_logs`); read in the same program as
+        the logs."""
+        return jax.tree.map(np.asarray, self._values_and_states()[1])
 
     def __getitem__(self, key: str) -> Any:
         return self._get()[key]
@@ -59,19 +70,20 @@ def _to_python(v: Any) -> Any:
     return float(a) if a.ndim == 0 else a
 
 
-def _reduced(engine: Any, metrics: MetricCollection, state: Any) -> dict[str, Any]:
-    """Loss and metric values of per-replica `state` as arrays of this worker (one compiled program
-    reduces all states), in Keras' order: loss first."""
-    values = engine.run_to_host(synced_result, (metrics, state), ("replicated", "per_replica"))
-    return {k: values[k] for k in metrics.metrics}
+def _reduced(engine: Any, metrics: MetricCollection, state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Loss and metric values of per-replica `state`, in Keras' order (loss first), and the states
+    of its metrics of a fixed size reduced over the replicas (what a Keras metric object holds; not
+    the rows a "cat" state keeps), as arrays of this worker: one compiled program reduces them all,
+    and each is read to the host only when asked for."""
+    values, states = engine.run_to_host(_values_and_states, (metrics, state), ("replicated", "per_replica"))
+    return {k: values[k] for k in metrics.metrics}, states
 
 
 def ended_logs(engine: Any, metrics: MetricCollection, state: Any) -> tuple[dict[str, Any], dict[str, Any]]:
-    """The logs of a loop's per-replica `state` (loss and metric values) and the states of its metrics of a
-    fixed size reduced over the replicas (what a Keras metric object holds; not the rows a "cat"
-    state keeps), on the host, in one program."""
-    values, states = engine.run_to_host(_values_and_states, (metrics, state), ("replicated", "per_replica"))
-    return {k: _to_python(values[k]) for k in metrics.metrics}, states
+    """The logs of a loop's per-replica `state` (loss and metric values) and the states of its
+    metrics of a fixed size (`_reduced`), on the host."""
+    values, states = _reduced(engine, metrics, state)
+    return {k: _to_python(v) for k, v in values.items()}, jax.tree.map(np.asarray, states)
 
 
 def _values_and_states(metrics: MetricCollection, state: Any) -> tuple[Any, Any]:

@@ -51,7 +51,6 @@ from ._outputs import shapes_of
 from ._precision import in_precision, resolve_policy, skipped_steps
 from ._settings import ModelSettings, checked_steps_per_execution, given_settings
 from ._restore import fit_start, initial_state, placed, snapshot, take_up
-from ._logs import LazyLogs
 from ._train_state import TrainState
 from ._state_names import state_names
 from ._measures import TrainerMeasures
@@ -368,8 +367,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             gradient_accumulation_steps=self._accumulation, model_seed=self.seed)))
         note_weighted_metrics(sample_weight, self._metrics)
         if validation_split:
-            x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split,
-                                                                    validation_data)
+            x, y, sample_weight, validation_data = split_validation(x, y, sample_weight, validation_split, validation_data)
         train = to_batches(self.strategy, x, y, class_weighted(y, sample_weight, class_weight), batch_size, shuffle, seed)
         val = validation_batches(self.strategy, validation_data, validation_batch_size or batch_size, validation_freq,
                                  validation_steps)
@@ -386,8 +384,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         self._stream = DataStream(self._engine, train, whole_calls(steps_per_epoch, self.steps_per_execution),
                                   self._accumulation, initial_epoch, epochs=epochs)
         self._callbacks, self._cblist = cblist.callbacks, cblist
-        self._state = fit_start(self._state, initial_epoch, seed, self._fresh_state(), train.batch_size,
-                                self._accumulation)
+        self._state = fit_start(self._state, initial_epoch, seed, self._fresh_state(), train.batch_size, self._accumulation)
         logs: dict[str, Any] = {}
         try:
             cblist.on_train_begin()
@@ -401,6 +398,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             cblist.on_train_end(logs)
         finally:  # on any exit the model keeps the weights of the last completed step, as in Keras
             self._callbacks, self._lending = [], False  # (given copies, no longer lent the state)
+            self._loop_logs = self._metrics_written = None  # (an epoch cut short: its last batch's state may be gone)
             self._stream.close()
             try:
                 self.sync_model()
@@ -412,6 +410,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
                    ) -> dict[str, Any]:
         """One epoch (from step `self._state.step` on, after a resume); returns the epoch's logs."""
         skip = self._state.step
+        self._loop_begins(self._state.metric_state if skip else None, cblist.reads["on_train_batch_end"])
         cblist.on_epoch_begin(epoch)
         if not skip:
             self._state = self._state.replace(metric_state=self._fresh_state())
@@ -419,7 +418,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             cblist.on_train_batch_begin(step)
             self._state = self._runner.run(self._state, execution, keep=functools.partial(setattr, self, "_state"))
             self.keep_lent_current()
-            logs = LazyLogs(self._engine, self._all, self._state.metric_state, cblist.reads["on_train_batch_end"])
+            logs = self._batch_logs(self._state.metric_state, cblist.reads["on_train_batch_end"])
             cblist.on_train_batch_end(step + len(execution) - 1, logs)
             if cblist.stops_in_batches:  # a callback that may stop mid-epoch: all workers stop where any asks
                 self.stop_training = agreed(self.stop_training)

@@ -7,11 +7,12 @@ os.environ["KERAS_BACKEND"] = "jax"
 import lockstep as ls
 strategy = ls.MultiWorkerMirroredStrategy()
 import jax, keras, numpy as np
-from test_keras_as_written import RMSE, WeightedMAE, X, Y_VALUE, WEIGHTS, counting_metrics, regressor
+from test_keras_as_written import ChiefReadsMetrics, RMSE, WeightedMAE, X, Y_VALUE, WEIGHTS, counting_metrics, regressor
 with strategy.scope():
     model = regressor([RMSE(), *counting_metrics()], weighted_metrics=[WeightedMAE()], optimizer=keras.optimizers.Adam(0.01))
 n = 194  # the last batch of 2 rows: worker 1's two replicas hold no real row
-history = ls.Trainer(model).fit(X[:n], Y_VALUE[:n], batch_size=16, epochs=2, shuffle=False, verbose=0,
+reads = ChiefReadsMetrics()  # worker 0 alone reads the metric objects after each batch
+history = ls.Trainer(model).fit(X[:n], Y_VALUE[:n], batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[reads],
                                 sample_weight=WEIGHTS[:n], validation_data=(X[n:], Y_VALUE[n:])).history
 evaluated = model.evaluate(X[:n], Y_VALUE[:n], batch_size=16, verbose=0, return_dict=True)
 
@@ -50,6 +51,6 @@ try:  # worker 1 alone gives fit something that is not a callback: both raise, n
     refused["not a callback"] = None
 except TypeError as e:
     refused["not a callback"] = str(e)
-print("RESULT", json.dumps({"generated": generated, "refused": refused, "history": history, "evaluate": evaluated, "stopped": stopped, "iterations": int(model.optimizer.iterations),
+print("RESULT", json.dumps({"reads": reads.read, "generated": generated, "refused": refused, "history": history, "evaluate": evaluated, "stopped": stopped, "iterations": int(model.optimizer.iterations),
                             "optimizer": [np.asarray(v).tolist() for v in model.optimizer.variables],
                             "weights": [w.tolist() for w in model.get_weights()]}), flush=True)
