@@ -136,10 +136,13 @@ def overrides(callback: Callback, hook: str) -> bool:
 
 
 def reads_batch_logs(callbacks: Iterable[Any], hook: str, verbose: Any = 0) -> bool:
-    """Whether a progress bar (`verbose` 1) or any of `callbacks` reads the logs at `hook`.
+    """Whether a progress bar (`verbose` 1) or any of `callbacks` reads the logs at `hook` (or,
+    one that may read the metric objects, those of the batch before at its beginning).
 
     >>> import lockstep as ls
     >>> reads_batch_logs([ls.callbacks.EarlyStopping()], "on_train_batch_end"), reads_batch_logs([], "on_train_batch_end", 1)
     (False, True)
     """
-    return (verbose in (1, "auto") and hook == "on_train_batch_end") or any(overrides(cb, hook) for cb in callbacks)
+    begin = hook.replace("_end", "_begin")  # a user's Keras callback may read the metric objects there (`reads_metrics`)
+    return (verbose in (1, "auto") and hook == "on_train_batch_end") or any(
+        overrides(cb, hook) or (getattr(cb, "reads_metrics", False) and overrides(cb, begin)) for cb in callbacks)

@@ -173,15 +173,16 @@ class _ModelView:
     @property
     def metrics(self) -> list[Any]:
         """The model's metric objects, holding the loop's states as of its last batch, as in Keras'
-        loops; from now on they are given them before each of the callback's hooks (it may keep them)."""
+        loops. From now on they are given them before each of the callback's hooks, as it may keep
+        them: a reduction read to the host (a wait for the step) at each of its hooks."""
         object.__setattr__(self, "reads_metrics", True)
         self._trainer.keras_metrics_current()
         return self._trainer.model.metrics
 
     def get_metrics_result(self) -> dict[str, Any]:
-        """Keras' `get_metrics_result`: the loop's loss and metrics as of its last batch."""
-        self._trainer.keras_metrics_current()
-        return self._trainer.model.get_metrics_result()
+        """Keras' `get_metrics_result`: in a loop, its loss and metrics as of its last batch."""
+        running = self._trainer.metrics_result()
+        return running if running is not None else self._trainer.model.get_metrics_result()
 
     def get_weights(self) -> Any:
         return self._trainer.get_weights()
@@ -289,6 +290,8 @@ class KerasCallback(Callback):
             return  # a callback that only writes files or prints: worker 0's job
         users = ((not keras_own or "LambdaCallback" in names)
                  and not any(n in _WRITERS for n in names))  # a writer runs on worker 0 alone: no collective
+        #: a user's hooks may read the model's metric objects in any batch hook (`CallbackList.reads`)
+        self.reads_metrics = users
         for hook in _HOOKS:  # only the hooks it overrides: the others would cost a read of the logs a step
             if overrides(callback, hook):
                 call = _logs_given(getattr(callback, hook), "batch" in hook or "epoch" in hook)

@@ -358,8 +358,9 @@ def _limited(epochs: Any, *steps: Any) -> tuple[Any, ...]:
 
 def _get_metrics_result(self: Any) -> Any:
     """Keras' `get_metrics_result`: the loss and metrics of the last loop run (an epoch, or the
-    evaluation after it), from the trainer that ran it; after another `compile`, Keras' own (its new
-    metrics: unbuilt until a loop runs)."""
+    evaluation after it), from the trainer that ran it, or in a loop its metric objects as of its
+    last batch (`keras_metrics_current`); after another `compile`, Keras' own (its new metrics:
+    unbuilt until a loop runs)."""
     held, strategy = self.__dict__.get(_HELD), strategy_of_model(self, by_devices=False)
     if held is not None:
         held[1].keras_metrics_current()  # (in a loop: its metric objects as of its last batch)

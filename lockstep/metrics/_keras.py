@@ -287,8 +287,8 @@ def write_to_keras(metric: Metric, state: State, keras_metric: Any) -> bool:
 
 
 def reset_keras(keras_metric: Any) -> None:
-    """``keras_metric.reset_state()``: Keras' own metrics set every variable to zeros, placed here
-    as `write_to_keras` places values (no collective); a user's `reset_state` is called.
+    """``keras_metric.reset_state()``, its values (Keras' `stateless_reset_state`: a user's
+    `reset_state` too) placed as `write_to_keras` places them (no collective).
 
     >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
     'jax'
@@ -296,11 +296,8 @@ def reset_keras(keras_metric: Any) -> None:
     >>> k = keras.metrics.Mean(); k.update_state([1.0, 2.0]); reset_keras(k); float(k.result())
     0.0
     """
-    if not type(keras_metric).reset_state.__module__.startswith("keras."):
-        keras_metric.reset_state()
-        return
-    for v in keras_metric.variables:
-        v.assign(_placed_as(v, np.zeros(tuple(v.shape), v.dtype)))
+    for v, value in zip(keras_metric.variables, keras_metric.stateless_reset_state()):
+        v.assign(_placed_as(v, np.asarray(value).astype(v.dtype)))
 
 
 def _placed_as(variable: Any, value: np.ndarray) -> Any:

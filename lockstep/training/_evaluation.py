@@ -121,14 +121,14 @@ class TrainerEvaluation:
             if name in objects:
                 write_to_keras(objects[name][0], metric_state, objects[name][1])
 
-    def _loop_begins(self, state: Any = None, read: bool = False) -> None:
+    def _loop_begins(self, state: Any = None) -> None:
         """An epoch or an evaluation begins: its Keras metric objects are to be reset, as Keras'
         loops reset them (before `on_epoch_begin`, after `on_test_begin`), or to hold the per-replica
-        metric `state` (an epoch resumed midway; `read`: as `_batch_logs`), and then the loop's as
-        its batches end: done when a user's callback asks for them (`keras_metrics_current`), else
-        they keep the last loop's states until this one's end."""
+        metric `state` (an epoch resumed midway: reduced at once, on every worker), and then the
+        loop's as its batches end: done when a user's callback asks for them
+        (`keras_metrics_current`), else they keep the last loop's states until this one's end."""
         self.last_logs, self._metrics_written = None, "reset due" if state is None else None
-        self._loop_logs = None if state is None else LazyLogs(self._engine, self._all, state, read)
+        self._loop_logs = None if state is None else LazyLogs(self._engine, self._all, state)
 
     def _batch_logs(self, state: Any, read: bool) -> LazyLogs:
         """The logs of a loop's batch, of its per-replica metric `state` (`LazyLogs`: with several
@@ -149,6 +149,16 @@ class TrainerEvaluation:
             for _, target in self._keras_metric_objects().values():
                 reset_keras(target)
             self._metrics_written = "reset"
+
+    def metrics_result(self) -> dict[str, Any] | None:
+        """Keras' `get_metrics_result` in a loop in progress: its loss and metrics as of its last
+        batch (before it, those of its metric objects, reset); None outside a loop."""
+        if self._loop_logs is not None:
+            return self._loop_logs.in_order()
+        if self._metrics_written not in ("reset due", "reset"):
+            return None
+        self.keras_metrics_current()
+        return {name: np.asarray(target.result()).tolist() for name, (_, target) in self._keras_metric_objects().items()}
 
     def _predicted(self, batch: Any) -> Any:
         outputs, params = self._runner.predict(self._state.params, batch)

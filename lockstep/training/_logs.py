@@ -40,6 +40,11 @@ class LazyLogs(MutableMapping[str, Any]):
             self._logs = {k: _to_python(v) for k, v in sorted(values.items())}  # Keras' order: by name
         return self._logs
 
+    def in_order(self) -> dict[str, Any]:
+        """The logs in the order of the metrics, the loss first (Keras' `get_metrics_result`'s)."""
+        logs = self._get()
+        return {k: logs[k] for k in self._values_and_states()[0]}
+
     def states(self) -> dict[str, Any]:
         """The states of the metrics of a fixed size reduced over the replicas, on the host: what
         Keras' metric objects hold after this batch (`ended_logs`); read in the same program as

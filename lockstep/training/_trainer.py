@@ -222,7 +222,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         self.layouts: Any = None  # a sharded strategy's `ShardingPlan` of the variables, once built
         self.stop_training, self.history = False, None  # history: the last fit's `History`
         self.stop_evaluating = self.stop_predicting = False  # a callback's, in a batch of evaluate / predict
-        self.last_logs: dict[str, Any] | None = None  # the loss and metrics of the last epoch or evaluation
+        self.last_logs: dict[str, Any] | None = None  # the loss and metrics of the last epoch or evaluation ended
         self.log_skipped_steps = True  # mixed_float16: the epoch's logs count the steps skipped (not Keras' fit's)
         self._state: TrainState | None = None  # the training state, replaced at each step; None until built
         self._losses_checked = False  # the model's own `add_loss` terms (`check_batch_losses`)
@@ -410,7 +410,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
                    ) -> dict[str, Any]:
         """One epoch (from step `self._state.step` on, after a resume); returns the epoch's logs."""
         skip = self._state.step
-        self._loop_begins(self._state.metric_state if skip else None, cblist.reads["on_train_batch_end"])
+        self._loop_begins(self._state.metric_state if skip else None)
         cblist.on_epoch_begin(epoch)
         if not skip:
             self._state = self._state.replace(metric_state=self._fresh_state())

@@ -16,7 +16,6 @@ import numpy as np
 
 from ..engine import held, host_value, own_copies, spread, unshared
 from ._optimizers import learning_rate_of, set_learning_rate
-from ._precision import skipped_steps
 
 
 def host_tree(tree: Any) -> Any:
@@ -115,9 +114,9 @@ class TrainerWeights:
         self._lend_all()
 
     def _lend_all(self, whole: bool = False) -> Any:
-        """The model's and the optimizer's Keras variables lent the state's arrays, but those stored
-        padded (`whole`: those too, cut, and a loss-scaling optimizer's scale, read off the
-        devices). A variable holds the very array even where Keras lays the variable out otherwise
+        """The model's and the optimizer's Keras variables lent the state's arrays (a loss-scaling
+        optimizer's scale and count of finite steps too), but those stored padded (`whole`: those
+        too, cut). A variable holds the very array even where Keras lays the variable out otherwise
         (a ZeRO-sharded moment of a replicated variable: `Lending`). Returns what the model's hold."""
         lent = self._adapter.lend(self._layout.unpadded_params(self._state.params, cut=whole), copies=whole)
         self._optimizer.lend(self._layout.unpadded_state(self._state.opt_state, cut=whole), whole)
@@ -170,13 +169,11 @@ class TrainerWeights:
     @property
     def optimizer_iterations(self) -> int:
         """The updates the optimizer applied, as Keras' `optimizer.iterations` counts them: a Keras
-        optimizer's count goes on from an earlier `fit`, and steps skipped for non-finite gradients
-        (mixed_float16) are left out; else `global_step` less those skipped."""
+        optimizer's count, which goes on from an earlier `fit` and leaves out the steps skipped for
+        non-finite gradients (mixed_float16); for another, `global_step` (this `fit`'s steps)."""
         self._require_built()
         count = self._optimizer.iterations(self._state.opt_state)
-        if count is not None:
-            return int(host_value(count))
-        return self._state.global_step - (skipped_steps(self._state.opt_state) or 0)
+        return self._state.global_step if count is None else int(host_value(count))
 
     @property
     def learning_rate(self) -> float:
