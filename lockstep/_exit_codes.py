@@ -6,3 +6,7 @@ LOST_WORKER_EXIT_CODE = 75
 
 #: Exit code of a worker that was preempted (SIGTERM) after saving a backup at the agreed step.
 PREEMPTED_EXIT_CODE = 83
+
+#: Exit code of worker 0 that could not start the coordinator on the port `lockstep launch` chose
+#: (``LOCKSTEP_COORDINATOR_CHOSEN``): another program took it meanwhile; the launcher starts again on another.
+PORT_TAKEN_EXIT_CODE = 76

@@ -331,18 +331,27 @@ def test_the_models_metric_objects_hold_what_keras_leaves_in_them(replicas, step
         on_epoch_begin = on_epoch_end = on_train_batch_begin = on_train_batch_end = _read
         on_test_begin = on_test_end = on_test_batch_begin = on_test_batch_end = _read
 
+    class KeptOnly(keras.callbacks.Callback):  # in a later evaluate, reads only the object it kept in fit
+        def on_train_begin(self, logs=None):
+            self.kept, self.read = self.model.metrics[0], []
+
+        def on_test_batch_end(self, batch, logs=None):
+            assert self.model is not None  # (Keras' JAX loops give the objects their states as `model` is asked for)
+            self.read.append({"kept": float(self.kept.result())})
+
     def run(model):
-        reads = Reads()
-        model.fit(x, y, sample_weight=w, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[reads],
+        reads, kept = Reads(), KeptOnly()
+        model.fit(x, y, sample_weight=w, batch_size=4, epochs=2, shuffle=False, verbose=0, callbacks=[reads, kept],
                   validation_data=(x[:6], {"a": y["a"][:6], "b": y["b"][:6]}))
         fitted, sacc_fitted = _metric_results(model), float(sacc["object"].result())
         model.evaluate(x, y, batch_size=5, verbose=0, callbacks=[reads])
         evaluated = _metric_results(model)
+        model.evaluate(x[3:], y={k: v[3:] for k, v in y.items()}, batch_size=3, verbose=0, callbacks=[kept])
         model.reset_metrics()
-        return reads.read, fitted, sacc_fitted, evaluated, model.get_metrics_result()
+        return reads.read + kept.read, fitted, sacc_fitted, evaluated, model.get_metrics_result()
     (want, _), (got, _) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(replicas))
     assert len(want[1]) == 7 and want[2] > 0.5 and not any(want[4].values())
-    assert len(want[0]) == len(got[0]) > 20 and len({r["loss"] for r in want[0]}) > 5  # they moved batch by batch
+    assert len(want[0]) == len(got[0]) > 20 and len({r.get("loss") for r in want[0]}) > 5  # they moved batch by batch
     for g, k in zip([*got[0], got[1], got[3], got[4]], [*want[0], want[1], want[3], want[4]]):
         assert sorted(g) == sorted(k)
         np.testing.assert_allclose([g[n] for n in sorted(g)], [k[n] for n in sorted(k)], rtol=2e-5, atol=1e-6)

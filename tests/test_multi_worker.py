@@ -7,6 +7,7 @@ import signal
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 
 import jax
@@ -301,6 +302,30 @@ def test_a_worker_whose_script_ends_early_is_named_and_the_others_do_not_hang():
 
 def _launch_cmd(script, *options):
     return [sys.executable, "-m", "lockstep", "launch", "--failure-timeout", "10", *options, str(script)]
+
+
+def test_a_port_another_program_takes_before_worker_0_binds_it_is_chosen_again():
+    """The launcher chose a free port, and before worker 0 started the coordinator there another
+    program took it: worker 0 said its port was in use and the job ended (once in 350 launches of
+    the multi-process tests). Now the launcher starts the workers again on another port."""
+    from launching import launch_env
+
+    launcher = textwrap.dedent("""
+        import socket, sys
+        from lockstep.launch import _launcher
+        with socket.socket() as busy:  # the first port the launcher chooses is taken
+            busy.bind(("127.0.0.1", 0)); busy.listen()
+            ports, real = iter([busy.getsockname()[1]]), _launcher.free_port
+            _launcher.free_port = lambda: next(ports, None) or real()
+            print("taken", busy.getsockname()[1], flush=True)
+            sys.exit(_launcher.launch(sys.argv[1], nproc_per_node=2, devices_per_proc=1))
+    """)
+    proc = subprocess.run([sys.executable, "-c", launcher, str(WORKERS / "joiner_job.py")], capture_output=True,
+                          text=True, timeout=120, env=launch_env())
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    taken = proc.stdout.split()[1]
+    assert f"port 127.0.0.1:{taken} was taken before worker 0 started" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stdout.count("joined") == 2
 
 
 def test_bad_cluster_settings_are_named_errors_within_seconds():

@@ -16,6 +16,7 @@ class TrainerView(Protocol):
     stop_evaluating: bool  # set in a batch of `evaluate` (or of fit's validation): it ends there, as in Keras
     stop_predicting: bool
     learning_rate: float
+    last_logs: dict[str, Any] | None  # the loss and metrics of the last epoch or evaluation ended
     steps_per_execution: int  # the batches (optimizer steps) of one call: the batch hooks are called once a call
 
     @property

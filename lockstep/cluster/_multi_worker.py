@@ -41,7 +41,7 @@ from ._agreement import ProgramAgreement
 from ._coordination import Coordination
 from ._resolvers import LOCAL, ClusterResolver, cluster_configured, resolve_cluster
 from .._errors import UsageError
-from .._exit_codes import LOST_WORKER_EXIT_CODE
+from .._exit_codes import LOST_WORKER_EXIT_CODE, PORT_TAKEN_EXIT_CODE
 from ..distribute import Strategy, checked_communication_options
 
 DEFAULT_FAILURE_TIMEOUT = 20.0
@@ -270,7 +270,7 @@ def _cannot_start_coordinator(resolver: ClusterResolver, why: str) -> None:
           f"({why}): its port is in use (or the address is not this machine's, or worker 0 was started twice and the "
           "first one's job has already started there); choose a free port in --coordinator / "
           "LOCKSTEP_COORDINATOR_ADDRESS; exiting with code 1.", file=sys.stderr, flush=True)
-    os._exit(1)
+    os._exit(PORT_TAKEN_EXIT_CODE if os.environ.get("LOCKSTEP_COORDINATOR_CHOSEN") else 1)  # (the launcher's port: tried again)
 
 
 def _not_joined(resolver: ClusterResolver, seconds: float) -> None:

@@ -25,6 +25,8 @@ from .._keras_kind import defined_in_keras
 from ..callbacks import HOOKS, BackupAndRestore, Callback, TrainerView, is_chief
 from ..engine import spread
 
+#: set on a Keras callback object that took its model's metric objects (`_ModelView.metrics`)
+READS_METRICS = "_lockstep_reads_metrics"
 _STOPS = ("stop_training", "stop_evaluating", "stop_predicting")  # the trainer's: Keras' fit, evaluate, predict
 _WRITERS = ("CSVLogger", "TensorBoard", "ProgbarLogger", "RemoteMonitor")
 #: Keras' own callbacks that never set `model.stop_training` in a batch's hooks (EarlyStopping: at an epoch's end)
@@ -165,23 +167,27 @@ def _logs_given(call: Any, indexed: bool) -> Any:
 class _ModelView:
     """The Keras model as a Keras callback sees it during lockstep's `fit`."""
 
-    def __init__(self, trainer: TrainerView):
+    def __init__(self, trainer: TrainerView, owner: Any = None):
         object.__setattr__(self, "_trainer", trainer)
         object.__setattr__(self, "optimizer", _OptimizerView(trainer))
-        object.__setattr__(self, "reads_metrics", False)  # has given out the metric objects (`metrics`)
+        object.__setattr__(self, "_owner", owner)  # the Keras callback whose `model` it is
 
     @property
     def metrics(self) -> list[Any]:
         """The model's metric objects, holding the loop's states as of its last batch, as in Keras'
-        loops. From now on they are given them before each of the callback's hooks, as it may keep
-        them: a reduction read to the host (a wait for the step) at each of its hooks."""
-        object.__setattr__(self, "reads_metrics", True)
+        loops. From now on a user's callback has them given those before each of its hooks (in this
+        and later loops), as it may keep them: a reduction read to the host (a wait for the step)."""
+        if self._owner is not None:
+            self._owner.__dict__[READS_METRICS] = True
         self._trainer.keras_metrics_current()
         return self._trainer.model.metrics
 
     def get_metrics_result(self) -> dict[str, Any]:
-        """Keras' `get_metrics_result`: in a loop, its loss and metrics as of its last batch."""
+        """Keras' `get_metrics_result`: in a loop, its loss and metrics as of its last batch; else
+        the last loop's of the trainer that runs the callback."""
         running = self._trainer.metrics_result()
+        if running is None and self._trainer.last_logs is not None:
+            running = dict(self._trainer.last_logs)
         return running if running is not None else self._trainer.model.get_metrics_result()
 
     def get_weights(self) -> Any:
@@ -281,18 +287,18 @@ class KerasCallback(Callback):
         classes = _keras_classes(callback)
         names = [c.__name__ for c in classes]
         self.keras_callback = callback
-        self._view: _ModelView | None = None  # its `model` (`set_trainer`)
         self._first: dict[str, int] = {}  # the first batch number of each loop's running call
         self.state_name = f"keras.{type(callback).__name__}"  # its bookkeeping's name in backups
         keras_own = all(defined_in_keras(c) for c in type(callback).__mro__[:-1])
         self.stops_in_batches = not (keras_own and type(callback).__name__ in _NOT_STOPPING_IN_BATCHES)
+        #: a user's hooks (a subclass of a writer's too) may read the model's metric objects in any batch
+        #: hook: the batch's logs are then reduced on every worker (`CallbackList.reads`)
+        self.reads_metrics = not keras_own or "LambdaCallback" in names
         if any(n in _WRITERS for n in names) and not is_chief():
             return  # a callback that only writes files or prints: worker 0's job
         users = ((not keras_own or "LambdaCallback" in names)
                  and not any(n in _WRITERS for n in names))  # a writer runs on worker 0 alone: no collective
-        #: a user's hooks may read the model's metric objects in any batch hook (`CallbackList.reads`)
-        self.reads_metrics = users
-        for hook in _HOOKS:  # only the hooks it overrides: the others would cost a read of the logs a step
+        for hook in _HOOKS:  # only the hooks it overrides (those of a batch's end cost a read of the logs a step)
             if overrides(callback, hook):
                 call = _logs_given(getattr(callback, hook), "batch" in hook or "epoch" in hook)
                 setattr(self, hook, functools.partial(self._with_variables, call) if users else call)
@@ -315,7 +321,7 @@ class KerasCallback(Callback):
     def _with_variables(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
         """A user's hook, which reads and assigns the Keras model's variables as in Keras' `fit`:
         they hold the current weights, and what it assigns is the next step's."""
-        if self._view is not None and self._view.reads_metrics:
+        if self.keras_callback.__dict__.get(READS_METRICS):
             self.trainer.keras_metrics_current()
         with self.trainer.keras_variables_current():
             return hook(*args, **kwargs)
@@ -329,8 +335,7 @@ class KerasCallback(Callback):
                              "every weight on worker 0 alone, but other workers hold shards of this model's "
                              "variables: leave histogram_freq=0 and write_images=False (the scalars are logged), "
                              "or use lockstep.callbacks.TensorBoard.")
-        self._view = _ModelView(trainer)
-        callback.set_model(self._view)
+        callback.set_model(_ModelView(trainer, callback))
 
     def set_params(self, params: dict[str, Any]) -> None:
         super().set_params(params)

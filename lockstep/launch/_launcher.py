@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Sequence
 from typing import IO
 
-from .._exit_codes import LOST_WORKER_EXIT_CODE, PREEMPTED_EXIT_CODE
+from .._exit_codes import LOST_WORKER_EXIT_CODE, PORT_TAKEN_EXIT_CODE, PREEMPTED_EXIT_CODE
 
 _PR_SET_PDEATHSIG = 1
 _PRINT_LOCK = threading.Lock()  # one whole line at a time from the workers' reader threads
@@ -137,18 +137,27 @@ def launch(script: str, args: Sequence[str] = (), nproc_per_node: int = 1, nnode
 
     old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        for attempt in range(max_restarts + 1):
+        attempt, taken = 0, 0
+        while attempt <= max_restarts:
             address = coordinator or f"127.0.0.1:{free_port()}"
             workers.clear()
             summary = _run_group(workers, script, args, nproc_per_node, nnodes, node_rank, address,
-                                 devices_per_proc, failure_timeout, attempt, grace, out, stopping, socket_ifname)
+                                 devices_per_proc, failure_timeout, attempt, grace, out, stopping, socket_ifname,
+                                 chosen=coordinator is None)
             if summary is None:
                 return 0
+            if (coordinator is None and taken < 3 and not stopping.is_set()
+                    and any(w.proc.returncode == PORT_TAKEN_EXIT_CODE for w in workers)):
+                taken += 1  # the free port chosen was taken before worker 0 bound it: again, on another
+                print(f"lockstep launch: port {address} was taken before worker 0 started the coordinator there; "
+                      "starting the workers again on another.", file=err, flush=True)
+                continue
             print(summary + (" (interrupted)" if stopping.is_set() else ""), file=err, flush=True)
             if stopping.is_set() or attempt == max_restarts:
                 return 1
             print(f"lockstep launch: restarting the workers (restart {attempt + 1} of {max_restarts}).",
                   file=err, flush=True)
+            attempt += 1
         return 1
     finally:
         _stop_all(workers, grace)
@@ -159,8 +168,9 @@ def launch(script: str, args: Sequence[str] = (), nproc_per_node: int = 1, nnode
 def _run_group(workers: list[_Worker], script: str, args: Sequence[str], nproc_per_node: int, nnodes: int,
                node_rank: int, coordinator: str, devices_per_proc: int | None, failure_timeout: float,
                attempt: int, grace: float, out: IO[str], stopping: threading.Event,
-               socket_ifname: str | None = None) -> str | None:
-    """Starts one group of workers and waits; returns None on success, else a summary line."""
+               socket_ifname: str | None = None, chosen: bool = False) -> str | None:
+    """Starts one group of workers and waits; returns None on success, else a summary line.
+    `chosen`: the launcher chose the coordinator's port (`PORT_TAKEN_EXIT_CODE`)."""
     world = nnodes * nproc_per_node
     for i in range(nproc_per_node):
         rank = node_rank * nproc_per_node + i
@@ -169,6 +179,8 @@ def _run_group(workers: list[_Worker], script: str, args: Sequence[str], nproc_p
                "LOCKSTEP_RESTART_COUNT": str(attempt), "LOCKSTEP_NNODES": str(nnodes), "PYTHONUNBUFFERED": "1"}
         if socket_ifname:
             env["LOCKSTEP_SOCKET_IFNAME"] = socket_ifname
+        if chosen:
+            env["LOCKSTEP_COORDINATOR_CHOSEN"] = "1"
         if devices_per_proc is not None:
             env["LOCKSTEP_DEVICES_PER_PROC"] = str(devices_per_proc)
         proc = subprocess.Popen([sys.executable, "-u", script, *args], env=env, stdout=subprocess.PIPE,

@@ -297,7 +297,8 @@ def reset_keras(keras_metric: Any) -> None:
     0.0
     """
     for v, value in zip(keras_metric.variables, keras_metric.stateless_reset_state()):
-        v.assign(_placed_as(v, np.asarray(value).astype(v.dtype)))
+        if value is not v:  # (a variable its reset leaves as it is)
+            v.assign(_placed_as(v, np.asarray(value).astype(v.dtype)))
 
 
 def _placed_as(variable: Any, value: np.ndarray) -> Any:

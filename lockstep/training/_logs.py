@@ -41,9 +41,9 @@ class LazyLogs(MutableMapping[str, Any]):
         return self._logs
 
     def in_order(self) -> dict[str, Any]:
-        """The logs in the order of the metrics, the loss first (Keras' `get_metrics_result`'s)."""
-        logs = self._get()
-        return {k: logs[k] for k in self._values_and_states()[0]}
+        """The loss and metric values in the order of the metrics, the loss first (Keras'
+        `get_metrics_result`'s), as reduced (not as a callback may have changed the logs)."""
+        return {k: _to_python(v) for k, v in self._values_and_states()[0].items()}
 
     def states(self) -> dict[str, Any]:
         """The states of the metrics of a fixed size reduced over the replicas, on the host: what
