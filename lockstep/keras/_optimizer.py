@@ -226,15 +226,19 @@ class KerasOptimizer(Optimizer):
         if values is not None:
             self._lender().lend(values, copies=whole)
         if (scale := _loss_scale(self.given, opt_state)) is not None:
-            Lending([self.given.dynamic_scale, self.given.step_counter]).lend(scale, copies=whole)
+            self._scale_lender().lend(scale, copies=whole)
 
     def lent_variables(self, opt_state: Any) -> list[Any]:
         """The Keras optimizer's variables that `lend` (not `whole`) lends arrays of `opt_state`."""
         values = keras_values(self.inner, opt_state)
         lent = [] if values is None else self._lender().takers(values)
-        if is_loss_scaled(self.given) and self.given.built and (scale := _loss_scale(self.given, opt_state)):
-            lent += Lending([self.given.dynamic_scale, self.given.step_counter]).takers(scale)
+        if self.given.built and (scale := _loss_scale(self.given, opt_state)) is not None:  # (not built here)
+            lent += self._scale_lender().takers(scale)
         return lent
+
+    def _scale_lender(self) -> Lending:
+        """A loss-scaling optimizer's scale and count of finite steps (`_loss_scale`)."""
+        return Lending([self.given.dynamic_scale, self.given.step_counter])
 
     def iterations(self, opt_state: Any) -> Any:
         """Keras' `optimizer.iterations` in `opt_state`: it goes on from an earlier `fit`'s, and a
