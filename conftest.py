@@ -1,9 +1,18 @@
 """Doctests and tests see Keras on JAX and 8 simulated CPU devices (set before JAX starts), and
 XLA compiles their programs without LLVM's optimisations (`launching.CHILD_XLA_FLAGS`, which the
 tests' child processes get too: a third less CPU for the suite, whose data are small; the programs,
-their HLO passes and so their numbers are the same; benchmarks and `make demo` compile as users do)."""
+their HLO passes and so their numbers are the same; benchmarks and `make demo` compile as users do).
 
+Each test process keeps the programs XLA compiled in a folder of its own for the run (JAX's persistent
+compilation cache): a program another test compiled, the same HLO for the same devices, is loaded, not
+compiled again (a sixth less time for the suite). Its own folder, because JAX writes an entry in place
+(a process reading it meanwhile would read part of it); the child processes it starts share another
+(worker 0 of a job writes; one that reads an entry being written warns and compiles it)."""
+
+import atexit
 import os
+import shutil
+import tempfile
 
 from launching import CHILD_XLA_FLAGS  # tests/, on pytest's `pythonpath`
 
@@ -14,3 +23,12 @@ if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
 import lockstep as ls  # noqa: E402
 
 ls.simulate_cpu_devices(8)
+
+_PROGRAMS = tempfile.mkdtemp(prefix="lockstep-test-programs-")
+atexit.register(shutil.rmtree, _PROGRAMS, ignore_errors=True)
+os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_PROGRAMS, "children")  # (the child processes')
+os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program, however quick to compile
+import jax  # noqa: E402
+
+jax.config.update("jax_compilation_cache_dir", os.path.join(_PROGRAMS, "tests"))
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)

@@ -394,3 +394,64 @@ def test_repeated_and_weighted_twins_are_named_and_held_as_keras_names_them(outp
         assert sorted(g) == sorted(k)
         np.testing.assert_allclose([np.ravel(g[n])[-1] for n in sorted(g)], [np.ravel(k[n])[-1] for n in sorted(k)],
                                    rtol=2e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("replicas,steps_per_execution", variants([(1, 1), (3, 1), (8, 1), (3, 2)], {(8, 1), (3, 2)}))
+def test_a_callback_resetting_the_metrics_in_a_loop_restarts_them_as_keras_does(replicas, steps_per_execution):
+    """A callback's ``self.model.reset_metrics()`` in a loop (a window of the running metrics):
+    Keras' loops count the loss and metrics again from the next step, so the batches' logs, the
+    epoch's and the evaluation's are of the steps since. lockstep went on counting the whole
+    loop (the epoch's loss over every batch where Keras gave 0). Reset as batch 2 begins, as batch
+    5 ends, as the last batch of epoch 1 ends (its logs: the reset objects'), and after batch 1 of
+    an evaluation (fit's validation too); 61 rows in batches of 8: replicas without rows."""
+    from keras_reference import in_keras_and_lockstep
+
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(61, 5)).astype(np.float32)
+    y = (x[:, 0] + 0.3 * rng.normal(size=61) > 0).astype(np.int32)
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
+                      steps_per_execution=steps_per_execution)
+        return model
+
+    class Windows(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.epoch, self.read = 0, []
+
+        def on_epoch_begin(self, epoch, logs=None):
+            self.epoch = epoch
+
+        def _reset(self, where):
+            self.model.reset_metrics()
+            self.read.append((where, self.model.get_metrics_result()))
+
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch == 2:
+                self._reset("begin")
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.read.append(("end", dict(logs)))
+            if batch == 5 or (self.epoch == 1 and batch == 7):
+                self._reset("end")
+
+        def on_test_batch_end(self, batch, logs=None):
+            if batch == 1:
+                self._reset("test")
+
+    def run(model):
+        windows = Windows()
+        history = model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[windows],
+                            validation_data=(x[:40], y[:40]))
+        evaluated = model.evaluate(x, y, batch_size=8, verbose=0, callbacks=[windows], return_dict=True)
+        return history.history, windows.read, evaluated
+
+    (want, _), (got, _) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(replicas))
+    assert want[0]["loss"][1] == 0 and 0 < want[0]["loss"][0] and len(want[1]) > 10  # Keras' epoch 1 ends reset
+    for g, k in [(got[0], want[0]), (got[2], want[2]), *zip([r for _, r in got[1]], [r for _, r in want[1]])]:
+        assert sorted(g) == sorted(k)
+        np.testing.assert_allclose([g[n] for n in sorted(g)], [k[n] for n in sorted(k)], rtol=2e-5, atol=1e-6)
+    assert [w for w, _ in got[1]] == [w for w, _ in want[1]]

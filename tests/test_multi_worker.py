@@ -70,6 +70,9 @@ def test_workers_evaluate_predict_fit_and_stop_exactly_like_one_process(nproc, d
         # fit: the single-process weights and losses
         np.testing.assert_allclose(res["fit"], references["fit"], rtol=1e-4, atol=1e-5)
         np.testing.assert_allclose(res["loss"], references["loss"], rtol=1e-5)
+    # worker 0 alone read the running loss and metrics as batches began (no callback read their ends)
+    assert references["running"].shape == (30, 3)  # 16 batches an epoch, less each epoch's first
+    np.testing.assert_allclose(results[0]["running"], references["running"], rtol=1e-5)
     # uneven per-worker pipelines (5 batches on worker 0, 3 on the others): exact over the union
     parts = [common.uneven_batches(w, nproc) for w in range(nproc)]
     ux = np.concatenate([b[0] for p in parts for b in p])
@@ -425,7 +428,8 @@ DIFFERS = {"epochs": "the settings of fit: epochs is 2 on worker 0 and 3 on work
                           ".*'.\\*out/kernel', \\('model', None\\).* on worker 1",
            "batches": "the batches of a pass .*: the checksum of batches 2-257 is \\d+ on worker 0 and \\d+ on worker 1",
            "EarlyStopping": "the callbacks that decide .*: EarlyStopping 1 is .*\"restore_best_weights\": false.* on "
-                            "worker 0 and .*\"restore_best_weights\": true.* on worker 1"}
+                            "worker 0 and .*\"restore_best_weights\": true.* on worker 1",
+           "reset_metrics": "a callback called `reset_metrics\\(\\)` on some workers and not on others .*\\[0, 1\\]"}
 
 
 def test_workers_whose_settings_or_batches_differ_are_named_before_a_step_mixes_them():

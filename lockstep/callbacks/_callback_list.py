@@ -143,6 +143,18 @@ def reads_batch_logs(callbacks: Iterable[Any], hook: str, verbose: Any = 0) -> b
     >>> reads_batch_logs([ls.callbacks.EarlyStopping()], "on_train_batch_end"), reads_batch_logs([], "on_train_batch_end", 1)
     (False, True)
     """
-    begin = hook.replace("_end", "_begin")  # a user's Keras callback may read the metric objects there (`reads_metrics`)
+    begin = hook.replace("_end", "_begin")  # a user's callback may read the metric objects there (`reads_metrics`)
     return (verbose in (1, "auto") and hook == "on_train_batch_end") or any(
-        overrides(cb, hook) or (getattr(cb, "reads_metrics", False) and overrides(cb, begin)) for cb in callbacks)
+        overrides(cb, hook) or (reads_metrics(cb) and overrides(cb, begin)) for cb in callbacks)
+
+
+def reads_metrics(callback: Any) -> bool:
+    """Whether `callback` may read the running loss and metrics in any hook (`get_metrics_result`,
+    the model's metric objects): a user's may, lockstep's own do not (a Keras callback's wrapper says).
+
+    >>> import lockstep as ls
+    >>> Running = type("Running", (ls.callbacks.Callback,), {"__module__": "my_callbacks"})  # a user's
+    >>> reads_metrics(ls.callbacks.History()), reads_metrics(Running())
+    (False, True)
+    """
+    return getattr(callback, "reads_metrics", not type(callback).__module__.startswith("lockstep."))

@@ -190,6 +190,14 @@ class _ModelView:
             running = dict(self._trainer.last_logs)
         return running if running is not None else self._trainer.model.get_metrics_result()
 
+    def reset_metrics(self) -> None:
+        """Keras' `reset_metrics`: the metric objects reset, and in a loop its loss and metrics
+        start again from its next step, as in Keras' loops."""
+        reset = getattr(self._trainer.model, "reset_metrics", None)  # (a Keras model's)
+        if reset is not None:
+            reset()
+        self._trainer.reset_metrics()
+
     def get_weights(self) -> Any:
         return self._trainer.get_weights()
 

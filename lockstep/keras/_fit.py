@@ -38,6 +38,7 @@ from ..callbacks import Callback
 from ..data import DataAdapter, PyDatasetBatches, adapt
 from ..distribute import remember_scope, strategy_of_model
 from ..engine import host_value, spread
+from ..metrics import reset_keras
 from ..training import Validation, class_weighted, is_arrays, to_batches
 from ._model_files import whole_on_host, writing
 from ._trainer import Trainer
@@ -372,11 +373,14 @@ def _get_metrics_result(self: Any) -> Any:
 
 def _reset_metrics(self: Any) -> None:
     """Keras' `reset_metrics`; `get_metrics_result` then reads the metric objects reset, as in Keras
-    (not the last loop's logs)."""
-    _ORIGINAL["reset_metrics"](self)
+    (not the last loop's logs), and in a loop in progress its metrics start again from its next
+    step (`Trainer.reset_metrics`)."""
     held = self.__dict__.get(_HELD)
-    if held is not None:
-        held[1].last_logs = None
+    if held is None:
+        return _ORIGINAL["reset_metrics"](self)
+    for metric in self.metrics:  # Keras' reset without its broadcast from worker 0 (one worker may call it alone)
+        reset_keras(metric)
+    held[1].reset_metrics()
 
 
 def _in_order(logs: dict[str, Any], return_dict: bool) -> Any:

@@ -13,6 +13,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from .._errors import WorkersDisagreeError
 from ..callbacks import Callback, CallbackList, format_logs, is_chief
 from ..cluster import agree_on
 from ..data import DataAdapter
@@ -75,6 +76,7 @@ class TrainerEvaluation:
     strategy: Any
     steps_per_execution: int
     callback_adapter: Any
+    stop_training: bool
     stop_evaluating: bool
     stop_predicting: bool
     _inference_changed = False
@@ -83,6 +85,9 @@ class TrainerEvaluation:
     _loop_logs: LazyLogs | None = None  # in a loop (an epoch, an evaluation): its logs as of its last batch
     _metrics_written: Any = None  # the logs whose states the Keras metric objects were given, or "reset
     # due" / "reset" before the loop's first batch (`keras_metrics_current`)
+    _looping = False  # an epoch or an evaluation in progress
+    _reset_due = False  # a callback reset the metrics in the loop (`reset_metrics`): its next step starts afresh
+    _resets = 0  # the steps that started afresh since the workers last agreed (`_agreed_in_loop`)
     _build_on: Any
     _fresh_state: Any
 
@@ -99,10 +104,62 @@ class TrainerEvaluation:
         """The logs of a loop that ended on the per-replica metric `state`; the Keras metric objects
         (those given, and the model's own: `adapter.metric_objects`) are given their states, as Keras'
         loops leave them."""
-        logs, states = ended_logs(self._engine, self._all, state)
-        self._loop_logs = self._metrics_written = None
+        logs, states = ended_logs(self._engine, self._all, self._unless_reset(state))
+        self._loop_ends()
         self._write_metric_objects(states)
         return logs
+
+    def _loop_ends(self) -> None:
+        self._loop_logs = self._metrics_written = None
+        self._looping = self._reset_due = False
+        self._resets = 0
+
+    def reset_metrics(self) -> None:
+        """Keras' `reset_metrics`: the loss and metrics read reset (`metrics_result`), and in a loop
+        in progress (a callback's call) they start again from its next step, as in Keras' loops
+        (with several workers, where every worker's callbacks reset them alike: checked after the
+        call of steps, `_agreed_in_loop`)."""
+        self.last_logs = None
+        for _, target in self._keras_metric_objects().values():  # (no collective: one worker may ask alone)
+            reset_keras(target)
+        if self._looping:
+            self._loop_logs, self._metrics_written, self._reset_due = None, "reset", True
+
+    def _unless_reset(self, state: Any) -> Any:
+        """The loop's per-replica metric `state`, or a fresh one where a callback reset the
+        metrics since its last step."""
+        if not self._reset_due:
+            return state
+        self._reset_due, self._resets = False, self._resets + 1
+        return self._fresh_state()
+
+    def _reset_taken(self, train_state: Any) -> Any:
+        """`train_state` (a `TrainState`), its metric state fresh where a callback reset the metrics
+        since the last step."""
+        return train_state.replace(metric_state=self._unless_reset(None)) if self._reset_due else train_state
+
+    def _stops_after_call(self, cblist: CallbackList) -> bool:
+        """Whether fit stops after a call of its steps: where a callback that may stop mid-epoch
+        (`stops_in_batches`) asked on any worker, all workers stop."""
+        if cblist.stops_in_batches:
+            self.stop_training = self._agreed_in_loop(self.stop_training)
+        return self.stop_training
+
+    def _agreed_in_loop(self, flag: bool) -> bool:
+        """`agreed(flag)` after a call of a loop's steps, where the workers also check that their
+        callbacks reset the metrics alike since the last call (else the loop's states would mix).
+
+        Raises:
+          WorkersDisagreeError: on every worker, where some reset the metrics and others did not.
+        """
+        rows, self._resets = allgather_ints([int(bool(flag)), self._resets, int(self._reset_due)]), 0
+        if len({tuple(row) for row in rows[:, 1:].tolist()}) > 1:
+            raise WorkersDisagreeError(
+                "a callback called `reset_metrics()` on some workers and not on others in the same call of steps "
+                f"(reset by worker: {rows[:, 1:].any(axis=1).astype(int).tolist()}): the loss and metrics would mix "
+                "the workers' counts. "
+                "Reset them on every worker (not under `if is_chief()`), as every worker's callbacks run.")
+        return bool(rows[:, 0].any())
 
     def _keras_metric_objects(self) -> dict[str, tuple[Any, Any]]:
         """By name, each of the trainer's metrics that a Keras metric object stands for, and the object."""
@@ -129,6 +186,7 @@ class TrainerEvaluation:
         (`keras_metrics_current`), else they keep the last loop's states until this one's end."""
         self.last_logs, self._metrics_written = None, "reset due" if state is None else None
         self._loop_logs = None if state is None else LazyLogs(self._engine, self._all, state)
+        self._looping, self._reset_due, self._resets = True, False, 0
 
     def _batch_logs(self, state: Any, read: bool) -> LazyLogs:
         """The logs of a loop's batch, of its per-replica metric `state` (`LazyLogs`: with several
@@ -189,11 +247,12 @@ class TrainerEvaluation:
         self._loop_begins()  # (after the hook, as Keras' evaluate resets its metrics)
         for step, group in self._calls(data, steps):
             cblist.on_test_batch_begin(step)
+            state = self._unless_reset(state)
             for batch in group:
                 state, params = self._runner.evaluate(self._state.params, state, batch)
                 self._keep_inference_state(params)
             cblist.on_test_batch_end(step + len(group) - 1, self._batch_logs(state, cblist.reads["on_test_batch_end"]))
-            if cblist.in_batches["testing"] and agreed(self.stop_evaluating):
+            if cblist.in_batches["testing"] and self._agreed_in_loop(self.stop_evaluating):
                 break
         logs = self.last_logs = self._ended(state)
         cblist.on_test_end(dict(sorted(logs.items())))
@@ -214,7 +273,7 @@ class TrainerEvaluation:
         try:
             logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x", checked_steps(steps))
         finally:
-            self._loop_logs = self._metrics_written = None  # (an evaluation cut short: its last batch's state may be gone)
+            self._loop_ends()  # (an evaluation cut short: its last batch's state may be gone)
         self._sync_inference_state()
         if verbose and is_chief():
             print(format_logs(logs))

@@ -398,7 +398,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             cblist.on_train_end(logs)
         finally:  # on any exit the model keeps the weights of the last completed step, as in Keras
             self._callbacks, self._lending = [], False  # (given copies, no longer lent the state)
-            self._loop_logs = self._metrics_written = None  # (an epoch cut short: its last batch's state may be gone)
+            self._loop_ends()  # (an epoch cut short: its last batch's state may be gone)
             self._stream.close()
             try:
                 self.sync_model()
@@ -416,13 +416,12 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
             self._state = self._state.replace(metric_state=self._fresh_state())
         for step, execution in executions(train.epoch(epoch, skip), self._accumulation, self.steps_per_execution, skip):
             cblist.on_train_batch_begin(step)
+            self._state = self._reset_taken(self._state)  # (a callback's `reset_metrics`: from this step on)
             self._state = self._runner.run(self._state, execution, keep=functools.partial(setattr, self, "_state"))
             self.keep_lent_current()
             logs = self._batch_logs(self._state.metric_state, cblist.reads["on_train_batch_end"])
             cblist.on_train_batch_end(step + len(execution) - 1, logs)
-            if cblist.stops_in_batches:  # a callback that may stop mid-epoch: all workers stop where any asks
-                self.stop_training = agreed(self.stop_training)
-            if self.stop_training:
+            if self._stops_after_call(cblist):
                 break
         else:
             train.ended()

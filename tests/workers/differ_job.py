@@ -3,7 +3,7 @@ turn in the same processes: every case must end in WorkersDisagreeError on both 
 what differs, before a step mixes two trainings; then a fit where only worker 0 shows a progress
 bar (verbose=1, a TF habit) trains, fits that a callback of worker 1's alone stops (in a batch, at
 an epoch's end), and a diverging fit that Keras' TerminateOnNaN stops. Each worker prints one
-RESULT: case -> the error's text, and the stopped fits' epochs and steps."""
+RESULT: case -> the error's text (a callback that resets the metrics on worker 1 alone too), and the stopped fits' epochs and steps."""
 import json
 import os
 
@@ -40,6 +40,16 @@ batches = [(x[i:i + 8], y[i:i + 8]) for i in range(0, 40, 8)]
 other = list(batches)
 other[2] = (x[16:24] + 1, y[16:24])  # worker 1's third batch differs
 hidden = {".*hidden/kernel": (None, "model")}
+
+
+class ResetsOnWorker1(keras.callbacks.Callback):
+    """Resets the metrics after batch 1 on worker 1 alone (Keras' `reset_metrics`, a window of them)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if odd and batch == 1:
+            self.model.reset_metrics()
+
+
 cases = {
     "epochs": lambda: model().fit(x, y, batch_size=8, epochs=3 if odd else 2, verbose=0),
     "shuffle": lambda: model().fit(x, y, batch_size=8, shuffle=odd, verbose=0),
@@ -52,6 +62,7 @@ cases = {
     "batches": lambda: model().fit(other if odd else batches, epochs=2, verbose=0),
     "EarlyStopping": lambda: model().fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x[:8], y[:8]),
                                          callbacks=[keras.callbacks.EarlyStopping(patience=1, restore_best_weights=odd)]),
+    "reset_metrics": lambda: model().fit(x, y, batch_size=8, verbose=0, callbacks=[ResetsOnWorker1()]),
 }
 caught = {}
 for name, case in cases.items():

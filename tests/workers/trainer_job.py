@@ -36,7 +36,7 @@ last = ls.checkpoint.load_tree(os.path.join(out_dir, f"es-{len(es_hist.epoch)}.n
 
 np.savez(os.path.join(out_dir, f"rank{rank}.npz"),
          ev=np.array([ev["loss"], ev["accuracy"], ev["f1_score"]]), pred=run["pred"], init=run["init"],
-         fit=run["fit"], loss=np.array(run["loss"]),
+         fit=run["fit"], loss=np.array(run["loss"]), running=run["running"],
          uneven=np.array([uneven["loss"], uneven["accuracy"], uneven["f1_score"]]),
          es_epochs=np.array(es_hist.epoch), es_val=np.array(es_hist.history["val_loss"]),
          es_weights=common.flat(es_t.get_weights()), es_written=common.flat(last),
