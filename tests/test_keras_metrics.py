@@ -403,7 +403,9 @@ def test_a_callback_resetting_the_metrics_in_a_loop_restarts_them_as_keras_does(
     epoch's and the evaluation's are of the steps since. lockstep went on counting the whole
     loop (the epoch's loss over every batch where Keras gave 0). Reset as batch 2 begins, as batch
     5 ends, as the last batch of epoch 1 ends (its logs: the reset objects'), and after batch 1 of
-    an evaluation (fit's validation too); 61 rows in batches of 8: replicas without rows."""
+    an evaluation (fit's validation too); 61 rows in batches of 8: replicas without rows. A
+    callback's ``self.model.evaluate()`` after batch 3 (and in the evaluations' batch 3): Keras'
+    loop goes on from the metric objects that evaluation left (lockstep's went on from its own)."""
     from keras_reference import in_keras_and_lockstep
 
     rng = np.random.default_rng(3)
@@ -437,10 +439,16 @@ def test_a_callback_resetting_the_metrics_in_a_loop_restarts_them_as_keras_does(
             self.read.append(("end", dict(logs)))
             if batch == 5 or (self.epoch == 1 and batch == 7):
                 self._reset("end")
+            if batch == 3:
+                self.read.append(("evaluated", self.model.evaluate(x[:21], y[:21], batch_size=8, verbose=0,
+                                                                   return_dict=True)))
 
         def on_test_batch_end(self, batch, logs=None):
+            self.read.append(("test end", dict(logs)))
             if batch == 1:
                 self._reset("test")
+            if batch == 3:
+                self.model.evaluate(x[:13], y[:13], batch_size=8, verbose=0)
 
     def run(model):
         windows = Windows()
@@ -455,3 +463,42 @@ def test_a_callback_resetting_the_metrics_in_a_loop_restarts_them_as_keras_does(
         assert sorted(g) == sorted(k)
         np.testing.assert_allclose([g[n] for n in sorted(g)], [k[n] for n in sorted(k)], rtol=2e-5, atol=1e-6)
     assert [w for w, _ in got[1]] == [w for w, _ in want[1]]
+
+
+def test_a_backup_taken_in_the_hook_that_resets_the_metrics_resumes_to_keras_uninterrupted_logs(tmp_path):
+    """`BackupAndRestore` (every batch) backs up after a callback reset the metrics at batch 5's
+    end; a fit interrupted after batch 6 and resumed from that backup logs what Keras' own
+    uninterrupted fit logs (before: the backup held the counts from before the reset)."""
+    rng = np.random.default_rng(5)
+    x = rng.normal(size=(61, 5)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        return model
+
+    class ResetAt5(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 5:
+                self.model.reset_metrics()
+
+    class InterruptAt6(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 6:
+                raise KeyboardInterrupt
+
+    fit = dict(x=x, y=y, batch_size=8, epochs=2, shuffle=False, verbose=0)
+    want = build().fit(**fit, callbacks=[ResetAt5()]).history
+    strategy = ls.MirroredStrategy(3)
+    with strategy.scope():
+        model = build()
+    with pytest.raises(KeyboardInterrupt):
+        model.fit(**fit, callbacks=[ResetAt5(), keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=1), InterruptAt6()])
+    with strategy.scope():
+        resumed = build()
+    got = resumed.fit(**fit, callbacks=[ResetAt5(), keras.callbacks.BackupAndRestore(str(tmp_path), save_freq=1)]).history
+    assert sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=1e-6, err_msg=name)

@@ -28,7 +28,9 @@ before each); arguments lockstep does not take are refused before Keras touches 
 from __future__ import annotations
 
 import collections.abc
+import contextlib
 import math
+from collections.abc import Iterator
 from typing import Any
 
 import jax
@@ -45,7 +47,7 @@ from ._trainer import Trainer
 
 _ORIGINAL: dict[str, Any] = {}
 _HELD = "_lockstep_trainer"  # the model's attribute holding (key, Trainer): they live and die together
-_FITTING = "_lockstep_fitting"  # (strategy, trainer) while the model's `fit` runs
+_RUNNING = "_lockstep_running"  # (strategy, trainer) while the model's `fit` or `evaluate` runs
 
 
 def _fingerprint(model: Any) -> tuple[int, ...]:
@@ -154,9 +156,9 @@ def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:
     may predict, as in Keras)."""
     if compiled:
         _compiled(model)
-    running = model.__dict__.get(_FITTING)
-    if running is not None and running[0] is strategy:  # a callback's evaluate / predict during fit: the
-        return running[1]  # trainer that fits (the weights lent to the model are its state's)
+    running = model.__dict__.get(_RUNNING)
+    if running is not None and running[0] is strategy:  # a callback's evaluate / predict during fit or
+        return running[1]  # evaluate: the trainer that runs (the weights lent to the model are its state's)
     key = _key(model, strategy)
     held = model.__dict__.get(_HELD)
     if held is None or held[0] != key:  # a new compile, or weights set from elsewhere: a Trainer that reads them
@@ -164,6 +166,21 @@ def _trainer(model: Any, strategy: Any, compiled: bool = True) -> Trainer:
         held[1].log_skipped_steps = False  # Keras' logs hold no such entry
         object.__setattr__(model, _HELD, held)  # past Keras' attribute tracking
     return held[1]
+
+
+@contextlib.contextmanager
+def _running(model: Any, strategy: Any, trainer: Trainer) -> Iterator[None]:
+    """`trainer` is the model's running one while its `fit` or `evaluate` runs: a callback's
+    `evaluate` or `predict` runs on it (and the loop it is called in goes on from its metrics)."""
+    outer = model.__dict__.get(_RUNNING)
+    object.__setattr__(model, _RUNNING, (strategy, trainer))  # past Keras' attribute tracking
+    try:
+        yield
+    finally:
+        if outer is None:
+            model.__dict__.pop(_RUNNING, None)
+        else:
+            object.__setattr__(model, _RUNNING, outer)
 
 
 def _key(model: Any, strategy: Any) -> tuple[Any, ...]:
@@ -208,18 +225,17 @@ def _fit(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, epochs
     validation_data = _validated_as_keras(self, validation_data)
     callbacks = [*(callbacks or []), _KerasModelHistory(self)]
     epochs, steps_per_epoch, validation_steps = _limited(epochs, steps_per_epoch, validation_steps)
-    object.__setattr__(self, _FITTING, (strategy, trainer))
     try:
-        self.history = trainer.fit(
-            x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
-            validation_split=validation_split, validation_data=validation_data, shuffle=shuffle, seed=None,
-            class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
-            steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
-            validation_batch_size=validation_batch_size, validation_freq=validation_freq)
+        with _running(self, strategy, trainer):
+            self.history = trainer.fit(
+                x, y, batch_size=batch_size, epochs=epochs, verbose=verbose, callbacks=callbacks,
+                validation_split=validation_split, validation_data=validation_data, shuffle=shuffle, seed=None,
+                class_weight=class_weight, sample_weight=sample_weight, initial_epoch=initial_epoch,
+                steps_per_epoch=steps_per_epoch, validation_steps=validation_steps,
+                validation_batch_size=validation_batch_size, validation_freq=validation_freq)
         self.history.set_trainer(self)  # `history.model` is the Keras model, as in Keras
         return self.history  # Keras keeps the last fit's History on the model
     finally:
-        self.__dict__.pop(_FITTING, None)
         self.stop_training = trainer.stop_training  # as Keras leaves it: True after a callback stopped the fit
         _ran(self)
 
@@ -307,8 +323,9 @@ def _evaluate(self: Any, x: Any = None, y: Any = None, batch_size: Any = None, v
         x = _as_keras_starts(self, x, y, sample_weight, batch_size, False)
         x = _built_as_keras(self, strategy, x, y, batch_size)
         trainer = _trainer(self, strategy)
-        logs = trainer.evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight, verbose=verbose,
-                                callbacks=callbacks, return_dict=True, steps=steps)
+        with _running(self, strategy, trainer):
+            logs = trainer.evaluate(x, y, batch_size=batch_size, sample_weight=sample_weight, verbose=verbose,
+                                    callbacks=callbacks, return_dict=True, steps=steps)
     finally:
         _ran(self)
     return _in_order(logs, return_dict)  # Keras' order: the loss, then the metrics

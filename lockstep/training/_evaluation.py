@@ -64,7 +64,9 @@ def _loop_params(verbose: int | str, data: Any, steps: int | None = None) -> dic
 
 class TrainerEvaluation:
     """Mixed into `Trainer` (it reads `_runner`, `_state`, `_engine`, `_all`, `_labels`, `strategy`,
-    `steps_per_execution`, `callback_adapter`, and builds the model on the first batch with `_build_on`)."""
+    `steps_per_execution`, `callback_adapter`, `stop_training`, makes metric states with `_fresh_state`
+    and builds the model on the first batch with `_build_on`). It also keeps the running loss and
+    metrics of fit's epochs: what a callback reads of them, and resets."""
 
     _runner: Any
     _adapter: Any
@@ -83,11 +85,11 @@ class TrainerEvaluation:
     sync_model: Any
     last_logs: dict[str, Any] | None
     _loop_logs: LazyLogs | None = None  # in a loop (an epoch, an evaluation): its logs as of its last batch
-    _metrics_written: Any = None  # the logs whose states the Keras metric objects were given, or "reset
-    # due" / "reset" before the loop's first batch (`keras_metrics_current`)
-    _looping = False  # an epoch or an evaluation in progress
-    _reset_due = False  # a callback reset the metrics in the loop (`reset_metrics`): its next step starts afresh
-    _resets = 0  # the steps that started afresh since the workers last agreed (`_agreed_in_loop`)
+    _metrics_written: Any = None  # the logs whose states the Keras metric objects were given; "reset due"
+    # (before the loop's first batch); "held": the objects hold the loop's state (`keras_metrics_current`)
+    _looping: str | None = None  # the loop in progress: "fit" (an epoch) or "evaluate"
+    _next_state: Any = None  # the metric state the loop goes on from at its next step (`_go_on_from`)
+    _resets = 0  # the steps that went on from another state since the workers last agreed (`_agreed_in_loop`)
     _build_on: Any
     _fresh_state: Any
 
@@ -104,15 +106,24 @@ class TrainerEvaluation:
         """The logs of a loop that ended on the per-replica metric `state`; the Keras metric objects
         (those given, and the model's own: `adapter.metric_objects`) are given their states, as Keras'
         loops leave them."""
-        logs, states = ended_logs(self._engine, self._all, self._unless_reset(state))
+        logs, states = ended_logs(self._engine, self._all, state)
         self._loop_ends()
         self._write_metric_objects(states)
         return logs
 
-    def _loop_ends(self) -> None:
-        self._loop_logs = self._metrics_written = None
-        self._looping = self._reset_due = False
-        self._resets = 0
+    def _loop_ends(self, outer: tuple[Any, ...] | None = None, evaluated: Any = None) -> None:
+        """A loop ended (or was cut short): nothing runs, or the `outer` loop again (`_outer_loop`:
+        a callback's `evaluate` in a loop), going on from the per-replica metric state `evaluated`
+        (the evaluation's, where it ended), as Keras' loop goes on from the metric objects the
+        evaluation left."""
+        self._looping, self._next_state, self._resets, self._loop_logs = outer or (None, None, 0, None)
+        self._metrics_written = "reset due" if outer and self._loop_logs is None else None
+        if outer and evaluated is not None:
+            self._go_on_from(evaluated)
+
+    def _outer_loop(self) -> tuple[Any, ...] | None:
+        """The running state of the loop in progress, where an evaluation begins inside it."""
+        return (self._looping, self._next_state, self._resets, self._loop_logs) if self._looping else None
 
     def reset_metrics(self) -> None:
         """Keras' `reset_metrics`: the loss and metrics read reset (`metrics_result`), and in a loop
@@ -123,20 +134,21 @@ class TrainerEvaluation:
         for _, target in self._keras_metric_objects().values():  # (no collective: one worker may ask alone)
             reset_keras(target)
         if self._looping:
-            self._loop_logs, self._metrics_written, self._reset_due = None, "reset", True
+            self._go_on_from(self._fresh_state())
 
-    def _unless_reset(self, state: Any) -> Any:
-        """The loop's per-replica metric `state`, or a fresh one where a callback reset the
-        metrics since its last step."""
-        if not self._reset_due:
+    def _go_on_from(self, state: Any) -> None:
+        """The loop in progress goes on from the per-replica metric `state`, which the Keras metric
+        objects hold, at its next step (fit's epoch at once: a backup taken in this hook holds it)."""
+        self._loop_logs, self._metrics_written, self._next_state = None, "held", state
+        if self._looping == "fit":
+            self._state = self._state.replace(metric_state=self._continued(None))
+
+    def _continued(self, state: Any) -> Any:
+        """The loop's per-replica metric `state`, or the one it goes on from (`_go_on_from`)."""
+        if self._next_state is None:
             return state
-        self._reset_due, self._resets = False, self._resets + 1
-        return self._fresh_state()
-
-    def _reset_taken(self, train_state: Any) -> Any:
-        """`train_state` (a `TrainState`), its metric state fresh where a callback reset the metrics
-        since the last step."""
-        return train_state.replace(metric_state=self._unless_reset(None)) if self._reset_due else train_state
+        state, self._next_state, self._resets = self._next_state, None, self._resets + 1
+        return state
 
     def _stops_after_call(self, cblist: CallbackList) -> bool:
         """Whether fit stops after a call of its steps: where a callback that may stop mid-epoch
@@ -152,7 +164,7 @@ class TrainerEvaluation:
         Raises:
           WorkersDisagreeError: on every worker, where some reset the metrics and others did not.
         """
-        rows, self._resets = allgather_ints([int(bool(flag)), self._resets, int(self._reset_due)]), 0
+        rows, self._resets = allgather_ints([int(bool(flag)), self._resets, int(self._next_state is not None)]), 0
         if len({tuple(row) for row in rows[:, 1:].tolist()}) > 1:
             raise WorkersDisagreeError(
                 "a callback called `reset_metrics()` on some workers and not on others in the same call of steps "
@@ -178,7 +190,7 @@ class TrainerEvaluation:
             if name in objects:
                 write_to_keras(objects[name][0], metric_state, objects[name][1])
 
-    def _loop_begins(self, state: Any = None) -> None:
+    def _loop_begins(self, state: Any = None, training: bool = False) -> None:
         """An epoch or an evaluation begins: its Keras metric objects are to be reset, as Keras'
         loops reset them (before `on_epoch_begin`, after `on_test_begin`), or to hold the per-replica
         metric `state` (an epoch resumed midway: reduced at once, on every worker), and then the
@@ -186,7 +198,7 @@ class TrainerEvaluation:
         (`keras_metrics_current`), else they keep the last loop's states until this one's end."""
         self.last_logs, self._metrics_written = None, "reset due" if state is None else None
         self._loop_logs = None if state is None else LazyLogs(self._engine, self._all, state)
-        self._looping, self._reset_due, self._resets = True, False, 0
+        self._looping, self._next_state, self._resets = "fit" if training else "evaluate", None, 0
 
     def _batch_logs(self, state: Any, read: bool) -> LazyLogs:
         """The logs of a loop's batch, of its per-replica metric `state` (`LazyLogs`: with several
@@ -206,14 +218,15 @@ class TrainerEvaluation:
         elif logs is None and self._metrics_written == "reset due":  # a loop before its first batch
             for _, target in self._keras_metric_objects().values():
                 reset_keras(target)
-            self._metrics_written = "reset"
+            self._metrics_written = "held"
 
     def metrics_result(self) -> dict[str, Any] | None:
         """Keras' `get_metrics_result` in a loop in progress: its loss and metrics as of its last
-        batch (before it, those of its metric objects, reset); None outside a loop."""
+        batch (before it, or after a callback reset them, those of its metric objects); None
+        outside a loop."""
         if self._loop_logs is not None:
             return self._loop_logs.in_order()
-        if self._metrics_written not in ("reset due", "reset"):
+        if self._metrics_written not in ("reset due", "held"):
             return None
         self.keras_metrics_current()
         return {name: np.asarray(target.result()).tolist() for name, (_, target) in self._keras_metric_objects().items()}
@@ -239,7 +252,8 @@ class TrainerEvaluation:
             self.sync_model()
 
     def _evaluate_batches(self, data: DataAdapter, cblist: CallbackList, y: Any = None,
-                          arg: str = "validation_data", steps: int | None = None) -> dict[str, Any]:
+                          arg: str = "validation_data", steps: int | None = None) -> tuple[dict[str, Any], Any]:
+        """An evaluation's loop: its logs, and the per-replica metric state it ended on."""
         data = checked(data, self._labels, y, arg, inputs=self._build_on(data, "x" if arg in ("x", "y") else arg, y, arg))
         state = self._fresh_state()
         self.stop_evaluating = False
@@ -247,16 +261,17 @@ class TrainerEvaluation:
         self._loop_begins()  # (after the hook, as Keras' evaluate resets its metrics)
         for step, group in self._calls(data, steps):
             cblist.on_test_batch_begin(step)
-            state = self._unless_reset(state)
+            state = self._continued(state)
             for batch in group:
                 state, params = self._runner.evaluate(self._state.params, state, batch)
                 self._keep_inference_state(params)
             cblist.on_test_batch_end(step + len(group) - 1, self._batch_logs(state, cblist.reads["on_test_batch_end"]))
             if cblist.in_batches["testing"] and self._agreed_in_loop(self.stop_evaluating):
                 break
+        state = self._continued(state)
         logs = self.last_logs = self._ended(state)
         cblist.on_test_end(dict(sorted(logs.items())))
-        return logs
+        return logs, state
 
     def evaluate(self, x: Any = None, y: Any = None, batch_size: int | None = None, sample_weight: Any = None,
                  verbose: int | str = 0, callbacks: Iterable[Callback] | None = None, return_dict: bool = True,
@@ -270,10 +285,11 @@ class TrainerEvaluation:
         data = to_batches(self.strategy, x, y, sample_weight, batch_size, False, 0)
         note_weighted_metrics(sample_weight, self._metrics)
         cblist = CallbackList(map(self.callback_adapter, callbacks or []), self, _loop_params(verbose, data, checked_steps(steps)))
+        outer, evaluated = self._outer_loop(), None  # (a callback's `self.model.evaluate()` in a loop)
         try:
-            logs = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x", checked_steps(steps))
+            logs, evaluated = self._evaluate_batches(data, cblist, y, "y" if y is not None else "x", checked_steps(steps))
         finally:
-            self._loop_ends()  # (an evaluation cut short: its last batch's state may be gone)
+            self._loop_ends(outer, evaluated)  # (cut short: its last batch's state may be gone)
         self._sync_inference_state()
         if verbose and is_chief():
             print(format_logs(logs))

@@ -410,13 +410,12 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
                    ) -> dict[str, Any]:
         """One epoch (from step `self._state.step` on, after a resume); returns the epoch's logs."""
         skip = self._state.step
-        self._loop_begins(self._state.metric_state if skip else None)
+        self._loop_begins(self._state.metric_state if skip else None, training=True)
         cblist.on_epoch_begin(epoch)
         if not skip:
             self._state = self._state.replace(metric_state=self._fresh_state())
         for step, execution in executions(train.epoch(epoch, skip), self._accumulation, self.steps_per_execution, skip):
             cblist.on_train_batch_begin(step)
-            self._state = self._reset_taken(self._state)  # (a callback's `reset_metrics`: from this step on)
             self._state = self._runner.run(self._state, execution, keep=functools.partial(setattr, self, "_state"))
             self.keep_lent_current()
             logs = self._batch_logs(self._state.metric_state, cblist.reads["on_train_batch_end"])
@@ -431,7 +430,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         if (skipped := skipped_steps(self._state.opt_state)) is not None and self.log_skipped_steps:
             logs["skipped_steps"] = skipped  # mixed_float16: steps skipped for non-finite gradients so far
         if val is not None and val.due(epoch):
-            logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val.batches, cblist, steps=val.steps).items()})
+            logs.update({f"val_{k}": v for k, v in self._evaluate_batches(val.batches, cblist, steps=val.steps)[0].items()})
         cblist.on_epoch_end(epoch, logs := dict(sorted(logs.items())))  # Keras' callbacks get the names sorted
         self.stop_training = agreed(self.stop_training)
         return logs
