@@ -118,6 +118,20 @@ def test_a_runtime_call_cut_off_by_a_peer_leaving_is_not_named_as_the_cause(tmp_
     assert "rank 1 lost; rank 0 exited with code 75" in summary, summary
 
 
+def test_an_error_raised_as_a_failed_collective_unwinds_still_ends_the_worker_as_having_lost_a_peer():
+    """Seen in a stress run: SIGTERM reached worker 1 in a step; worker 0's step failed in gloo, and
+    fit's cleanup then read the step's donated arrays ("Array has been deleted"), which hid the gloo
+    error: worker 0 exited with 1 and the launcher named it, not worker 1's signal. The worker's
+    excepthook now reads the errors the last one was raised while handling."""
+    code = ("import sys\nfrom lockstep.cluster._multi_worker import _exit_at_once\n"
+            "sys.excepthook = _exit_at_once(sys.excepthook)\n"
+            "try:\n    raise RuntimeError('UNKNOWN: Gloo all-reduce failed: Connection reset by peer')\n"
+            "finally:\n    raise RuntimeError('Array has been deleted with shape=float32[4,1].')\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == LOST_WORKER_EXIT_CODE, proc.stderr[-2000:]
+    assert "a collective failed because a peer worker left (RuntimeError)" in proc.stderr
+
+
 _ES_CACHE = {}
 
 

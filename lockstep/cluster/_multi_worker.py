@@ -173,7 +173,7 @@ def _exit_at_once(previous: Any) -> Any:
     of noise, while a peer's collective times out and the launcher blames that peer)."""
     def hook(kind: Any, value: Any, tb: Any) -> None:
         previous(kind, value, tb)
-        text = str(value)
+        text = "\n".join(map(str, _chain(value)))  # (a cleanup's error may hide the collective's that caused it)
         code = 1
         if "Gloo context initialization failed" in text:
             print(f"lockstep: worker {jax.process_index()}: the collectives could not connect to a peer worker "
@@ -188,6 +188,26 @@ def _exit_at_once(previous: Any) -> Any:
         sys.stderr.flush()
         os._exit(code)
     return hook
+
+
+def _chain(error: BaseException) -> list[BaseException]:
+    """`error` and those it was raised from or while handling (`__cause__`, `__context__`), in turn:
+    a worker whose step failed as a peer left may then fail to read the step's donated arrays.
+
+    >>> try:
+    ...     try:
+    ...         raise OSError("Gloo all-reduce failed")
+    ...     finally:
+    ...         raise RuntimeError("Array has been deleted")
+    ... except RuntimeError as e:
+    ...     [str(x) for x in _chain(e)]
+    ['Array has been deleted', 'Gloo all-reduce failed']
+    """
+    out: list[BaseException] = []
+    while error is not None and all(error is not seen for seen in out):
+        out.append(error)
+        error = error.__cause__ or error.__context__
+    return out
 
 
 _INITIALIZED: list[ClusterResolver] = []
