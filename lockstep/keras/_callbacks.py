@@ -24,7 +24,6 @@ from .._errors import UsageError
 from .._keras_kind import defined_in_keras
 from ..callbacks import HOOKS, BackupAndRestore, Callback, TrainerView, is_chief
 from ..engine import spread
-from ..metrics import reset_keras
 
 #: set on a Keras callback object that took its model's metric objects (`_ModelView.metrics`)
 READS_METRICS = "_lockstep_reads_metrics"
@@ -194,8 +193,6 @@ class _ModelView:
     def reset_metrics(self) -> None:
         """Keras' `reset_metrics`: the metric objects reset, and in a loop its loss and metrics
         start again from its next step, as in Keras' loops."""
-        for metric in getattr(self._trainer.model, "metrics", []):  # without Keras' broadcast from worker 0
-            reset_keras(metric)
         self._trainer.reset_metrics()
 
     def get_weights(self) -> Any:

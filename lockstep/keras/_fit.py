@@ -40,7 +40,6 @@ from ..callbacks import Callback
 from ..data import DataAdapter, PyDatasetBatches, adapt
 from ..distribute import remember_scope, strategy_of_model
 from ..engine import host_value, spread
-from ..metrics import reset_keras
 from ..training import Validation, class_weighted, is_arrays, to_batches
 from ._model_files import whole_on_host, writing
 from ._trainer import Trainer
@@ -395,9 +394,7 @@ def _reset_metrics(self: Any) -> None:
     held = self.__dict__.get(_HELD)
     if held is None:
         return _ORIGINAL["reset_metrics"](self)
-    for metric in self.metrics:  # Keras' reset without its broadcast from worker 0 (one worker may call it alone)
-        reset_keras(metric)
-    held[1].reset_metrics()
+    held[1].reset_metrics()  # (its objects and the model's, without Keras' broadcast from worker 0)
 
 
 def _in_order(logs: dict[str, Any], return_dict: bool) -> Any:

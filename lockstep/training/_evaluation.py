@@ -82,6 +82,7 @@ class TrainerEvaluation:
     stop_evaluating: bool
     stop_predicting: bool
     _inference_changed = False
+    model: Any
     sync_model: Any
     last_logs: dict[str, Any] | None
     _loop_logs: LazyLogs | None = None  # in a loop (an epoch, an evaluation): its logs as of its last batch
@@ -131,8 +132,9 @@ class TrainerEvaluation:
         (with several workers, where every worker's callbacks reset them alike: checked after the
         call of steps, `_agreed_in_loop`)."""
         self.last_logs = None
-        for _, target in self._keras_metric_objects().values():  # (no collective: one worker may ask alone)
-            reset_keras(target)
+        objects = [target for _, target in self._keras_metric_objects().values()]
+        for target in [*objects, *getattr(self.model, "metrics", [])]:  # (a Keras model's own too)
+            reset_keras(target)  # without Keras' broadcast from worker 0: one worker may ask alone
         if self._looping:
             self._go_on_from(self._fresh_state())
 
