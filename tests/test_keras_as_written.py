@@ -347,6 +347,31 @@ class ChiefReadsMetrics(keras.callbacks.Callback):
     on_train_batch_begin = on_test_batch_begin = on_epoch_begin
 
 
+class ChangesMetricObjects(keras.callbacks.Callback):
+    """Every worker's hooks change the model's metric objects as Keras code may (windows of them):
+    the compiled metrics (a user's RMSE, counts, a running maximum and `LowestError`'s minimum)
+    reset after every third call, the loss tracker given 1.0 more as every fourth batch begins,
+    every object reset after an evaluation's second batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.ends = 0
+
+    def on_train_batch_end(self, batch, logs=None):
+        self.ends += 1
+        if self.ends % 3 == 0:
+            self.model.metrics[-1].reset_state()
+
+    def on_train_batch_begin(self, batch, logs=None):
+        if batch % 4 == 3:
+            self.model.metrics[0].update_state(1.0)
+
+    def on_test_batch_end(self, batch, logs=None):
+        if batch == 1:
+            for metric in self.model.metrics:
+                metric.reset_state()
+
+
 @pytest.mark.filterwarnings("ignore:Your input ran out of data")  # Keras' own, at a generator's end
 @pytest.mark.xdist_group("processes")  # a 2-worker launch (about 16 s)
 def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_fit(tmp_path):
@@ -366,6 +391,12 @@ def test_on_two_workers_custom_metrics_and_the_optimizer_state_equal_keras_own_f
     chief = [got["reads"] for got in results if got["reads"]]  # (the workers' lines in either order)
     assert len(reads.read) == 30 and len(chief) == 1 and np.isinf(reads.read[0]).any()
     np.testing.assert_allclose(chief[0], reads.read, rtol=2e-5, atol=1e-6)
+    windows = regressor([RMSE(), *counting_metrics()], weighted_metrics=[WeightedMAE()]).fit(
+        X[:194], Y_VALUE[:194], batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[ChangesMetricObjects()],
+        sample_weight=WEIGHTS[:194], validation_data=(X[194:], Y_VALUE[194:])).history
+    assert windows["count"] != [194, 194]  # Keras' logs show the windows
+    for got in results:
+        assert_logs_close(got["windows"], windows)
     want_eval = keras_model.evaluate(X[:194], Y_VALUE[:194], batch_size=16, verbose=0, return_dict=True)
     want_stopped = keras_model.evaluate(X[:194], Y_VALUE[:194], batch_size=16, verbose=0, return_dict=True,
                                         callbacks=[StopAfter(2)])

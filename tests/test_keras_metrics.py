@@ -465,6 +465,105 @@ def test_a_callback_resetting_the_metrics_in_a_loop_restarts_them_as_keras_does(
     assert [w for w, _ in got[1]] == [w for w, _ in want[1]]
 
 
+@pytest.mark.parametrize("rows,batch_size,replicas,steps_per_execution",
+                         variants([(61, 8, 8, 1), (61, 8, 3, 2), (7, 2, 8, 1), (1, 1, 8, 1)],
+                                  {(61, 8, 3, 2), (7, 2, 8, 1)}))
+def test_a_callback_changing_a_metric_object_in_a_loop_changes_the_loop_as_keras_does(
+        rows, batch_size, replicas, steps_per_execution):
+    """A Keras callback's change of one metric object in a loop: Keras' JAX loops reread the objects
+    after a hook that read the model (`self.model`), and ignore what a hook that did not changed (the
+    state sync overwrites it), as they ignore a change made before the hook's first read. lockstep
+    ignored every change (the epoch's accuracy over every batch where Keras gave 0). Call by call of
+    the epoch: the compiled metric reset (taken from ``self.model.metrics``), a kept reference reset
+    without reading the model, reset and then the model read, the model read and then reset; the
+    loss tracker updated with 5.0 as a call begins; in an evaluation, every object reset and the
+    loss tracker updated. 61 rows in batches of 8, 7 in batches of 2 and one row, on 8 replicas:
+    replicas without rows."""
+    from keras_reference import in_keras_and_lockstep
+
+    rng = np.random.default_rng(7)
+    x = rng.normal(size=(rows, 5)).astype(np.float32)
+    y = (x[:, 0] + 0.3 * rng.normal(size=rows) > 0).astype(np.int32)
+    kept = {}
+
+    def build():
+        keras.utils.set_random_seed(1)
+        kept["acc"] = keras.metrics.SparseCategoricalAccuracy(name="acc")
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[kept["acc"]],
+                      steps_per_execution=steps_per_execution)
+        return model
+
+    class Changes(keras.callbacks.Callback):
+        def __init__(self, acc):
+            super().__init__()
+            self.acc, self.ends, self.begins, self.tests, self.read = acc, 0, 0, 0, []
+
+        def on_train_batch_end(self, batch, logs=None):
+            self.read.append(("end", dict(logs)))
+            self.ends += 1
+            if self.ends % 5 == 1:
+                self.model.metrics[-1].reset_state()  # the compiled metrics (their container)
+            elif self.ends % 5 == 2:
+                self.acc.reset_state()  # the model not read: ignored
+            elif self.ends % 5 == 3:
+                self.acc.reset_state()
+                self.model.stop_training = False  # read after: the change overwritten
+            elif self.ends % 5 == 4:
+                self.model.stop_training = False
+                self.acc.reset_state()  # read before: taken
+            self.read.append(("result", self.model.get_metrics_result()))
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.begins += 1
+            if self.begins % 3 == 2:
+                self.model.metrics[0].update_state(5.0)  # the loss tracker
+
+        def on_test_batch_end(self, batch, logs=None):
+            self.read.append(("test end", dict(logs)))
+            self.tests += 1
+            if self.tests % 3 == 1:
+                for metric in self.model.metrics:
+                    metric.reset_state()
+            elif self.tests % 3 == 2:
+                self.model.metrics[0].update_state(2.0)
+
+    def run(model):
+        changes = Changes(kept["acc"])
+        history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0, callbacks=[changes],
+                            validation_data=(x[:40], y[:40]))
+        evaluated = model.evaluate(x, y, batch_size=batch_size, verbose=0, callbacks=[changes], return_dict=True)
+        return history.history, changes.read, evaluated, model.get_metrics_result()
+
+    (want, _), (got, _) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(replicas))
+    assert any(r["acc"] == 0 for w, r in want[1] if w == "result")  # Keras' own reads show a reset
+    assert [w for w, _ in got[1]] == [w for w, _ in want[1]]
+    for g, k in [(got[0], want[0]), (got[2], want[2]), (got[3], want[3]), *zip([r for _, r in got[1]], [r for _, r in want[1]])]:
+        assert sorted(g) == sorted(k)
+        np.testing.assert_allclose([g[n] for n in sorted(g)], [k[n] for n in sorted(k)], rtol=2e-5, atol=1e-6)
+
+
+def test_a_metric_object_changed_holding_an_earlier_batch_state_is_named():
+    """A callback that updates a metric object it kept, after reading the model but not its metrics
+    (which lockstep gives the running state when a hook reads them): a clear error, not a number
+    Keras would not give."""
+    acc = keras.metrics.SparseCategoricalAccuracy(name="acc")
+    with ls.MirroredStrategy(2).scope():
+        model = keras.Sequential([keras.Input((3,)), keras.layers.Dense(2)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[acc])
+
+    class Updates(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            if batch == 1:
+                self.model.stop_training = False
+                acc.update_state([1], [[0.0, 1.0]])
+
+    x, y = np.ones((8, 3), np.float32), np.ones(8, np.int32)
+    with pytest.raises(ls.UsageError, match=r"the Keras callback Updates changed the metric object\(s\) \['acc'\].*"
+                                            r"Take them from `self.model.metrics`"):
+        model.fit(x, y, batch_size=2, verbose=0, callbacks=[Updates()])
+
+
 def test_a_backup_taken_in_the_hook_that_resets_the_metrics_resumes_to_keras_uninterrupted_logs(tmp_path):
     """`BackupAndRestore` (every batch) backs up after a callback reset the metrics at batch 5's
     end; a fit interrupted after batch 6 and resumed from that backup logs what Keras' own

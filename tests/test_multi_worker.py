@@ -443,7 +443,9 @@ DIFFERS = {"epochs": "the settings of fit: epochs is 2 on worker 0 and 3 on work
            "batches": "the batches of a pass .*: the checksum of batches 2-257 is \\d+ on worker 0 and \\d+ on worker 1",
            "EarlyStopping": "the callbacks that decide .*: EarlyStopping 1 is .*\"restore_best_weights\": false.* on "
                             "worker 0 and .*\"restore_best_weights\": true.* on worker 1",
-           "reset_metrics": "a callback called `reset_metrics\\(\\)` on some workers and not on others .*\\[0, 1\\]"}
+           "reset_metrics": "a callback reset the metrics \\(`reset_metrics\\(\\)`.* on some workers and not on others .*\\[0, 1\\]",
+           "reset_state": "a callback reset the metrics .*a metric object's `reset_state\\(\\)`.* on some workers and not on "
+                          "others .*\\[0, 1\\]"}
 
 
 def test_workers_whose_settings_or_batches_differ_are_named_before_a_step_mixes_them():

@@ -55,6 +55,7 @@ def follow_scopes(keras: Any) -> None:
     global_state.get_global_attribute = get_global_attribute  # Keras reads it through the module
     _values_from_worker_0(keras)
     _laid_out_from_the_host()
+    _metric_values_local()
 
 
 def _keras_data_parallel(keras: Any) -> type:
@@ -145,6 +146,8 @@ def _values_from_worker_0(keras: Any) -> None:
             from ..engine import broadcast_from_chief
 
             value = np.asarray(tensor)
+            if _ON_READ.on:  # a metric's variable: each worker's own, as lockstep writes them (no collective)
+                return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
             making, _MAKING[:] = list(_MAKING), []  # only the value it is made with; later assigns are broadcast
             value = np.asarray(_same_on_every_worker(value, making[0]) if value.ndim == 0 and making
                                else broadcast_from_chief(value))
@@ -160,6 +163,13 @@ class _Agreed(threading.local):
 
 
 _AGREED = _Agreed()
+
+
+class _OnRead(threading.local):
+    on = False  # a metric's variable is being assigned
+
+
+_ON_READ = _OnRead()
 
 
 def _seeded(initializer: Any) -> bool:
@@ -190,6 +200,30 @@ def _with_worker_0s_seed(initializer: Any) -> Any:
     agreed = copy.copy(initializer)
     agreed.seed = int(halves.view(np.int64)[0])
     return agreed
+
+
+def _metric_values_local() -> None:
+    """A metric's variable (Keras makes them ``synchronization="on_read"``, as TF's, which each
+    replica keeps) assigned once made (``metric.reset_state()`` in a callback, which one worker may
+    call alone) keeps each worker's value, as lockstep writes them (`write_to_keras`): no collective
+    (the trainer takes worker 0's where it reads one). Installed once."""
+    if "direct_assign" in _PUT:
+        return
+    try:
+        from keras.src.backend.jax import core
+    except ImportError:  # another Keras layout: Keras' own path stays
+        return
+    _PUT["direct_assign"] = direct_assign = core.JaxVariable._direct_assign
+
+    def _direct_assign(variable: Any, value: Any) -> None:
+        if getattr(variable, "synchronization", None) != "on_read" or getattr(variable, "_value", None) is None:
+            return direct_assign(variable, value)
+        _ON_READ.on = True
+        try:
+            return direct_assign(variable, value)
+        finally:
+            _ON_READ.on = False
+    core.JaxVariable._direct_assign = _direct_assign
 
 
 def _laid_out_from_the_host() -> None:

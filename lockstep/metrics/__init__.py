@@ -19,6 +19,8 @@ from ._fbeta import FBetaScore as FBetaScore
 from ._keras import OWN_UPDATE as OWN_UPDATE
 from ._keras import KerasMetric as KerasMetric
 from ._keras import own_update as own_update
+from ._keras import is_reset as is_reset
+from ._keras import read_from_keras as read_from_keras
 from ._keras import reset_keras as reset_keras
 from ._keras import write_to_keras as write_to_keras
 from ._reduction import Max as Max
@@ -60,6 +62,8 @@ __all__ = [
     "divide_no_nan",
     "get",
     "synced_result",
+    "is_reset",
+    "read_from_keras",
     "reset_keras",
     "write_to_keras",
 ]

@@ -286,6 +286,51 @@ def write_to_keras(metric: Metric, state: State, keras_metric: Any) -> bool:
     return True
 
 
+def read_from_keras(metric: Metric, keras_metric: Any) -> State | None:
+    """The global (reduced) state of `metric` that the variables of `keras_metric` hold: the inverse
+    of `write_to_keras` (None where they do not correspond), on the host.
+
+    >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+    'jax'
+    >>> import keras, lockstep as ls
+    >>> k = keras.metrics.Mean(); k.update_state([1.0, 2.0])
+    >>> {name: float(v) for name, v in read_from_keras(ls.metrics.Mean(), k).items()}
+    {'total': 3.0, 'count': 2.0}
+    """
+    variables = list(keras_metric.variables)
+    if isinstance(metric, KerasMetric) and metric.built and type(keras_metric) is type(metric.keras_metric) and [
+            tuple(v.shape) for v in variables] == [tuple(v.shape) for v in metric.keras_metric.variables]:
+        names = list(metric._names)
+    elif sorted(metric.state_specs) == sorted(v.name for v in variables):
+        names = [v.name for v in variables]
+    else:
+        return None
+    return {name: _host_value(v).astype(metric.state_specs[name].dtype) for name, v in zip(names, variables)}
+
+
+def is_reset(keras_metric: Any) -> bool:
+    """Whether `keras_metric`'s variables hold the values its `reset_state()` gives them.
+
+    >>> import os; os.environ.setdefault("KERAS_BACKEND", "jax")
+    'jax'
+    >>> import keras
+    >>> k = keras.metrics.Mean(); k.update_state([1.0]); before = is_reset(k); k.reset_state()
+    >>> before, is_reset(k)
+    (False, True)
+    """
+    return all(np.array_equal(_host_value(v), np.asarray(value))
+               for v, value in zip(keras_metric.variables, keras_metric.stateless_reset_state()))
+
+
+def _host_value(variable: Any) -> np.ndarray:
+    """A metric variable's value on the host (where it spans workers, this worker's copy of it:
+    metric variables are replicated)."""
+    held = getattr(variable, "_value", None)
+    if isinstance(held, jax.Array) and not held.is_fully_addressable:
+        return np.asarray(held.addressable_data(0))
+    return np.asarray(variable.value)
+
+
 def reset_keras(keras_metric: Any) -> None:
     """``keras_metric.reset_state()``, its values (Keras' `stateless_reset_state`: a user's
     `reset_state` too) placed as `write_to_keras` places them (no collective).

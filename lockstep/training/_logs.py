@@ -26,6 +26,7 @@ class LazyLogs(MutableMapping[str, Any]):
 
     def __init__(self, engine: Any, metrics: MetricCollection, state: Any, read: bool = True):
         self._logs: dict[str, Any] | None = None
+        self.state = state  # the per-replica metric state they are of
         self._reduced = _reduced(engine, metrics, state) if read and jax.process_count() > 1 else None
         self._read = functools.partial(_reduced, engine, metrics, state)
 

@@ -61,7 +61,7 @@ def snapshot(state: TrainState, callbacks: list[Any], stream: DataStream | None,
 _HOST_REDUCE = {"sum": np.sum, "max": np.max, "min": np.min}
 
 
-def _per_replica(engine: Any, metrics: Any, saved: Any) -> Any:
+def per_replica_metric_state(engine: Any, metrics: Any, saved: Any) -> Any:
     """Saved per-replica metric state on this run's replicas: as it was on the same number of
     replicas; else reduced over the saved replicas (each field's declared reduction) into the
     first replica, the others given the empty state."""
@@ -107,7 +107,7 @@ def placed(engine: Any, layout: Any, metrics: Any, current: TrainState, state: T
                              f"where this trainer's has shape {shape}.")
     metric_state = None
     if state.step and state.metric_state is not None:  # mid-epoch: the epoch's running metrics go on
-        metric_state = _per_replica(engine, metrics, state.metric_state)
+        metric_state = per_replica_metric_state(engine, metrics, state.metric_state)
     return state.replace(params=layout.params(state.params), opt_state=layout.opt_state(state.opt_state),
                          metric_state=metric_state, names=current.names)
 

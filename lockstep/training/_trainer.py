@@ -411,9 +411,9 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
         """One epoch (from step `self._state.step` on, after a resume); returns the epoch's logs."""
         skip = self._state.step
         self._loop_begins(self._state.metric_state if skip else None, training=True)
-        cblist.on_epoch_begin(epoch)
-        if not skip:
+        if not skip:  # (before the hook: what a callback changes there is the epoch's start, as in Keras)
             self._state = self._state.replace(metric_state=self._fresh_state())
+        cblist.on_epoch_begin(epoch)
         for step, execution in executions(train.epoch(epoch, skip), self._accumulation, self.steps_per_execution, skip):
             cblist.on_train_batch_begin(step)
             self._state = self._runner.run(self._state, execution, keep=functools.partial(setattr, self, "_state"))

@@ -50,6 +50,14 @@ class ResetsOnWorker1(keras.callbacks.Callback):
             self.model.reset_metrics()
 
 
+class ResetsAMetricOnWorker1(keras.callbacks.Callback):
+    """Resets one metric object after batch 1 on worker 1 alone (taken from the model, as Keras' loops hold it)."""
+
+    def on_train_batch_end(self, batch, logs=None):
+        if odd and batch == 1:
+            self.model.metrics[0].reset_state()
+
+
 cases = {
     "epochs": lambda: model().fit(x, y, batch_size=8, epochs=3 if odd else 2, verbose=0),
     "shuffle": lambda: model().fit(x, y, batch_size=8, shuffle=odd, verbose=0),
@@ -63,6 +71,7 @@ cases = {
     "EarlyStopping": lambda: model().fit(x, y, batch_size=8, epochs=2, verbose=0, validation_data=(x[:8], y[:8]),
                                          callbacks=[keras.callbacks.EarlyStopping(patience=1, restore_best_weights=odd)]),
     "reset_metrics": lambda: model().fit(x, y, batch_size=8, verbose=0, callbacks=[ResetsOnWorker1()]),
+    "reset_state": lambda: model().fit(x, y, batch_size=8, verbose=0, callbacks=[ResetsAMetricOnWorker1()]),
 }
 caught = {}
 for name, case in cases.items():

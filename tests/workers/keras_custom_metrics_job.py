@@ -7,7 +7,7 @@ os.environ["KERAS_BACKEND"] = "jax"
 import lockstep as ls
 strategy = ls.MultiWorkerMirroredStrategy()
 import jax, keras, numpy as np
-from test_keras_as_written import ChiefReadsMetrics, RMSE, WeightedMAE, X, Y_VALUE, WEIGHTS, counting_metrics, regressor
+from test_keras_as_written import ChangesMetricObjects, ChiefReadsMetrics, RMSE, WeightedMAE, X, Y_VALUE, WEIGHTS, counting_metrics, regressor
 with strategy.scope():
     model = regressor([RMSE(), *counting_metrics()], weighted_metrics=[WeightedMAE()], optimizer=keras.optimizers.Adam(0.01))
 n = 194  # the last batch of 2 rows: worker 1's two replicas hold no real row
@@ -15,6 +15,10 @@ reads = ChiefReadsMetrics()  # worker 0 alone reads the metric objects after eac
 history = ls.Trainer(model).fit(X[:n], Y_VALUE[:n], batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[reads],
                                 sample_weight=WEIGHTS[:n], validation_data=(X[n:], Y_VALUE[n:])).history
 evaluated = model.evaluate(X[:n], Y_VALUE[:n], batch_size=16, verbose=0, return_dict=True)
+with strategy.scope():  # the metric objects changed by every worker's hooks, as Keras code may
+    windowed = regressor([RMSE(), *counting_metrics()], weighted_metrics=[WeightedMAE()])
+windows = windowed.fit(X[:n], Y_VALUE[:n], batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[ChangesMetricObjects()],
+                       sample_weight=WEIGHTS[:n], validation_data=(X[n:], Y_VALUE[n:])).history
 
 
 class StopOnWorker0(keras.callbacks.Callback):  # worker 0 alone asks to end evaluate after batch 2
@@ -51,6 +55,6 @@ try:  # worker 1 alone gives fit something that is not a callback: both raise, n
     refused["not a callback"] = None
 except TypeError as e:
     refused["not a callback"] = str(e)
-print("RESULT", json.dumps({"reads": reads.read, "generated": generated, "refused": refused, "history": history, "evaluate": evaluated, "stopped": stopped, "iterations": int(model.optimizer.iterations),
+print("RESULT", json.dumps({"reads": reads.read, "windows": windows, "generated": generated, "refused": refused, "history": history, "evaluate": evaluated, "stopped": stopped, "iterations": int(model.optimizer.iterations),
                             "optimizer": [np.asarray(v).tolist() for v in model.optimizer.variables],
                             "weights": [w.tolist() for w in model.get_weights()]}), flush=True)
