@@ -471,14 +471,16 @@ def test_a_callback_resetting_the_metrics_in_a_loop_restarts_them_as_keras_does(
 def test_a_callback_changing_a_metric_object_in_a_loop_changes_the_loop_as_keras_does(
         rows, batch_size, replicas, steps_per_execution):
     """A Keras callback's change of one metric object in a loop: Keras' JAX loops reread the objects
-    after a hook that read the model (`self.model`), and ignore what a hook that did not changed (the
-    state sync overwrites it), as they ignore a change made before the hook's first read. lockstep
-    ignored every change (the epoch's accuracy over every batch where Keras gave 0). Call by call of
-    the epoch: the compiled metric reset (taken from ``self.model.metrics``), a kept reference reset
-    without reading the model, reset and then the model read, the model read and then reset; the
-    loss tracker updated with 5.0 as a call begins; in an evaluation, every object reset and the
-    loss tracker updated. 61 rows in batches of 8, 7 in batches of 2 and one row, on 8 replicas:
-    replicas without rows."""
+    at a call's steps where a callback read the model (`self.model`: its state sync) since the last
+    steps, or the loop began; what callbacks changed before that read, or with none, is lost (the
+    sync overwrites it). lockstep ignored every change (the epoch's accuracy over every batch where
+    Keras gave 0). Call by call of the epoch: the compiled metric reset (taken from
+    ``self.model.metrics``), a kept reference reset without reading the model, reset and then the
+    model read, the model read and then reset, reset after another callback read the model, reset
+    with no read before another callback's change; as a call begins, the loss tracker updated with
+    5.0, the kept metric updated without a read as the epoch begins and at its first call; in an
+    evaluation, every object reset and the loss tracker updated. 61 rows in batches of 8, 7 in
+    batches of 2 and one row, on 8 replicas: replicas without rows."""
     from keras_reference import in_keras_and_lockstep
 
     rng = np.random.default_rng(7)
@@ -499,9 +501,17 @@ def test_a_callback_changing_a_metric_object_in_a_loop_changes_the_loop_as_keras
             super().__init__()
             self.acc, self.ends, self.begins, self.tests, self.read = acc, 0, 0, 0, []
 
+        def on_epoch_begin(self, epoch, logs=None):
+            self.begins = 0
+            self.acc.update_state([1], [[0.0, 1.0]])  # (the loop begins synced: taken)
+
         def on_train_batch_end(self, batch, logs=None):
             self.read.append(("end", dict(logs)))
             self.ends += 1
+            if self.ends % 7 == 6:
+                self.acc.reset_state()  # lost: the next callback's read syncs after it
+            if self.ends % 7 in (5, 6):
+                return
             if self.ends % 5 == 1:
                 self.model.metrics[-1].reset_state()  # the compiled metrics (their container)
             elif self.ends % 5 == 2:
@@ -516,8 +526,12 @@ def test_a_callback_changing_a_metric_object_in_a_loop_changes_the_loop_as_keras
 
         def on_train_batch_begin(self, batch, logs=None):
             self.begins += 1
+            if self.ends % 7 == 5:
+                self.acc.reset_state()  # no read here, but the next callback's since the steps: taken
             if self.begins % 3 == 2:
                 self.model.metrics[0].update_state(5.0)  # the loss tracker
+            elif self.begins == 1:
+                self.acc.update_state([0], [[0.0, 1.0]])  # the epoch's first call: synced, taken
 
         def on_test_batch_end(self, batch, logs=None):
             self.read.append(("test end", dict(logs)))
@@ -528,9 +542,19 @@ def test_a_callback_changing_a_metric_object_in_a_loop_changes_the_loop_as_keras
             elif self.tests % 3 == 2:
                 self.model.metrics[0].update_state(2.0)
 
+    class Reads(keras.callbacks.Callback):  # another callback, after: reads the model, then updates the metric
+        def __init__(self, changes):
+            super().__init__()
+            self.changes = changes
+
+        def on_train_batch_end(self, batch, logs=None):
+            if self.changes.ends % 7 in (5, 6):
+                self.model.metrics[-1].metrics[0].update_state([1], [[0.0, 1.0]])
+
     def run(model):
         changes = Changes(kept["acc"])
-        history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0, callbacks=[changes],
+        history = model.fit(x, y, batch_size=batch_size, epochs=2, shuffle=False, verbose=0,
+                            callbacks=[changes, Reads(changes)],
                             validation_data=(x[:40], y[:40]))
         evaluated = model.evaluate(x, y, batch_size=batch_size, verbose=0, callbacks=[changes], return_dict=True)
         return history.history, changes.read, evaluated, model.get_metrics_result()
@@ -559,8 +583,8 @@ def test_a_metric_object_changed_holding_an_earlier_batch_state_is_named():
                 acc.update_state([1], [[0.0, 1.0]])
 
     x, y = np.ones((8, 3), np.float32), np.ones(8, np.int32)
-    with pytest.raises(ls.UsageError, match=r"the Keras callback Updates changed the metric object\(s\) \['acc'\].*"
-                                            r"Take them from `self.model.metrics`"):
+    with pytest.raises(ls.UsageError, match=r"a callback changed the metric object\(s\) \['acc'\] other than by "
+                                            r"reset_state\(\) .*Take them from `self.model.metrics`"):
         model.fit(x, y, batch_size=2, verbose=0, callbacks=[Updates()])
 
 

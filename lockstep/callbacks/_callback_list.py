@@ -53,6 +53,8 @@ class CallbackList:
         agree_on("the callbacks that decide (stop, restore the best weights, set the learning rate)",
                  lambda: decision_settings(given))
         self.callbacks = list(callbacks)
+        #: whether a user's callback runs, which may change the Keras metric objects (`RunningMetrics`)
+        self.watches = any(reads_metrics(cb) for cb in self.callbacks)
         # those that back up the training state last, so the backup holds what the others did at that step
         self.callbacks.sort(key=lambda cb: bool(getattr(cb, "runs_last", False)))
         self.seconds: dict[int, float] = {}  # each callback's time in the training hooks (`TIMED`), by id

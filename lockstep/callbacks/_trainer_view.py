@@ -45,12 +45,9 @@ class TrainerView(Protocol):
         assigned to them is taken into the training state."""
     def keras_metrics_current(self) -> None:
         """The Keras metric objects given the states of the loop in progress as of its last batch."""
-    def keras_metrics_taken(self, model_read: Any, who: str) -> Any:
-        """A context (a user's Keras callback's hook, `who`) after which what the hook assigned to
-        the Keras metric objects, where it read the model (`model_read()`), is the loop's."""
     def keras_metrics_synced(self) -> None:
-        """In such a context, the hook read the model first: what it assigned to the metric objects
-        before is undone, as Keras' state sync overwrites it."""
+        """A callback read the model (Keras' state sync): what callbacks assign to the Keras metric
+        objects from then on is what the loop goes on from."""
     def metrics_result(self) -> dict[str, Any] | None:
         """Keras' `get_metrics_result` in a loop in progress; None outside a loop."""
     def reset_metrics(self) -> None:

@@ -27,8 +27,6 @@ from ..engine import spread
 
 #: set on a Keras callback object that took its model's metric objects (`_ModelView.metrics`)
 READS_METRICS = "_lockstep_reads_metrics"
-#: set on a Keras callback object whose hook read its model (`self.model`: Keras' state sync)
-_MODEL_READ = "_lockstep_model_read"
 _STOPS = ("stop_training", "stop_evaluating", "stop_predicting")  # the trainer's: Keras' fit, evaluate, predict
 _WRITERS = ("CSVLogger", "TensorBoard", "ProgbarLogger", "RemoteMonitor")
 #: Keras' own callbacks that never set `model.stop_training` in a batch's hooks (EarlyStopping: at an epoch's end)
@@ -222,10 +220,8 @@ class _ModelView:
 
     def jax_state_sync(self) -> None:
         """Keras' `Callback.model` calls it on every access: the weights are read only when asked for;
-        what the hook then assigns to the metric objects is the loop's (`keras_metrics_taken`)."""
-        if self._owner is not None and not self._owner.__dict__.get(_MODEL_READ):
-            self._owner.__dict__[_MODEL_READ] = True
-            self._trainer.keras_metrics_synced()  # (the hook's changes before it: overwritten, as by Keras' sync)
+        what callbacks assign to the metric objects from then on is the loop's (Keras' state sync)."""
+        self._trainer.keras_metrics_synced()
 
     def __getattr__(self, name: str) -> Any:
         if name in _STOPS:
@@ -331,15 +327,10 @@ class KerasCallback(Callback):
 
     def _with_variables(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
         """A user's hook, which reads and assigns the Keras model's variables as in Keras' `fit`:
-        they hold the current weights, and what it assigns is the next step's; and the metric
-        objects, as Keras' loops hold them (what a hook that reads the model assigns to them is
-        the loop's)."""
-        callback = self.keras_callback
-        if callback.__dict__.get(READS_METRICS):
+        they hold the current weights, and what it assigns is the next step's."""
+        if self.keras_callback.__dict__.get(READS_METRICS):
             self.trainer.keras_metrics_current()
-        callback.__dict__[_MODEL_READ] = False
-        with self.trainer.keras_variables_current(), self.trainer.keras_metrics_taken(
-                lambda: callback.__dict__[_MODEL_READ], type(callback).__name__):
+        with self.trainer.keras_variables_current():
             return hook(*args, **kwargs)
 
     def set_trainer(self, trainer: TrainerView) -> None:

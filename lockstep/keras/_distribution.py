@@ -97,7 +97,8 @@ def _values_from_worker_0(keras: Any) -> None:
     below) when its initialiser is one of Keras' own with an integer seed or none; across workers
     only when the strategy's layouts agree on every worker (`layouts_agreed`, checked when it was
     made), with worker 0's seed given to every worker: the values worker 0 would make. Otherwise it
-    is made whole and worker 0's value laid out. Installed once."""
+    is made whole and worker 0's value laid out. (A metric's variable assigned once made keeps each
+    worker's value: `_metric_values_local`.) Installed once."""
     if "distribute_tensor" in _PUT:
         return
     try:
@@ -149,6 +150,7 @@ def _values_from_worker_0(keras: Any) -> None:
             if _ON_READ.on:  # a metric's variable: each worker's own, as lockstep writes them (no collective)
                 return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
             making, _MAKING[:] = list(_MAKING), []  # only the value it is made with; later assigns are broadcast
+            # (but a metric's, `_ON_READ`, above)
             value = np.asarray(_same_on_every_worker(value, making[0]) if value.ndim == 0 and making
                                else broadcast_from_chief(value))
             # the same on every worker now: placed without `jax.device_put`'s comparison across workers (a
@@ -205,8 +207,9 @@ def _with_worker_0s_seed(initializer: Any) -> Any:
 def _metric_values_local() -> None:
     """A metric's variable (Keras makes them ``synchronization="on_read"``, as TF's, which each
     replica keeps) assigned once made (``metric.reset_state()`` in a callback, which one worker may
-    call alone) keeps each worker's value, as lockstep writes them (`write_to_keras`): no collective
-    (the trainer takes worker 0's where it reads one). Installed once."""
+    call alone) keeps each worker's value, as lockstep writes them (`write_to_keras`): no collective.
+    The trainer takes what a callback assigned into the first replica's state (worker 0's); the
+    workers compare which metrics they changed (`RunningMetrics`). Installed once."""
     if "direct_assign" in _PUT:
         return
     try:

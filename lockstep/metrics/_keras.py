@@ -301,7 +301,8 @@ def read_from_keras(metric: Metric, keras_metric: Any) -> State | None:
     if isinstance(metric, KerasMetric) and metric.built and type(keras_metric) is type(metric.keras_metric) and [
             tuple(v.shape) for v in variables] == [tuple(v.shape) for v in metric.keras_metric.variables]:
         names = list(metric._names)
-    elif sorted(metric.state_specs) == sorted(v.name for v in variables):
+    elif sorted(metric.state_specs) == sorted(v.name for v in variables) and all(
+            metric.state_specs[v.name].shape == tuple(v.shape) for v in variables):
         names = [v.name for v in variables]
     else:
         return None

@@ -127,9 +127,10 @@ class TrainerEvaluation(RunningMetrics):
         state = self._fresh_state()
         self.stop_evaluating = False
         cblist.on_test_begin()
-        self._loop_begins()  # (after the hook, as Keras' evaluate resets its metrics)
+        self._loop_begins(watch=cblist.watches)  # (after the hook, as Keras' evaluate resets its metrics)
         for step, group in self._calls(data, steps):
             cblist.on_test_batch_begin(step)
+            self._take_pending()  # (what callbacks changed in the metric objects, as Keras' loops reread them)
             state = self._continued(state)
             for batch in group:
                 state, params = self._runner.evaluate(self._state.params, state, batch)
@@ -137,6 +138,7 @@ class TrainerEvaluation(RunningMetrics):
             cblist.on_test_batch_end(step + len(group) - 1, self._batch_logs(state, cblist.reads["on_test_batch_end"]))
             if cblist.in_batches["testing"] and self._agreed_in_loop(self.stop_evaluating):
                 break
+        self._take_pending()
         state = self._continued(state)
         logs = self.last_logs = self._ended(state)
         cblist.on_test_end(dict(sorted(logs.items())))

@@ -1,13 +1,13 @@
 """`RunningMetrics`: the running loss and metrics of a `Trainer`'s loop in progress (an epoch of
 `fit`, an evaluation) as callbacks see them, as Keras' loops keep them: read (`metrics_result`,
 the Keras metric objects, `keras_metrics_current`), reset (`reset_metrics`) and changed by a user's
-hook (`keras_metrics_taken`), the loop going on from what the callbacks left.
+callback (`keras_metrics_synced`, `_take_pending`), the loop going on from what the callbacks left, as
+Keras' JAX loops go on from their metric objects where a callback synced the model's state.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+import zlib
 from typing import Any
 
 import jax
@@ -53,14 +53,18 @@ class RunningMetrics:
         a callback's `evaluate` in a loop), going on from the per-replica metric state `evaluated`
         (the evaluation's, where it ended), as Keras' loop goes on from the metric objects the
         evaluation left."""
-        self._looping, self._next_state, self._resets, self._loop_logs = outer or (None, None, 0, None)
+        (self._looping, self._next_state, self._resets, self._loop_logs, self._marks, self._synced, self._digest,
+         self._objects) = outer or (None, None, 0, None, None, True, 0, None)
         self._metrics_written = "reset due" if outer and self._loop_logs is None else None
         if outer and evaluated is not None:
             self._go_on_from(evaluated)
+            self._objects_written()  # (they hold the evaluation's state: the loop's now)
+            self._synced = True  # (as Keras' evaluate syncs as it ends)
 
     def _outer_loop(self) -> tuple[Any, ...] | None:
         """The running state of the loop in progress, where an evaluation begins inside it."""
-        return (self._looping, self._next_state, self._resets, self._loop_logs) if self._looping else None
+        return (self._looping, self._next_state, self._resets, self._loop_logs, self._marks, self._synced, self._digest,
+                self._objects) if self._looping else None
 
     def reset_metrics(self) -> None:
         """Keras' `reset_metrics`: the loss and metrics read reset (`metrics_result`), and in a loop
@@ -73,12 +77,15 @@ class RunningMetrics:
             reset_keras(target)  # without Keras' broadcast from worker 0: one worker may ask alone
         self._objects_written()
         if self._looping:
-            self._go_on_from(self._fresh_state())
+            self._go_on_from(self._fresh_state(), ["*"])
 
-    def _go_on_from(self, state: Any) -> None:
+    def _go_on_from(self, state: Any, names: list[str] | None = None) -> None:
         """The loop in progress goes on from the per-replica metric `state`, which the Keras metric
-        objects hold, at its next step (fit's epoch at once: a backup taken in this hook holds it)."""
+        objects hold, at its next step (fit's epoch at once: a backup taken in this hook holds it);
+        `names`: the metrics whose states changed, which the workers compare (`_agreed_in_loop`)."""
         self._loop_logs, self._metrics_written, self._next_state = None, "held", state
+        if names is not None:
+            self._digest = (self._digest * 31 + zlib.crc32(",".join(names).encode())) & 0x3FFFFFFF
         if self._looping == "fit":
             self._state = self._state.replace(metric_state=self._continued(None))
 
@@ -91,12 +98,13 @@ class RunningMetrics:
 
     def _agreed_in_loop(self, flag: bool) -> bool:
         """`agreed(flag)` after a call of a loop's steps, where the workers also check that their
-        callbacks reset the metrics alike since the last call (else the loop's states would mix).
+        callbacks reset or changed the same metrics since the last call (else the loop's states would mix).
 
         Raises:
-          WorkersDisagreeError: on every worker, where some reset the metrics and others did not.
+          WorkersDisagreeError: on every worker, where some reset or changed the metrics and others did not.
         """
-        rows, self._resets = allgather_ints([int(bool(flag)), self._resets, int(self._next_state is not None)]), 0
+        rows = allgather_ints([int(bool(flag)), self._resets, int(self._next_state is not None), self._digest])
+        self._resets = self._digest = 0
         if len({tuple(row) for row in rows[:, 1:].tolist()}) > 1:
             raise WorkersDisagreeError(
                 "a callback reset the metrics (`reset_metrics()`, a metric object's `reset_state()`) or changed them on "
@@ -106,7 +114,10 @@ class RunningMetrics:
         return bool(rows[:, 0].any())
 
     def _keras_metric_objects(self) -> dict[str, tuple[Any, Any]]:
-        """By name, each of the trainer's metrics that a Keras metric object stands for, and the object."""
+        """By name, each of the trainer's metrics that a Keras metric object stands for, and the object
+        (found once a loop)."""
+        if self._looping and self._objects is not None:
+            return self._objects
         objects = self._adapter.metric_objects()
         out = {}
         for name, metric in self._all.metrics.items():
@@ -114,6 +125,8 @@ class RunningMetrics:
             target = objects.get(name, getattr(metric, "keras_metric", None))  # (a Keras object given to a Trainer: itself)
             if target is not None:
                 out[name] = (metric, target)
+        if self._looping:
+            self._objects = out
         return out
 
     def _write_metric_objects(self, states: dict[str, Any]) -> None:
@@ -123,30 +136,34 @@ class RunningMetrics:
                 write_to_keras(objects[name][0], metric_state, objects[name][1])
         self._objects_written()
 
-    def _loop_begins(self, state: Any = None, training: bool = False) -> None:
+    def _loop_begins(self, state: Any = None, training: bool = False, watch: bool = False) -> None:
         """An epoch or an evaluation begins: its Keras metric objects are to be reset, as Keras'
         loops reset them (before `on_epoch_begin`, after `on_test_begin`), or to hold the per-replica
         metric `state` (an epoch resumed midway: reduced at once, on every worker), and then the
         loop's as its batches end: done when a user's callback asks for them
-        (`keras_metrics_current`), else they keep the last loop's states until this one's end."""
+        (`keras_metrics_current`), else they keep the last loop's states until this one's end. Where
+        a user's callback runs (`watch`), at once, and what it changes in them is watched."""
         self.last_logs, self._metrics_written = None, "reset due" if state is None else None
         self._loop_logs = None if state is None else LazyLogs(self._engine, self._all, state)
-        self._looping, self._next_state, self._resets = "fit" if training else "evaluate", None, 0
+        self._looping, self._next_state, self._resets, self._digest = "fit" if training else "evaluate", None, 0, 0
+        self._objects, self._marks, self._synced = None, None, True  # (Keras' loops sync as they begin)
+        if watch:
+            self._give_objects()
+            self._marks = self._object_values()
 
     def _batch_logs(self, state: Any, read: bool) -> LazyLogs:
         """The logs of a loop's batch, of its per-replica metric `state` (`LazyLogs`: with several
         workers, where `read`, reduced at once on every worker); the loop's as of this batch."""
-        self._loop_logs = LazyLogs(self._engine, self._all, state, read)
+        self._loop_logs, self._synced = LazyLogs(self._engine, self._all, state, read), False
         return self._loop_logs
 
     def keras_metrics_current(self) -> None:
         """The Keras metric objects given the states of the loop in progress as of its last batch
         (reset before it), as Keras' loops update them batch by batch: a reduction over the
         replicas read to the host, which with several workers every worker has dispatched where a
-        callback reads the batch's logs (`LazyLogs`), so that one worker may ask alone. In a user's
-        hook, what it assigned to them is taken first (`keras_metrics_taken`)."""
-        if self._marks is not None:
-            self._take_changes()
+        callback reads the batch's logs (`LazyLogs`), so that one worker may ask alone. What a
+        callback assigned to them since a sync is taken first (`_take_pending`)."""
+        self._take_pending(at_steps=False)
         self._give_objects()
 
     def _give_objects(self) -> None:
@@ -164,8 +181,7 @@ class RunningMetrics:
         """Keras' `get_metrics_result` in a loop in progress: its loss and metrics as of its last
         batch (before it, or after a callback reset them, those of its metric objects); None
         outside a loop."""
-        if self._marks is not None:  # (in a user's hook: its changes of the metric objects first)
-            self._take_changes()
+        self._take_pending(at_steps=False)  # (what a callback assigned to the metric objects first)
         if self._loop_logs is not None:
             return self._loop_logs.in_order()
         if self._metrics_written not in ("reset due", "held"):
@@ -173,40 +189,32 @@ class RunningMetrics:
         self.keras_metrics_current()
         return {name: np.asarray(target.result()).tolist() for name, (_, target) in self._keras_metric_objects().items()}
 
-    _marks: dict[str, tuple[Any, ...]] | None = None  # in a user's hook: the objects' variables' values as lockstep left them
-    _hook = ""  # the user's callback whose hook runs (`keras_metrics_taken`)
-
-    @contextlib.contextmanager
-    def keras_metrics_taken(self, model_read: Callable[[], bool], who: str) -> Iterator[None]:
-        """Inside: the hook of a user's Keras callback (named `who`). In a loop, where the hook read
-        the model (`model_read()`: Keras' state sync), what it assigned to the Keras metric objects
-        (a metric's ``reset_state()``, ``update_state(...)``) is what the loop goes on from, as Keras'
-        loops reread the objects after such a hook (its reads of the running metrics read them);
-        else it is ignored, as in Keras.
-
-        Raises:
-          UsageError: the hook changed, other than by a reset, a metric object that held an
-            earlier batch's state (one not taken from ``self.model.metrics`` in the hook).
-        """
-        outer = self._marks, self._hook
-        self._marks, self._hook = self._object_values() if self._looping else None, who
-        try:
-            yield
-            if self._marks is not None and model_read():
-                self._take_changes()
-        finally:
-            self._marks, self._hook = outer
+    _marks: dict[str, tuple[Any, ...]] | None = None  # in a loop a user's callback runs in: the values of the
+    # Keras metric objects' variables as lockstep left them (a callback changed those that differ)
+    _synced = True  # Keras' state sync (`_jax_state_synced`): the objects' changes since are the loop's
+    _objects: dict[str, tuple[Any, Any]] | None = None  # the loop's `_keras_metric_objects()`
+    _digest = 0  # which metrics the loop went on from another state of since the workers last agreed
 
     def keras_metrics_synced(self) -> None:
-        """In a user's hook (`keras_metrics_taken`), its first read of the model: the metric objects it
-        changed before are given back the values they held, as Keras' state sync overwrites them."""
-        if self._marks is None:
-            return
-        for name, (_, target) in self._keras_metric_objects().items():
-            for v, before in zip(target.variables, self._marks.get(name, ())):
+        """A callback read the model (``self.model``: Keras' `jax_state_sync`). The first read since the
+        loop's last steps syncs, as in Keras' loops: what callbacks assigned to the metric objects
+        before is undone (Keras' sync overwrites it), and from then on what they assign is what the
+        loop goes on from at its next steps (`_take_pending`), as Keras' loops reread the objects."""
+        if self._marks is not None and not self._synced:
+            self._undo(self._changed())
+            self._synced = True
+
+    def _changed(self) -> list[str]:
+        """The metric objects whose variables a callback assigned since lockstep left them."""
+        return [name for name, values in self._object_values().items()
+                if any(a is not b for a, b in zip(values, self._marks.get(name, values)))]
+
+    def _undo(self, changed: list[str]) -> None:
+        objects = self._keras_metric_objects()
+        for name in changed:
+            for v, before in zip(objects[name][1].variables, self._marks[name]):
                 if getattr(v, "_value", None) is not before:
                     v.assign(before)
-        self._objects_written()
 
     def _object_values(self) -> dict[str, tuple[Any, ...]]:
         """The values the Keras metric objects' variables hold, by the objects' names."""
@@ -214,33 +222,44 @@ class RunningMetrics:
                 for name, (_, target) in self._keras_metric_objects().items()}
 
     def _objects_written(self) -> None:
-        """lockstep (not the user's hook) wrote the Keras metric objects."""
+        """lockstep (not a callback) wrote the Keras metric objects."""
         if self._marks is not None:
             self._marks = self._object_values()
 
-    def _take_changes(self) -> None:
-        """The loop goes on from the states of the Keras metric objects a user's hook changed since
-        lockstep wrote them (placed in the first replica), the others' as they run."""
-        changed = [name for name, values in self._object_values().items()
-                   if any(a is not b for a, b in zip(values, self._marks.get(name, values)))]
-        if not changed:
+    def _take_pending(self, at_steps: bool = True) -> None:
+        """Before a loop's steps (`at_steps`: and its end; else a read of its metrics): the metric
+        objects a callback changed are what it goes on from, where one synced (else, at its steps,
+        the changes are undone, as Keras' next sync overwrites them): their states placed in the
+        first replica, the others' as they run.
+
+        Raises:
+          UsageError: a callback changed, other than by a reset, a metric object that held an
+            earlier batch's state (one it kept, not taken from ``self.model.metrics`` then).
+        """
+        changed = [] if self._marks is None else self._changed()
+        if not self._synced and at_steps:
+            self._undo(changed)
+        if not changed or not self._synced:
             return
         objects = self._keras_metric_objects()
-        if not (self._metrics_written == "held" or (self._loop_logs is not None and self._metrics_written is self._loop_logs)):
+        if not ((self._loop_logs is None and self._metrics_written == "held")
+                or (self._loop_logs is not None and self._metrics_written is self._loop_logs)):
             wrong = [name for name in changed if not is_reset(objects[name][1])]
             if wrong:
                 raise UsageError(
-                    f"the Keras callback {self._hook} changed the metric object(s) {wrong} in a hook, other than by "
-                    "reset_state(), while they held an earlier batch's state: lockstep gives the metric objects the "
-                    "loop's running state when a hook reads them from `self.model.metrics`, as Keras' loops keep them. "
-                    "Take them from `self.model.metrics` in the hook before changing them.")
+                    f"a callback changed the metric object(s) {wrong} other than by reset_state() while they held an "
+                    "earlier batch's state: lockstep gives the metric objects the loop's running state when a callback "
+                    "reads them from `self.model.metrics`, as Keras' loops keep them. Take them from "
+                    "`self.model.metrics` in the hook before changing them.")
             self._give_objects()  # the others given the loop's state (a batch's logs: reduced on every worker)
             for name in changed:
                 reset_keras(objects[name][1])
         taken = {name: read_from_keras(*objects[name]) for name in changed}
         saved = {name: jax.tree.map(lambda a: np.asarray(a)[None], state) for name, state in taken.items() if state is not None}
+        if not saved:  # (objects that do not stand for a state: what lockstep reports is its own)
+            return self._objects_written()
         running = self._next_state if self._next_state is not None else (
             self._state.metric_state if self._looping == "fit" else
             self._loop_logs.state if self._loop_logs is not None else self._fresh_state())
-        self._go_on_from({**running, **per_replica_metric_state(self._engine, self._all, saved)})
+        self._go_on_from({**running, **per_replica_metric_state(self._engine, self._all, saved)}, sorted(saved))
         self._objects_written()

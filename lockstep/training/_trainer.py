@@ -410,12 +410,13 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
                    ) -> dict[str, Any]:
         """One epoch (from step `self._state.step` on, after a resume); returns the epoch's logs."""
         skip = self._state.step
-        self._loop_begins(self._state.metric_state if skip else None, training=True)
+        self._loop_begins(self._state.metric_state if skip else None, training=True, watch=cblist.watches)
         if not skip:  # (before the hook: what a callback changes there is the epoch's start, as in Keras)
             self._state = self._state.replace(metric_state=self._fresh_state())
         cblist.on_epoch_begin(epoch)
         for step, execution in executions(train.epoch(epoch, skip), self._accumulation, self.steps_per_execution, skip):
             cblist.on_train_batch_begin(step)
+            self._take_pending()  # (what callbacks changed in the metric objects, as Keras' loops reread them)
             self._state = self._runner.run(self._state, execution, keep=functools.partial(setattr, self, "_state"))
             self.keep_lent_current()
             logs = self._batch_logs(self._state.metric_state, cblist.reads["on_train_batch_end"])
@@ -424,6 +425,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
                 break
         else:
             train.ended()
+        self._take_pending()
         self._state = self._state.replace(epoch=epoch + 1, step=0)
         logs = self._ended(self._state.metric_state)
         self.last_logs = dict(logs)
