@@ -7,9 +7,11 @@ Each test process keeps the programs XLA compiled in a folder of its own for the
 compilation cache): a program another test compiled, the same HLO for the same devices, is loaded, not
 compiled again (a sixth less time for the suite). Its own folder, because JAX writes an entry in place
 (a process reading it meanwhile would read part of it); the child processes it starts share another
-(worker 0 of a job writes; one that reads an entry being written warns and compiles it)."""
+(worker 0 of a job writes; one that reads an entry being written warns and compiles it). A folder a
+killed run left behind is removed by the next run."""
 
 import atexit
+import glob
 import os
 import shutil
 import tempfile
@@ -24,8 +26,27 @@ import lockstep as ls  # noqa: E402
 
 ls.simulate_cpu_devices(8)
 
-_PROGRAMS = tempfile.mkdtemp(prefix="lockstep-test-programs-")
-atexit.register(shutil.rmtree, _PROGRAMS, ignore_errors=True)
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # (another user's)
+        pass
+    return True
+
+
+def _left_behind() -> list[str]:
+    """The folders of test processes that ended without removing theirs (killed)."""
+    return [path for path in glob.glob(os.path.join(tempfile.gettempdir(), "lockstep-test-programs-*-*"))
+            if (pid := os.path.basename(path).split("-")[3]).isdigit() and not _alive(int(pid))]
+
+
+for _path in _left_behind():
+    shutil.rmtree(_path, ignore_errors=True)
+_PROGRAMS = tempfile.mkdtemp(prefix=f"lockstep-test-programs-{os.getpid()}-")
+atexit.register(shutil.rmtree, _PROGRAMS, ignore_errors=True)  # (not run where the process is killed: `_left_behind`)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_PROGRAMS, "children")  # (the child processes')
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program, however quick to compile
 import jax  # noqa: E402

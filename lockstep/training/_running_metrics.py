@@ -54,7 +54,7 @@ class RunningMetrics:
         (the evaluation's, where it ended), as Keras' loop goes on from the metric objects the
         evaluation left."""
         (self._looping, self._next_state, self._resets, self._loop_logs, self._marks, self._synced, self._digest,
-         self._objects) = outer or (None, None, 0, None, None, True, 0, None)
+         self._objects, self._ran) = outer or (None, None, 0, None, None, True, 0, None, False)
         self._metrics_written = "reset due" if outer and self._loop_logs is None else None
         if outer and evaluated is not None:
             self._go_on_from(evaluated)
@@ -64,7 +64,7 @@ class RunningMetrics:
     def _outer_loop(self) -> tuple[Any, ...] | None:
         """The running state of the loop in progress, where an evaluation begins inside it."""
         return (self._looping, self._next_state, self._resets, self._loop_logs, self._marks, self._synced, self._digest,
-                self._objects) if self._looping else None
+                self._objects, self._ran) if self._looping else None
 
     def reset_metrics(self) -> None:
         """Keras' `reset_metrics`: the loss and metrics read reset (`metrics_result`), and in a loop
@@ -98,13 +98,25 @@ class RunningMetrics:
 
     def _agreed_in_loop(self, flag: bool) -> bool:
         """`agreed(flag)` after a call of a loop's steps, where the workers also check that their
-        callbacks reset or changed the same metrics since the last call (else the loop's states would mix).
+        callbacks reset or changed the same metrics since the last call (else the loop's states would
+        mix): what they changed in the metric objects is taken first (`_take_pending`).
 
         Raises:
+          UsageError: on every worker, where a callback changed a metric object on some (`_take_pending`).
           WorkersDisagreeError: on every worker, where some reset or changed the metrics and others did not.
         """
-        rows = allgather_ints([int(bool(flag)), self._resets, int(self._next_state is not None), self._digest])
+        error = None
+        try:
+            self._take_pending()
+        except UsageError as e:  # (raised on every worker, none left waiting in the collective)
+            error = e
+        rows = allgather_ints([int(bool(flag)), self._resets, int(self._next_state is not None), self._digest,
+                               int(error is not None)])
         self._resets = self._digest = 0
+        if error is not None or rows[:, 4].any():
+            raise error or UsageError(f"worker(s) {np.flatnonzero(rows[:, 4]).tolist()} raised: a callback changed a "
+                                      "metric object other than by reset_state() while it held an earlier batch's state.")
+        rows = rows[:, :4]
         if len({tuple(row) for row in rows[:, 1:].tolist()}) > 1:
             raise WorkersDisagreeError(
                 "a callback reset the metrics (`reset_metrics()`, a metric object's `reset_state()`) or changed them on "
@@ -146,7 +158,7 @@ class RunningMetrics:
         self.last_logs, self._metrics_written = None, "reset due" if state is None else None
         self._loop_logs = None if state is None else LazyLogs(self._engine, self._all, state)
         self._looping, self._next_state, self._resets, self._digest = "fit" if training else "evaluate", None, 0, 0
-        self._objects, self._marks, self._synced = None, None, True  # (Keras' loops sync as they begin)
+        self._objects, self._marks, self._synced, self._ran = None, None, True, False  # (Keras' loops sync as they begin)
         if watch:
             self._give_objects()
             self._marks = self._object_values()
@@ -154,7 +166,7 @@ class RunningMetrics:
     def _batch_logs(self, state: Any, read: bool) -> LazyLogs:
         """The logs of a loop's batch, of its per-replica metric `state` (`LazyLogs`: with several
         workers, where `read`, reduced at once on every worker); the loop's as of this batch."""
-        self._loop_logs, self._synced = LazyLogs(self._engine, self._all, state, read), False
+        self._loop_logs, self._synced, self._ran = LazyLogs(self._engine, self._all, state, read), False, True
         return self._loop_logs
 
     def keras_metrics_current(self) -> None:
@@ -194,6 +206,7 @@ class RunningMetrics:
     _synced = True  # Keras' state sync (`_jax_state_synced`): the objects' changes since are the loop's
     _objects: dict[str, tuple[Any, Any]] | None = None  # the loop's `_keras_metric_objects()`
     _digest = 0  # which metrics the loop went on from another state of since the workers last agreed
+    _ran = False  # whether a call of the loop's steps ran
 
     def keras_metrics_synced(self) -> None:
         """A callback read the model (``self.model``: Keras' `jax_state_sync`). The first read since the
@@ -225,6 +238,14 @@ class RunningMetrics:
         """lockstep (not a callback) wrote the Keras metric objects."""
         if self._marks is not None:
             self._marks = self._object_values()
+
+    def _loop_settles(self, agree: bool) -> None:
+        """As the loop ends: what callbacks changed in the metric objects is taken, and where no call
+        of steps ran (an epoch resumed at its end) and a user's callback runs (`agree`, alike on
+        every worker), the workers check they reset the same metrics (`_agreed_in_loop`)."""
+        self._take_pending()
+        if agree and not self._ran:
+            self._agreed_in_loop(False)
 
     def _take_pending(self, at_steps: bool = True) -> None:
         """Before a loop's steps (`at_steps`: and its end; else a read of its metrics): the metric

@@ -425,7 +425,7 @@ class Trainer(TrainerEvaluation, TrainerWeights, WeightFiles, TrainerMeasures):
                 break
         else:
             train.ended()
-        self._take_pending()
+        self._loop_settles(cblist.stops_in_batches)
         self._state = self._state.replace(epoch=epoch + 1, step=0)
         logs = self._ended(self._state.metric_state)
         self.last_logs = dict(logs)

@@ -6,6 +6,7 @@ an epoch's end), and a diverging fit that Keras' TerminateOnNaN stops. Each work
 RESULT: case -> the error's text (a callback that resets the metrics on worker 1 alone too), and the stopped fits' epochs and steps."""
 import json
 import os
+import sys
 
 os.environ.setdefault("KERAS_BACKEND", "jax")
 import lockstep as ls  # noqa: E402
@@ -58,6 +59,45 @@ class ResetsAMetricOnWorker1(keras.callbacks.Callback):
             self.model.metrics[0].reset_state()
 
 
+class ChangesAMetricOnWorker1(keras.callbacks.Callback):
+    """On worker 1 alone: resets the loss tracker after the epoch's last batch ("last": no call of
+    steps after it), updates it, kept from before the fit, after reading the model ("stale": the
+    object held an earlier batch's state), or resets it as an epoch resumed at its end begins."""
+
+    def __init__(self, at, kept=None):
+        super().__init__()
+        self.at, self.kept = at, kept
+
+    def on_epoch_begin(self, epoch, logs=None):
+        if odd and self.at == "resumed":
+            self.model.metrics[0].reset_state()
+
+    def on_train_batch_end(self, batch, logs=None):
+        if odd and self.at == "last" and batch == 4:
+            self.model.metrics[0].reset_state()
+        if odd and self.at == "stale" and batch == 1:
+            self.model.stop_training = False
+            self.kept.update_state(3.0)
+
+
+class InterruptsAtEpochEnd(keras.callbacks.Callback):
+    def on_epoch_end(self, epoch, logs=None):
+        raise KeyboardInterrupt
+
+
+def resumed_at_an_epoch_end():
+    """A fit backed up after the last batch of epoch 0 and stopped before its end, resumed: its
+    epoch 0 has no steps left, so no call of steps follows the reset in `on_epoch_begin`."""
+    backup = os.path.join(sys.argv[1], "backup")
+    fit = dict(x=x, y=y, batch_size=8, epochs=2, verbose=0, shuffle=False)
+    try:
+        model().fit(**fit, callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), InterruptsAtEpochEnd()])
+    except KeyboardInterrupt:
+        pass
+    model().fit(**fit, callbacks=[keras.callbacks.BackupAndRestore(backup, save_freq=1), ChangesAMetricOnWorker1("resumed")])
+
+
+kept = model()
 cases = {
     "epochs": lambda: model().fit(x, y, batch_size=8, epochs=3 if odd else 2, verbose=0),
     "shuffle": lambda: model().fit(x, y, batch_size=8, shuffle=odd, verbose=0),
@@ -72,13 +112,16 @@ cases = {
                                          callbacks=[keras.callbacks.EarlyStopping(patience=1, restore_best_weights=odd)]),
     "reset_metrics": lambda: model().fit(x, y, batch_size=8, verbose=0, callbacks=[ResetsOnWorker1()]),
     "reset_state": lambda: model().fit(x, y, batch_size=8, verbose=0, callbacks=[ResetsAMetricOnWorker1()]),
+    "reset_state at the end": lambda: model().fit(x, y, batch_size=8, verbose=0, callbacks=[ChangesAMetricOnWorker1("last")]),
+    "stale update": lambda: kept.fit(x, y, batch_size=8, verbose=0, callbacks=[ChangesAMetricOnWorker1("stale", kept.metrics[0])]),
+    "reset_state as a resumed epoch ends": resumed_at_an_epoch_end,
 }
 caught = {}
 for name, case in cases.items():
     try:
         case()
         caught[name] = "trained"
-    except ls.WorkersDisagreeError as e:
+    except ls.UsageError as e:  # (WorkersDisagreeError is one)
         caught[name] = str(e)
 history = model().fit(x, y, batch_size=8, epochs=2, verbose=0 if odd else 1).history  # worker 0's bar alone
 
