@@ -11,10 +11,12 @@ compiled again (a sixth less time for the suite). Its own folder, because JAX wr
 killed run left behind is removed by the next run."""
 
 import atexit
+import fcntl
 import glob
 import os
 import shutil
 import tempfile
+import time
 
 from launching import CHILD_XLA_FLAGS  # tests/, on pytest's `pythonpath`
 
@@ -27,26 +29,33 @@ import lockstep as ls  # noqa: E402
 ls.simulate_cpu_devices(8)
 
 
-def _alive(pid: int) -> bool:
+def _held(folder: str) -> bool:
+    """Whether a live test process holds `folder` (the lock on its ``.lock``, which the kernel
+    drops when the process ends, however: a killed run's folder is free; any process namespace)."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        fd = os.open(os.path.join(folder, ".lock"), os.O_RDONLY)
+    except OSError:  # (none: a folder being made, or made before the locks: held if less than a day old)
+        try:
+            return time.time() - os.path.getmtime(folder) < 86400
+        except OSError:  # (gone meanwhile)
+            return True
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         return False
-    except PermissionError:  # (another user's)
-        pass
-    return True
+    except OSError:
+        return True
+    finally:
+        os.close(fd)
 
 
-def _left_behind() -> list[str]:
-    """The folders of test processes that ended without removing theirs (killed)."""
-    return [path for path in glob.glob(os.path.join(tempfile.gettempdir(), "lockstep-test-programs-*-*"))
-            if (pid := os.path.basename(path).split("-")[3]).isdigit() and not _alive(int(pid))]
-
-
-for _path in _left_behind():
-    shutil.rmtree(_path, ignore_errors=True)
-_PROGRAMS = tempfile.mkdtemp(prefix=f"lockstep-test-programs-{os.getpid()}-")
-atexit.register(shutil.rmtree, _PROGRAMS, ignore_errors=True)  # (not run where the process is killed: `_left_behind`)
+for _folder in glob.glob(os.path.join(tempfile.gettempdir(), "lockstep-test-programs-*")):
+    if not _held(_folder):
+        shutil.rmtree(_folder, ignore_errors=True)
+_PROGRAMS = tempfile.mkdtemp(prefix="lockstep-test-programs-")
+_LOCK = os.open(os.path.join(_PROGRAMS, ".lock.new"), os.O_CREAT | os.O_WRONLY)
+fcntl.flock(_LOCK, fcntl.LOCK_EX)  # held until this process ends (named `.lock` once held)
+os.rename(os.path.join(_PROGRAMS, ".lock.new"), os.path.join(_PROGRAMS, ".lock"))
+atexit.register(shutil.rmtree, _PROGRAMS, ignore_errors=True)  # (not run where the process is killed: `_held`)
 os.environ["JAX_COMPILATION_CACHE_DIR"] = os.path.join(_PROGRAMS, "children")  # (the child processes')
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"  # every program, however quick to compile
 import jax  # noqa: E402

@@ -588,10 +588,12 @@ def test_a_metric_object_changed_holding_an_earlier_batch_state_is_named():
         model.fit(x, y, batch_size=2, verbose=0, callbacks=[Updates()])
 
 
-def test_a_backup_taken_in_the_hook_that_resets_the_metrics_resumes_to_keras_uninterrupted_logs(tmp_path):
+@pytest.mark.parametrize("how", ["reset_metrics", "reset_state"])
+def test_a_backup_taken_in_the_hook_that_resets_the_metrics_resumes_to_keras_uninterrupted_logs(tmp_path, how):
     """`BackupAndRestore` (every batch) backs up after a callback reset the metrics at batch 5's
-    end; a fit interrupted after batch 6 and resumed from that backup logs what Keras' own
-    uninterrupted fit logs (before: the backup held the counts from before the reset)."""
+    end (the model's `reset_metrics()`, or each metric object's `reset_state()`); a fit interrupted
+    after batch 6 and resumed from that backup logs what Keras' own uninterrupted fit logs (before:
+    the backup held the counts from before the reset)."""
     rng = np.random.default_rng(5)
     x = rng.normal(size=(61, 5)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
@@ -604,8 +606,11 @@ def test_a_backup_taken_in_the_hook_that_resets_the_metrics_resumes_to_keras_uni
 
     class ResetAt5(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
-            if batch == 5:
+            if batch == 5 and how == "reset_metrics":
                 self.model.reset_metrics()
+            elif batch == 5:
+                for metric in self.model.metrics:
+                    metric.reset_state()
 
     class InterruptAt6(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):

@@ -45,6 +45,9 @@ class TrainerView(Protocol):
         assigned to them is taken into the training state."""
     def keras_metrics_current(self) -> None:
         """The Keras metric objects given the states of the loop in progress as of its last batch."""
+    def keras_metrics_taken(self) -> None:
+        """After a user's hook: what callbacks changed in the Keras metric objects since a sync is the
+        loop's at once."""
     def keras_metrics_synced(self) -> None:
         """A callback read the model (Keras' state sync): what callbacks assign to the Keras metric
         objects from then on is what the loop goes on from."""

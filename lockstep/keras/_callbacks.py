@@ -327,11 +327,14 @@ class KerasCallback(Callback):
 
     def _with_variables(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
         """A user's hook, which reads and assigns the Keras model's variables as in Keras' `fit`:
-        they hold the current weights, and what it assigns is the next step's."""
+        they hold the current weights, and what it assigns is the next step's; what it changes in
+        the metric objects since a sync, the loop's (Keras' loops reread them at the next steps)."""
         if self.keras_callback.__dict__.get(READS_METRICS):
             self.trainer.keras_metrics_current()
         with self.trainer.keras_variables_current():
-            return hook(*args, **kwargs)
+            out = hook(*args, **kwargs)
+        self.trainer.keras_metrics_taken()
+        return out
 
     def set_trainer(self, trainer: TrainerView) -> None:
         super().set_trainer(trainer)

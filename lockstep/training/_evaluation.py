@@ -138,7 +138,7 @@ class TrainerEvaluation(RunningMetrics):
             cblist.on_test_batch_end(step + len(group) - 1, self._batch_logs(state, cblist.reads["on_test_batch_end"]))
             if cblist.in_batches["testing"] and self._agreed_in_loop(self.stop_evaluating):
                 break
-        self._take_pending()
+        self._loop_settles(False)  # (the agreement after its last call: `_agreed_in_loop`)
         state = self._continued(state)
         logs = self.last_logs = self._ended(state)
         cblist.on_test_end(dict(sorted(logs.items())))

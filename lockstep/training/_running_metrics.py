@@ -54,7 +54,7 @@ class RunningMetrics:
         (the evaluation's, where it ended), as Keras' loop goes on from the metric objects the
         evaluation left."""
         (self._looping, self._next_state, self._resets, self._loop_logs, self._marks, self._synced, self._digest,
-         self._objects, self._ran) = outer or (None, None, 0, None, None, True, 0, None, False)
+         self._objects, self._ran, self._error) = outer or (None, None, 0, None, None, True, 0, None, False, None)
         self._metrics_written = "reset due" if outer and self._loop_logs is None else None
         if outer and evaluated is not None:
             self._go_on_from(evaluated)
@@ -64,7 +64,7 @@ class RunningMetrics:
     def _outer_loop(self) -> tuple[Any, ...] | None:
         """The running state of the loop in progress, where an evaluation begins inside it."""
         return (self._looping, self._next_state, self._resets, self._loop_logs, self._marks, self._synced, self._digest,
-                self._objects, self._ran) if self._looping else None
+                self._objects, self._ran, self._error) if self._looping else None
 
     def reset_metrics(self) -> None:
         """Keras' `reset_metrics`: the loss and metrics read reset (`metrics_result`), and in a loop
@@ -105,16 +105,12 @@ class RunningMetrics:
           UsageError: on every worker, where a callback changed a metric object on some (`_take_pending`).
           WorkersDisagreeError: on every worker, where some reset or changed the metrics and others did not.
         """
-        error = None
-        try:
-            self._take_pending()
-        except UsageError as e:  # (raised on every worker, none left waiting in the collective)
-            error = e
+        self._take_pending(at_steps=False)  # (unsynced changes stay until the steps, as in Keras)
         rows = allgather_ints([int(bool(flag)), self._resets, int(self._next_state is not None), self._digest,
-                               int(error is not None)])
+                               int(self._error is not None)])
         self._resets = self._digest = 0
-        if error is not None or rows[:, 4].any():
-            raise error or UsageError(f"worker(s) {np.flatnonzero(rows[:, 4]).tolist()} raised: a callback changed a "
+        if rows[:, 4].any():  # (on every worker)
+            raise self._error or UsageError(f"worker(s) {np.flatnonzero(rows[:, 4]).tolist()} raised: a callback changed a "
                                       "metric object other than by reset_state() while it held an earlier batch's state.")
         rows = rows[:, :4]
         if len({tuple(row) for row in rows[:, 1:].tolist()}) > 1:
@@ -159,6 +155,7 @@ class RunningMetrics:
         self._loop_logs = None if state is None else LazyLogs(self._engine, self._all, state)
         self._looping, self._next_state, self._resets, self._digest = "fit" if training else "evaluate", None, 0, 0
         self._objects, self._marks, self._synced, self._ran = None, None, True, False  # (Keras' loops sync as they begin)
+        self._error = None
         if watch:
             self._give_objects()
             self._marks = self._object_values()
@@ -207,6 +204,7 @@ class RunningMetrics:
     _objects: dict[str, tuple[Any, Any]] | None = None  # the loop's `_keras_metric_objects()`
     _digest = 0  # which metrics the loop went on from another state of since the workers last agreed
     _ran = False  # whether a call of the loop's steps ran
+    _error: UsageError | None = None  # a change of the metric objects refused, raised at the workers' next agreement
 
     def keras_metrics_synced(self) -> None:
         """A callback read the model (``self.model``: Keras' `jax_state_sync`). The first read since the
@@ -246,6 +244,13 @@ class RunningMetrics:
         self._take_pending()
         if agree and not self._ran:
             self._agreed_in_loop(False)
+        if self._error is not None:  # (after the agreement of the loop's last call: on every worker)
+            raise self._error
+
+    def keras_metrics_taken(self) -> None:
+        """After a user's callback's hook: what callbacks changed in the metric objects since a sync
+        is the loop's at once, as at its next steps (a backup taken next holds it)."""
+        self._take_pending(at_steps=False)
 
     def _take_pending(self, at_steps: bool = True) -> None:
         """Before a loop's steps (`at_steps`: and its end; else a read of its metrics): the metric
@@ -253,9 +258,9 @@ class RunningMetrics:
         the changes are undone, as Keras' next sync overwrites them): their states placed in the
         first replica, the others' as they run.
 
-        Raises:
-          UsageError: a callback changed, other than by a reset, a metric object that held an
-            earlier batch's state (one it kept, not taken from ``self.model.metrics`` then).
+        Where a callback changed, other than by a reset, a metric object that held an earlier batch's
+        state (one it kept, not taken from ``self.model.metrics`` then), that is a `UsageError`, which
+        every worker raises at their next agreement (`_agreed_in_loop`): none is left in a collective.
         """
         changed = [] if self._marks is None else self._changed()
         if not self._synced and at_steps:
@@ -266,12 +271,13 @@ class RunningMetrics:
         if not ((self._loop_logs is None and self._metrics_written == "held")
                 or (self._loop_logs is not None and self._metrics_written is self._loop_logs)):
             wrong = [name for name in changed if not is_reset(objects[name][1])]
-            if wrong:
-                raise UsageError(
+            if wrong:  # (raised by every worker at their next agreement: `_agreed_in_loop`)
+                self._error = UsageError(
                     f"a callback changed the metric object(s) {wrong} other than by reset_state() while they held an "
                     "earlier batch's state: lockstep gives the metric objects the loop's running state when a callback "
                     "reads them from `self.model.metrics`, as Keras' loops keep them. Take them from "
                     "`self.model.metrics` in the hook before changing them.")
+                return
             self._give_objects()  # the others given the loop's state (a batch's logs: reduced on every worker)
             for name in changed:
                 reset_keras(objects[name][1])
