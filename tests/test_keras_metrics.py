@@ -567,6 +567,39 @@ def test_a_callback_changing_a_metric_object_in_a_loop_changes_the_loop_as_keras
         np.testing.assert_allclose([g[n] for n in sorted(g)], [k[n] for n in sorted(k)], rtol=2e-5, atol=1e-6)
 
 
+def test_the_model_own_reset_metrics_in_a_loop_is_lost_where_no_callback_synced_as_in_keras():
+    """``model.reset_metrics()`` on the model itself (a callback's closure over it, not its
+    ``self.model``): Keras' loop restarts its metrics where a callback read ``self.model`` since
+    the last steps (after batch 4), and its next sync overwrites the reset otherwise (after batches 5
+    and 7: the epochs' logs are of batches 5-7). lockstep restarted them every time (0.0)."""
+    from keras_reference import in_keras_and_lockstep
+
+    rng = np.random.default_rng(9)
+    x = rng.normal(size=(61, 5)).astype(np.float32)
+    y = (x[:, 0] > 0).astype(np.int32)
+
+    def build():
+        keras.utils.set_random_seed(1)
+        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
+        return model
+
+    def run(model):
+        class Closure(keras.callbacks.Callback):
+            def on_train_batch_end(self, batch, logs=None):
+                if batch == 4:
+                    self.model.stop_training = False  # a sync
+                if batch in (4, 5, 7):
+                    model.reset_metrics()
+
+        return model.fit(x, y, batch_size=8, epochs=2, shuffle=False, verbose=0, callbacks=[Closure()]).history
+
+    (want, _), (got, _) = in_keras_and_lockstep(build, run, ls.MirroredStrategy(3))
+    assert 0 < want["loss"][0] and sorted(got) == sorted(want)
+    for name in want:
+        np.testing.assert_allclose(got[name], want[name], rtol=2e-5, atol=1e-6, err_msg=name)
+
+
 def test_a_metric_object_changed_holding_an_earlier_batch_state_is_named():
     """A callback that updates a metric object it kept, after reading the model but not its metrics
     (which lockstep gives the running state when a hook reads them): a clear error, not a number

@@ -390,11 +390,12 @@ def _get_metrics_result(self: Any) -> Any:
 def _reset_metrics(self: Any) -> None:
     """Keras' `reset_metrics`; `get_metrics_result` then reads the metric objects reset, as in Keras
     (not the last loop's logs), and in a loop in progress its metrics start again from its next
-    step (`Trainer.reset_metrics`)."""
+    step where a callback synced the model's state since its last steps, as in Keras' loops
+    (`Trainer.keras_model_reset`)."""
     held = self.__dict__.get(_HELD)
     if held is None:
         return _ORIGINAL["reset_metrics"](self)
-    held[1].reset_metrics()  # (its objects and the model's, without Keras' broadcast from worker 0)
+    held[1].keras_model_reset()  # (its objects and the model's, without Keras' broadcast from worker 0)
 
 
 def _in_order(logs: dict[str, Any], return_dict: bool) -> Any:

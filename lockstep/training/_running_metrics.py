@@ -79,6 +79,15 @@ class RunningMetrics:
         if self._looping:
             self._go_on_from(self._fresh_state(), ["*"])
 
+    def keras_model_reset(self) -> None:
+        """The Keras model's own `reset_metrics()` (on the model, not a callback's ``self.model``): in
+        a loop where no callback synced since its last steps, its metric objects alone are reset, and
+        undone before the steps, as Keras' next sync overwrites them; else `reset_metrics`."""
+        if not (self._looping and self._marks is not None and not self._synced):
+            return self.reset_metrics()
+        for _, target in self._keras_metric_objects().values():
+            reset_keras(target)  # (not marked as lockstep's: undone, `_take_pending`)
+
     def _go_on_from(self, state: Any, names: list[str] | None = None) -> None:
         """The loop in progress goes on from the per-replica metric `state`, which the Keras metric
         objects hold, at its next step (fit's epoch at once: a backup taken in this hook holds it);
