@@ -1,6 +1,8 @@
 """Keras metric objects as lockstep metrics: on any number of replicas, with padding and short
 batches, the value equals the Keras object's own on the same batches (Keras is the reference)."""
 
+import functools
+
 import keras
 import numpy as np
 import pytest
@@ -396,6 +398,15 @@ def test_repeated_and_weighted_twins_are_named_and_held_as_keras_names_them(outp
                                    rtol=2e-5, atol=1e-6)
 
 
+def small_classifier(metrics=("accuracy",), steps_per_execution=1):
+    """The loop tests' Keras model (5 features, 2 logits, SGD), seeded as Keras code seeds it."""
+    keras.utils.set_random_seed(1)
+    model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
+    model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=list(metrics),
+                  steps_per_execution=steps_per_execution)
+    return model
+
+
 @pytest.mark.parametrize("replicas,steps_per_execution", variants([(1, 1), (3, 1), (8, 1), (3, 2)], {(8, 1), (3, 2)}))
 def test_a_callback_resetting_the_metrics_in_a_loop_restarts_them_as_keras_does(replicas, steps_per_execution):
     """A callback's ``self.model.reset_metrics()`` in a loop (a window of the running metrics):
@@ -412,12 +423,7 @@ def test_a_callback_resetting_the_metrics_in_a_loop_restarts_them_as_keras_does(
     x = rng.normal(size=(61, 5)).astype(np.float32)
     y = (x[:, 0] + 0.3 * rng.normal(size=61) > 0).astype(np.int32)
 
-    def build():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"],
-                      steps_per_execution=steps_per_execution)
-        return model
+    build = functools.partial(small_classifier, steps_per_execution=steps_per_execution)
 
     class Windows(keras.callbacks.Callback):
         def __init__(self):
@@ -489,12 +495,8 @@ def test_a_callback_changing_a_metric_object_in_a_loop_changes_the_loop_as_keras
     kept = {}
 
     def build():
-        keras.utils.set_random_seed(1)
         kept["acc"] = keras.metrics.SparseCategoricalAccuracy(name="acc")
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=[kept["acc"]],
-                      steps_per_execution=steps_per_execution)
-        return model
+        return small_classifier([kept["acc"]], steps_per_execution)
 
     class Changes(keras.callbacks.Callback):
         def __init__(self, acc):
@@ -578,11 +580,7 @@ def test_the_model_own_reset_metrics_in_a_loop_is_lost_where_no_callback_synced_
     x = rng.normal(size=(61, 5)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
 
-    def build():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-        return model
+    build = small_classifier
 
     def run(model):
         class Closure(keras.callbacks.Callback):
@@ -631,11 +629,7 @@ def test_a_backup_taken_in_the_hook_that_resets_the_metrics_resumes_to_keras_uni
     x = rng.normal(size=(61, 5)).astype(np.float32)
     y = (x[:, 0] > 0).astype(np.int32)
 
-    def build():
-        keras.utils.set_random_seed(1)
-        model = keras.Sequential([keras.Input((5,)), keras.layers.Dense(4, activation="relu"), keras.layers.Dense(2)])
-        model.compile("sgd", keras.losses.SparseCategoricalCrossentropy(from_logits=True), metrics=["accuracy"])
-        return model
+    build = small_classifier
 
     class ResetAt5(keras.callbacks.Callback):
         def on_train_batch_end(self, batch, logs=None):
