@@ -38,6 +38,13 @@ class RunningMetrics:
     _looping: str | None = None  # the loop in progress: "fit" (an epoch) or "evaluate"
     _next_state: Any = None  # the metric state the loop goes on from at its next step (`_go_on_from`)
     _resets = 0  # the steps that went on from another state since the workers last agreed (`_agreed_in_loop`)
+    _marks: dict[str, tuple[Any, ...]] | None = None  # in a loop a user's callback runs in: the values of the
+    # Keras metric objects' variables as lockstep left them (a callback changed those that differ)
+    _synced = True  # Keras' state sync (`_jax_state_synced`): the objects' changes since are the loop's
+    _objects: dict[str, tuple[Any, Any]] | None = None  # the loop's `_keras_metric_objects()`
+    _digest = 0  # which metrics the loop went on from another state of since the workers last agreed
+    _ran = False  # whether a call of the loop's steps ran
+    _error: UsageError | None = None  # a change of the metric objects refused, raised at the workers' next agreement
 
     def _ended(self, state: Any) -> dict[str, Any]:
         """The logs of a loop that ended on the per-replica metric `state`; the Keras metric objects
@@ -85,8 +92,11 @@ class RunningMetrics:
         undone before the steps, as Keras' next sync overwrites them; else `reset_metrics`."""
         if not (self._looping and self._marks is not None and not self._synced):
             return self.reset_metrics()
+        self._reset_objects()  # (not marked as lockstep's: undone, `_take_pending`)
+
+    def _reset_objects(self) -> None:
         for _, target in self._keras_metric_objects().values():
-            reset_keras(target)  # (not marked as lockstep's: undone, `_take_pending`)
+            reset_keras(target)  # without Keras' broadcast from worker 0: one worker may ask alone
 
     def _go_on_from(self, state: Any, names: list[str] | None = None) -> None:
         """The loop in progress goes on from the per-replica metric `state`, which the Keras metric
@@ -190,8 +200,7 @@ class RunningMetrics:
             self._write_metric_objects(logs.states())
             self._metrics_written = logs
         elif logs is None and self._metrics_written == "reset due":  # a loop before its first batch
-            for _, target in self._keras_metric_objects().values():
-                reset_keras(target)
+            self._reset_objects()
             self._objects_written()
             self._metrics_written = "held"
 
@@ -207,13 +216,6 @@ class RunningMetrics:
         self.keras_metrics_current()
         return {name: np.asarray(target.result()).tolist() for name, (_, target) in self._keras_metric_objects().items()}
 
-    _marks: dict[str, tuple[Any, ...]] | None = None  # in a loop a user's callback runs in: the values of the
-    # Keras metric objects' variables as lockstep left them (a callback changed those that differ)
-    _synced = True  # Keras' state sync (`_jax_state_synced`): the objects' changes since are the loop's
-    _objects: dict[str, tuple[Any, Any]] | None = None  # the loop's `_keras_metric_objects()`
-    _digest = 0  # which metrics the loop went on from another state of since the workers last agreed
-    _ran = False  # whether a call of the loop's steps ran
-    _error: UsageError | None = None  # a change of the metric objects refused, raised at the workers' next agreement
 
     def keras_metrics_synced(self) -> None:
         """A callback read the model (``self.model``: Keras' `jax_state_sync`). The first read since the
